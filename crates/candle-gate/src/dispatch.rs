@@ -1,0 +1,316 @@
+//! Who decides which quantized kernel runs: candle-gate, not the row count.
+//!
+//! [`GateMatMul`] is a drop-in for Candle's `QMatMul` (built from a `QTensor`, implements
+//! `Module`); its [`Policy`] picks the kernel for each call from the mode, the backend, the
+//! weight dtype and the number of rows.
+
+use std::collections::BTreeMap;
+use std::str::FromStr;
+use std::sync::{Arc, OnceLock};
+
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::{DType, Device, Module, Tensor};
+
+use crate::error::{Error, Result};
+use crate::kernels;
+
+/// The fast lane's kernel choice.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Mode {
+    /// Candle's own dispatch: whatever `QMatMul` does for this row count. The baseline.
+    Native,
+    /// Rows ≤ `row_split_max` through the single-row kernel once per row, larger inputs through
+    /// the batched (dequantized GEMM) kernel.
+    RowSplit,
+    /// The batch-invariant multi-row kernel at every row count.
+    Invariant,
+    /// The dequantized dense GEMM at every row count: fast for prefill, not batch invariant.
+    Gemm,
+}
+
+impl Mode {
+    pub const ALL: [Mode; 4] = [Mode::Native, Mode::RowSplit, Mode::Invariant, Mode::Gemm];
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Native => "native",
+            Mode::RowSplit => "row_split",
+            Mode::Invariant => "invariant",
+            Mode::Gemm => "gemm",
+        }
+    }
+}
+
+impl FromStr for Mode {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        Mode::ALL
+            .into_iter()
+            .find(|m| m.name() == s)
+            .ok_or_else(|| {
+                Error::BadInput(format!(
+                    "unknown mode {s:?}; expected one of native, row_split, invariant, gemm"
+                ))
+            })
+    }
+}
+
+/// The kernel a call actually ran (or would run).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kernel {
+    GemvRowSplit,
+    Invariant,
+    Gemm,
+    Candle,
+}
+
+impl Kernel {
+    pub fn name(self) -> &'static str {
+        match self {
+            Kernel::GemvRowSplit => "gemv_row_split",
+            Kernel::Invariant => "invariant",
+            Kernel::Gemm => "gemm",
+            Kernel::Candle => "candle",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Backend {
+    Cpu,
+    Cuda,
+    Metal,
+}
+
+impl Backend {
+    pub fn of(device: &Device) -> Backend {
+        match device {
+            Device::Cpu => Backend::Cpu,
+            Device::Cuda(_) => Backend::Cuda,
+            Device::Metal(_) => Backend::Metal,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Cpu => "cpu",
+            Backend::Cuda => "cuda",
+            Backend::Metal => "metal",
+        }
+    }
+}
+
+/// The lowercase GGML name used in profiles (`q4_1`, `q8_0`, `q4k`, ...).
+pub fn dtype_name(d: GgmlDType) -> String {
+    format!("{d:?}").to_lowercase()
+}
+
+pub fn dtype_from_name(s: &str) -> Result<GgmlDType> {
+    kernels::cpu::SUPPORTED
+        .into_iter()
+        .chain([GgmlDType::BF16, GgmlDType::Q8_1])
+        .find(|d| dtype_name(*d) == s.to_lowercase())
+        .ok_or_else(|| Error::BadInput(format!("unknown GGML dtype {s:?}")))
+}
+
+/// Default for every backend and dtype until a measured profile says otherwise: the crossover
+/// measured on an M2 (DESIGN.md §1) lay between 4 and 5 rows.
+pub const DEFAULT_ROW_SPLIT_MAX: usize = 4;
+
+/// Kernel policy: mode plus per-(backend, dtype) row-split thresholds.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Policy {
+    pub mode: Mode,
+    pub default_row_split_max: usize,
+    pub row_split_max: BTreeMap<(Backend, String), usize>,
+    /// Where the thresholds came from (a profile path) — part of result fingerprints.
+    pub source: Option<String>,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Policy::new(Mode::Invariant)
+    }
+}
+
+impl Policy {
+    pub fn new(mode: Mode) -> Self {
+        Policy {
+            mode,
+            default_row_split_max: DEFAULT_ROW_SPLIT_MAX,
+            row_split_max: BTreeMap::new(),
+            source: None,
+        }
+    }
+
+    pub fn row_split_max(&self, backend: Backend, dtype: GgmlDType) -> usize {
+        *self
+            .row_split_max
+            .get(&(backend, dtype_name(dtype)))
+            .unwrap_or(&self.default_row_split_max)
+    }
+
+    pub fn kernel(&self, backend: Backend, dtype: GgmlDType, rows: usize) -> Kernel {
+        match self.mode {
+            Mode::Native => Kernel::Candle,
+            Mode::Gemm => Kernel::Gemm,
+            Mode::Invariant => Kernel::Invariant,
+            Mode::RowSplit if rows <= self.row_split_max(backend, dtype) => Kernel::GemvRowSplit,
+            Mode::RowSplit => Kernel::Gemm,
+        }
+    }
+
+    /// A stable text form, hashed into result fingerprints.
+    pub fn describe(&self) -> String {
+        let mut s = format!("mode={};default={}", self.mode.name(), self.default_row_split_max);
+        for ((b, d), v) in &self.row_split_max {
+            s.push_str(&format!(";{}:{}={}", b.name(), d, v));
+        }
+        s
+    }
+}
+
+/// Drop-in for Candle's `QMatMul` whose kernel choice belongs to a [`Policy`].
+pub struct GateMatMul {
+    weight: Arc<QTensor>,
+    native: QMatMul,
+    dense: OnceLock<Tensor>,
+    policy: Arc<Policy>,
+}
+
+impl std::fmt::Debug for GateMatMul {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "GateMatMul({:?} {:?}, {})", self.weight.dtype(), self.weight.shape(), self.policy.mode.name())
+    }
+}
+
+impl GateMatMul {
+    /// Same constructor shape as `QMatMul::from_qtensor`; the policy is the default
+    /// (`invariant` mode, row-split threshold 4).
+    pub fn from_qtensor(weight: QTensor) -> Result<Self> {
+        Self::from_arc(Arc::new(weight), Arc::new(Policy::default()))
+    }
+
+    pub fn from_arc(weight: Arc<QTensor>, policy: Arc<Policy>) -> Result<Self> {
+        if weight.rank() != 2 {
+            return Err(Error::BadInput(format!(
+                "a matmul weight must be rank 2, got shape {:?}",
+                weight.shape()
+            )));
+        }
+        let native = QMatMul::from_arc(weight.clone())?;
+        Ok(GateMatMul { weight, native, dense: OnceLock::new(), policy })
+    }
+
+    pub fn with_policy(&self, policy: Arc<Policy>) -> Self {
+        GateMatMul {
+            weight: self.weight.clone(),
+            native: self.native.clone(),
+            dense: OnceLock::new(),
+            policy,
+        }
+    }
+
+    pub fn weight(&self) -> &Arc<QTensor> {
+        &self.weight
+    }
+    pub fn policy(&self) -> &Arc<Policy> {
+        &self.policy
+    }
+    /// `(n, k)`: output features, input features.
+    pub fn dims(&self) -> (usize, usize) {
+        let d = self.weight.shape().dims();
+        (d[0], d[1])
+    }
+
+    /// The weight dequantized to a dense FP32 `[n, k]` tensor, made once and cached.
+    pub fn dense_f32(&self) -> Result<&Tensor> {
+        self.dense()
+    }
+
+    fn dense(&self) -> Result<&Tensor> {
+        if let Some(t) = self.dense.get() {
+            return Ok(t);
+        }
+        let t = self.weight.dequantize(&self.weight.device())?;
+        Ok(self.dense.get_or_init(|| t))
+    }
+
+    /// CPU fast path over plain rows: `x` is `m` rows of `k`, row-major; returns `m` rows of `n`.
+    pub fn forward_rows(&self, policy: &Policy, x: &[f32], m: usize) -> Result<Vec<f32>> {
+        let kernel = policy.kernel(Backend::Cpu, self.weight.dtype(), m);
+        self.run_cpu(kernel, x, m)
+    }
+
+    /// Runs one named kernel on the CPU (benchmarks and differential tests use this directly).
+    pub fn run_cpu(&self, kernel: Kernel, x: &[f32], m: usize) -> Result<Vec<f32>> {
+        if !self.weight.device().is_cpu() {
+            return Err(Error::Unsupported("run_cpu needs a CPU weight".into()));
+        }
+        let (n, k) = self.dims();
+        match kernel {
+            Kernel::GemvRowSplit => kernels::cpu::gemv_rows(&self.weight, x, m),
+            Kernel::Invariant => kernels::cpu::invariant(&self.weight, x, m),
+            Kernel::Gemm | Kernel::Candle => {
+                kernels::cpu::check(&self.weight, x, m)?;
+                let xs = Tensor::from_slice(x, (m, k), &Device::Cpu)?;
+                let ys = if kernel == Kernel::Gemm {
+                    xs.matmul(&self.dense()?.t()?)?
+                } else {
+                    self.native.forward(&xs)?
+                };
+                debug_assert_eq!(ys.dims(), &[m, n]);
+                Ok(ys.flatten_all()?.to_vec1::<f32>()?)
+            }
+        }
+    }
+}
+
+impl Module for GateMatMul {
+    fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
+        let dims = xs.dims().to_vec();
+        let (n, k) = self.dims();
+        if dims.len() < 2 {
+            candle_core::bail!("GateMatMul input must have rank >= 2, got shape {dims:?}");
+        }
+        if dims[dims.len() - 1] != k {
+            candle_core::bail!(
+                "GateMatMul inner dimension mismatch: input {dims:?}, weight [{n}, {k}]"
+            );
+        }
+        if !xs.is_contiguous() {
+            candle_core::bail!("GateMatMul input is not contiguous (shape {dims:?}); call .contiguous() first");
+        }
+        let m: usize = dims[..dims.len() - 1].iter().product();
+        if m == 0 {
+            candle_core::bail!("GateMatMul input has zero rows (shape {dims:?})");
+        }
+        let mut out_dims = dims.clone();
+        *out_dims.last_mut().unwrap() = n;
+        let backend = Backend::of(xs.device());
+        let kernel = self.policy.kernel(backend, self.weight.dtype(), m);
+        let xs2 = xs.reshape((m, k))?;
+        let ys = match backend {
+            Backend::Cpu => {
+                if xs.dtype() != DType::F32 {
+                    candle_core::bail!("GateMatMul on the CPU takes f32 input, got {:?}", xs.dtype());
+                }
+                let x = xs2.flatten_all()?.to_vec1::<f32>()?;
+                let y = self.run_cpu(kernel, &x, m).map_err(candle_core::Error::wrap)?;
+                Tensor::from_vec(y, (m, n), &Device::Cpu)?
+            }
+            Backend::Cuda | Backend::Metal => {
+                let row_split = |x: &Tensor| match backend {
+                    Backend::Cuda => kernels::cuda::row_split(&self.native, x),
+                    _ => kernels::metal::row_split(&self.native, x),
+                };
+                match kernel {
+                    // There is no multi-row invariant GPU kernel yet: one mat-vec launch per row
+                    // is invariant by construction, only slower.
+                    Kernel::GemvRowSplit | Kernel::Invariant => row_split(&xs2)?,
+                    Kernel::Candle => self.native.forward(&xs2)?,
+                    Kernel::Gemm => xs2.matmul(&self.dense().map_err(candle_core::Error::wrap)?.t()?)?,
+                }
+            }
+        };
+        ys.reshape(out_dims)
+    }
+}

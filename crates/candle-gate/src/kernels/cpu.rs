@@ -1,0 +1,236 @@
+//! CPU kernels for quantized `y = x · Wᵀ` (W is `[n, k]`, x is `[m, k]`).
+//!
+//! * `gemv`: one row. The row is quantized to the weight type's dot-product type and every
+//!   output element is one call of Candle's block dot product, grouped in column quads exactly
+//!   as Candle's own CPU matmul groups them (`vec_dot_4`, then `vec_dot_2` / `vec_dot` for the
+//!   0..=3 leftover columns).
+//! * `invariant`: many rows, same per-element arithmetic as `gemv`, but a weight quad is loaded
+//!   once and used for a tile of rows while it is hot in L1. Work is split across threads by
+//!   output element, never across the reduction, so the bits do not depend on the row count or
+//!   on the thread count.
+//! * `gemm`: dequantized weights (cached) through Candle's dense matmul. Fast for long prefills,
+//!   but its reduction order is the dense GEMM's, so its bits differ from `gemv`.
+
+use candle_core::quantized::k_quants::{
+    BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K,
+    BlockQ8K, BlockQ8_0, GgmlType,
+};
+use candle_core::quantized::{GgmlDType, QTensor};
+use half::f16;
+use rayon::prelude::*;
+
+use crate::error::{Error, Result};
+
+/// Rows that share one pass over a weight quad. 16 quantized Q8 rows of k=4096 are ~70 KiB,
+/// so a tile of activations plus one weight quad stays within L2.
+const ROW_TILE: usize = 16;
+/// Column quads handed to a worker at once: big enough to amortize scheduling, small enough
+/// that two cores get balanced work on a 192-column matrix.
+const QUADS_PER_TASK: usize = 8;
+
+/// The GGML dtypes the CPU kernels handle. Q8_1 is only ever a dot-product type in GGUF files.
+pub const SUPPORTED: [GgmlDType; 13] = [
+    GgmlDType::F32,
+    GgmlDType::F16,
+    GgmlDType::Q4_0,
+    GgmlDType::Q4_1,
+    GgmlDType::Q5_0,
+    GgmlDType::Q5_1,
+    GgmlDType::Q8_0,
+    GgmlDType::Q2K,
+    GgmlDType::Q3K,
+    GgmlDType::Q4K,
+    GgmlDType::Q5K,
+    GgmlDType::Q6K,
+    GgmlDType::Q8K,
+];
+
+fn blocks_of<T>(bytes: &[u8]) -> Result<&[T]> {
+    let size = std::mem::size_of::<T>();
+    if bytes.len() % size != 0 || (bytes.as_ptr() as usize) % std::mem::align_of::<T>() != 0 {
+        return Err(Error::Unsupported(format!(
+            "weight storage of {} bytes is not a whole, aligned array of {size}-byte blocks",
+            bytes.len()
+        )));
+    }
+    // SAFETY: size and alignment checked above; the block types are plain `repr(C)` data
+    // (floats and bytes) for which every bit pattern is valid, and the bytes are Candle's own
+    // CPU storage of exactly that block type.
+    Ok(unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const T, bytes.len() / size) })
+}
+
+/// Pointer wrapper so disjoint output ranges can be written from rayon workers.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+fn quantize_rows<T: GgmlType>(x: &[f32], m: usize, k: usize) -> Vec<T::VecDotType> {
+    let kb = k / T::BLCK_SIZE;
+    let mut q = vec![T::VecDotType::zeros(); m * kb];
+    for r in 0..m {
+        let dst = &mut q[r * kb..(r + 1) * kb];
+        let src = &x[r * k..(r + 1) * k];
+        if T::DIRECT_COPY {
+            T::VecDotType::direct_copy(src, dst)
+        } else {
+            T::VecDotType::from_float(src, dst)
+        }
+    }
+    q
+}
+
+/// The shared core of `gemv` and `invariant`: rows `0..m` of `x` against all `n` columns.
+/// Each output element is computed by exactly one `vec_dot_4`/`vec_dot_2`/`vec_dot` call over
+/// the full k, independent of `m`, of the tile it falls in and of the thread that runs it.
+fn quad_matmul<T: GgmlType>(w: &[T], x: &[f32], m: usize, k: usize, n: usize, out: &mut [f32]) {
+    let kb = k / T::BLCK_SIZE;
+    let xq = quantize_rows::<T>(x, m, k);
+    let xq = &xq[..];
+    let row = |r: usize| &xq[r * kb..(r + 1) * kb];
+    let col = |c: usize| &w[c * kb..(c + 1) * kb];
+    let n_quad = n & !3;
+    let quads = n_quad / 4;
+    let out_ptr = OutPtr(out.as_mut_ptr());
+    let tasks = quads.div_ceil(QUADS_PER_TASK);
+    let row_tiles = m.div_ceil(ROW_TILE);
+    let run = |task: usize| {
+        let op = out_ptr;
+        let tile = task / tasks.max(1);
+        let qt = task % tasks.max(1);
+        let r0 = tile * ROW_TILE;
+        let r1 = m.min(r0 + ROW_TILE);
+        for q in qt * QUADS_PER_TASK..quads.min((qt + 1) * QUADS_PER_TASK) {
+            let c = q * 4;
+            let (w0, w1, w2, w3) = (col(c), col(c + 1), col(c + 2), col(c + 3));
+            for r in r0..r1 {
+                let (d0, d1, d2, d3) = T::vec_dot_4(k, w0, w1, w2, w3, row(r));
+                // SAFETY: (r, c..c+4) belongs to this task alone.
+                unsafe {
+                    let p = op.0.add(r * n + c);
+                    *p = d0;
+                    *p.add(1) = d1;
+                    *p.add(2) = d2;
+                    *p.add(3) = d3;
+                }
+            }
+        }
+    };
+    let total = row_tiles * tasks;
+    if total <= 1 {
+        (0..total).for_each(run);
+    } else {
+        (0..total).into_par_iter().for_each(run);
+    }
+    let tail = n - n_quad;
+    if tail > 0 {
+        for r in 0..m {
+            let o = &mut out[r * n + n_quad..(r + 1) * n];
+            if tail >= 2 {
+                let (d0, d1) = T::vec_dot_2(k, col(n_quad), col(n_quad + 1), row(r));
+                o[0] = d0;
+                o[1] = d1;
+            }
+            if tail & 1 == 1 {
+                o[tail - 1] = T::vec_dot(k, col(n - 1), row(r));
+            }
+        }
+    }
+}
+
+macro_rules! with_block_type {
+    ($dtype:expr, $T:ident => $body:expr) => {
+        match $dtype {
+            GgmlDType::F32 => { type $T = f32; $body }
+            GgmlDType::F16 => { type $T = f16; $body }
+            GgmlDType::Q4_0 => { type $T = BlockQ4_0; $body }
+            GgmlDType::Q4_1 => { type $T = BlockQ4_1; $body }
+            GgmlDType::Q5_0 => { type $T = BlockQ5_0; $body }
+            GgmlDType::Q5_1 => { type $T = BlockQ5_1; $body }
+            GgmlDType::Q8_0 => { type $T = BlockQ8_0; $body }
+            GgmlDType::Q2K => { type $T = BlockQ2K; $body }
+            GgmlDType::Q3K => { type $T = BlockQ3K; $body }
+            GgmlDType::Q4K => { type $T = BlockQ4K; $body }
+            GgmlDType::Q5K => { type $T = BlockQ5K; $body }
+            GgmlDType::Q6K => { type $T = BlockQ6K; $body }
+            GgmlDType::Q8K => { type $T = BlockQ8K; $body }
+            other => {
+                return Err(Error::Unsupported(format!(
+                    "GGML dtype {other:?} has no CPU kernel in candle-gate"
+                )))
+            }
+        }
+    };
+}
+
+/// Checks shared by every kernel: the weight is `[n, k]` on the CPU with a supported dtype and
+/// `x` holds `m` whole rows of `k`.
+pub(crate) fn check(w: &QTensor, x: &[f32], m: usize) -> Result<(usize, usize)> {
+    let (n, k) = w.shape().dims2()?;
+    if !SUPPORTED.contains(&w.dtype()) {
+        return Err(Error::Unsupported(format!(
+            "GGML dtype {:?} has no CPU kernel in candle-gate",
+            w.dtype()
+        )));
+    }
+    if m == 0 {
+        return Err(Error::BadInput("matmul input has zero rows".into()));
+    }
+    if x.len() != m * k {
+        return Err(Error::BadInput(format!(
+            "matmul input holds {} values, expected {m} rows x k={k}",
+            x.len()
+        )));
+    }
+    if k % w.dtype().block_size() != 0 {
+        return Err(Error::BadInput(format!(
+            "inner dimension {k} is not a multiple of the {:?} block size {}",
+            w.dtype(),
+            w.dtype().block_size()
+        )));
+    }
+    Ok((n, k))
+}
+
+/// Row-split GEMV: each row alone through the single-row kernel.
+pub fn gemv_rows(w: &QTensor, x: &[f32], m: usize) -> Result<Vec<f32>> {
+    let (n, k) = check(w, x, m)?;
+    let data = w.data()?;
+    let mut out = vec![0f32; m * n];
+    with_block_type!(w.dtype(), T => {
+        let wb = blocks_of::<T>(&data)?;
+        for r in 0..m {
+            quad_matmul::<T>(wb, &x[r * k..(r + 1) * k], 1, k, n, &mut out[r * n..(r + 1) * n]);
+        }
+    });
+    Ok(out)
+}
+
+/// The batch-invariant multi-row kernel: bitwise equal to `gemv_rows` for every m.
+pub fn invariant(w: &QTensor, x: &[f32], m: usize) -> Result<Vec<f32>> {
+    let (n, k) = check(w, x, m)?;
+    let data = w.data()?;
+    let mut out = vec![0f32; m * n];
+    with_block_type!(w.dtype(), T => {
+        let wb = blocks_of::<T>(&data)?;
+        quad_matmul::<T>(wb, x, m, k, n, &mut out);
+    });
+    Ok(out)
+}
+
+/// Exact dequantization of one weight row range, block by block (used by the reference lane
+/// so it never needs a full FP32 copy of the weights).
+pub fn dequantize_rows(w: &QTensor, rows: std::ops::Range<usize>) -> Result<Vec<f32>> {
+    let (n, k) = w.shape().dims2()?;
+    if rows.end > n {
+        return Err(Error::BadInput(format!("rows {rows:?} out of {n}")));
+    }
+    let data = w.data()?;
+    let mut out = vec![0f32; rows.len() * k];
+    with_block_type!(w.dtype(), T => {
+        let wb = blocks_of::<T>(&data)?;
+        let kb = k / T::BLCK_SIZE;
+        T::to_float(&wb[rows.start * kb..rows.end * kb], &mut out);
+    });
+    Ok(out)
+}

@@ -1,0 +1,8 @@
+//! Stand-in when candle-gate is built without the `cuda` feature.
+use candle_core::{quantized::QMatMul, Tensor};
+
+pub const AVAILABLE: bool = false;
+
+pub fn row_split(_: &QMatMul, _: &Tensor) -> candle_core::Result<Tensor> {
+    candle_core::bail!("candle-gate was built without the `cuda` feature")
+}

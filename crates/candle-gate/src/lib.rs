@@ -1,0 +1,28 @@
+//! candle-gate: batch-invariant quantized inference on Candle.
+//!
+//! * [`dispatch::GateMatMul`]: a drop-in for Candle's `QMatMul` whose kernel choice belongs to
+//!   a [`dispatch::Policy`] (`native`, `row_split`, `invariant`, `gemm`) instead of the row count.
+//! * [`kernels`]: the CPU `gemv` / `invariant` / `gemm` kernels, CUDA and Metal behind features.
+//! * [`llama::Llama`]: a llama-architecture GGUF model whose forward takes rows of many
+//!   sequences at once.
+//! * [`engine::Engine`]: continuous batching with a margin gate and a reference lane.
+//! * [`profile`]: measured crossover profiles.
+
+pub mod dispatch;
+pub mod engine;
+pub mod error;
+pub mod gguf;
+pub mod kernels;
+pub mod llama;
+pub mod model;
+pub mod profile;
+pub mod reference;
+pub mod registry;
+pub mod tokenizer;
+
+pub use dispatch::{Backend, GateMatMul, Kernel, Mode, Policy};
+pub use engine::{Engine, EngineConfig, GateConfig, GateMode, Output, Request};
+pub use error::{Error, Result};
+pub use model::Model;
+
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");

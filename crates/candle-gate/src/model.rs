@@ -1,0 +1,62 @@
+//! A loaded model: weights, tokenizer, and what identifies it in fingerprints.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
+
+use sha2::{Digest, Sha256};
+
+use crate::dispatch::Policy;
+use crate::error::Result;
+use crate::gguf::GgufFile;
+use crate::llama::Llama;
+use crate::tokenizer::GgufTokenizer;
+
+pub struct Model {
+    pub llama: Llama,
+    pub tokenizer: GgufTokenizer,
+    pub path: PathBuf,
+    pub policy: Arc<Policy>,
+    sha256: OnceLock<String>,
+}
+
+impl Model {
+    pub fn load(path: &Path, policy: Arc<Policy>) -> Result<Self> {
+        let mut f = GgufFile::open(path)?;
+        let tokenizer = GgufTokenizer::from_gguf(&f)?;
+        let llama = Llama::from_gguf(&mut f, policy.clone())?;
+        Ok(Model { llama, tokenizer, path: path.to_path_buf(), policy, sha256: OnceLock::new() })
+    }
+
+    /// sha256 of the model file, computed once on first use.
+    pub fn sha256(&self) -> Result<String> {
+        if let Some(s) = self.sha256.get() {
+            return Ok(s.clone());
+        }
+        let mut h = Sha256::new();
+        let mut f = std::fs::File::open(&self.path)?;
+        std::io::copy(&mut f, &mut h)?;
+        let s = format!("{:x}", h.finalize());
+        Ok(self.sha256.get_or_init(|| s).clone())
+    }
+}
+
+/// Hash of what decides a result's tokens: model file, candle-gate version, kernel policy
+/// (and gate settings), and the tokens themselves. Two results with equal token ids but
+/// different fingerprints ran on different stacks; equal stacks with different tokens hit a
+/// near-tie.
+pub fn fingerprint(model_sha256: &str, policy: &str, gate: &str, tokens: &[u32]) -> String {
+    let mut h = Sha256::new();
+    h.update(b"candle-gate fingerprint v1\0");
+    h.update(model_sha256.as_bytes());
+    h.update(b"\0");
+    h.update(env!("CARGO_PKG_VERSION").as_bytes());
+    h.update(b"\0");
+    h.update(policy.as_bytes());
+    h.update(b"\0");
+    h.update(gate.as_bytes());
+    h.update(b"\0");
+    for t in tokens {
+        h.update(t.to_le_bytes());
+    }
+    format!("{:x}", h.finalize())[..32].to_string()
+}
