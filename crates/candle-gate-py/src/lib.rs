@@ -1,1 +1,366 @@
+//! Python binding: a thin layer over `candle_gate`. Every entry point catches Rust panics and
+//! turns them (and every `candle_gate::Error`) into `candle_gate.CandleGateError`, so nothing
+//! crosses into Python as a crash.
 
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::sync::{Arc, Mutex};
+
+use candle_gate::dispatch::{Backend, Kernel};
+use candle_gate::engine::{Event, Output};
+use candle_gate::profile::Profile;
+use candle_gate::tokenizer::ChatMessage;
+use candle_gate::{Engine as RsEngine, EngineConfig, GateConfig, GateMode, Mode, Model as RsModel, Policy, Request};
+use numpy::{IntoPyArray, PyArray1};
+use pyo3::create_exception;
+use pyo3::exceptions::{PyException, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+
+create_exception!(_native, CandleGateError, PyException, "Any error raised by candle-gate.");
+
+fn to_py(e: candle_gate::Error) -> PyErr {
+    match e {
+        candle_gate::Error::BadInput(m) => PyValueError::new_err(m),
+        other => CandleGateError::new_err(other.to_string()),
+    }
+}
+
+/// Runs `f`, turning a panic into a `CandleGateError` instead of unwinding into Python.
+fn guarded<T>(what: &str, f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(r) => r,
+        Err(p) => {
+            let msg = p
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "unknown panic".into());
+            Err(CandleGateError::new_err(format!("internal error in {what}: {msg}")))
+        }
+    }
+}
+
+fn make_policy(mode: &str, profile: Option<&str>) -> candle_gate::Result<Policy> {
+    let mode = Mode::from_str(mode)?;
+    match profile {
+        None => Ok(Policy::new(mode)),
+        Some(p) => Profile::load(&PathBuf::from(p))?.policy(Backend::Cpu, mode, p),
+    }
+}
+
+#[pyclass(frozen, module = "candle_gate._native")]
+struct Model {
+    inner: Arc<RsModel>,
+}
+
+#[pymethods]
+impl Model {
+    #[staticmethod]
+    #[pyo3(signature = (path, mode = "invariant", profile = None))]
+    fn load(py: Python<'_>, path: PathBuf, mode: &str, profile: Option<&str>) -> PyResult<Self> {
+        guarded("Model.load", || {
+            let policy = Arc::new(make_policy(mode, profile).map_err(to_py)?);
+            let m = py.detach(|| RsModel::load(&path, policy)).map_err(to_py)?;
+            Ok(Model { inner: Arc::new(m) })
+        })
+    }
+
+    #[getter]
+    fn path(&self) -> String {
+        self.inner.path.display().to_string()
+    }
+    #[getter]
+    fn mode(&self) -> &'static str {
+        self.inner.policy.mode.name()
+    }
+    #[getter]
+    fn policy(&self) -> String {
+        self.inner.policy.describe()
+    }
+    #[getter]
+    fn config<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let c = &self.inner.llama.cfg;
+        let d = PyDict::new(py);
+        d.set_item("n_layer", c.n_layer)?;
+        d.set_item("hidden", c.hidden)?;
+        d.set_item("ffn", c.ffn)?;
+        d.set_item("n_head", c.n_head)?;
+        d.set_item("n_kv_head", c.n_kv_head)?;
+        d.set_item("vocab", c.vocab)?;
+        d.set_item("context_length", c.context_length)?;
+        d.set_item("rope_base", c.rope_base)?;
+        d.set_item("weight_bytes", self.inner.llama.weight_bytes)?;
+        d.set_item("bytes_per_decode_token", self.inner.llama.bytes_per_decode_token())?;
+        Ok(d)
+    }
+
+    fn sha256(&self, py: Python<'_>) -> PyResult<String> {
+        guarded("Model.sha256", || py.detach(|| self.inner.sha256()).map_err(to_py))
+    }
+
+    fn tokenize(&self, text: &str) -> PyResult<Vec<u32>> {
+        guarded("Model.tokenize", || self.inner.tokenizer.encode(text).map_err(to_py))
+    }
+
+    fn detokenize(&self, ids: Vec<u32>) -> PyResult<String> {
+        guarded("Model.detokenize", || Ok(self.inner.tokenizer.decode(&ids)))
+    }
+
+    fn token_bytes<'py>(&self, py: Python<'py>, ids: Vec<u32>) -> Bound<'py, pyo3::types::PyBytes> {
+        pyo3::types::PyBytes::new(py, &self.inner.tokenizer.bytes(&ids, true))
+    }
+
+    #[getter]
+    fn stop_ids(&self) -> Vec<u32> {
+        let mut v: Vec<u32> = self.inner.tokenizer.stop_ids.iter().copied().collect();
+        v.sort();
+        v
+    }
+
+    /// `messages`: list of (role, content) pairs.
+    fn apply_chat_template(&self, messages: Vec<(String, String)>) -> PyResult<String> {
+        guarded("Model.apply_chat_template", || {
+            let msgs: Vec<ChatMessage> =
+                messages.into_iter().map(|(role, content)| ChatMessage { role, content }).collect();
+            self.inner.tokenizer.apply_chat_template(&msgs).map_err(to_py)
+        })
+    }
+
+    /// Runs one named kernel on one linear layer (`layer` index, `which` in q,k,v,o,gate,up,down,
+    /// lm_head) for `m` rows of `x` (flat); for differential tests and calibration.
+    fn run_kernel<'py>(
+        &self,
+        py: Python<'py>,
+        layer: usize,
+        which: &str,
+        kernel: &str,
+        x: Vec<f32>,
+        m: usize,
+    ) -> PyResult<Bound<'py, PyArray1<f32>>> {
+        let y = guarded("Model.run_kernel", || {
+            let l = &self.inner.llama;
+            let w = if which == "lm_head" {
+                &l.lm_head
+            } else {
+                let ly = l.layers.get(layer).ok_or_else(|| PyValueError::new_err(format!("no layer {layer}")))?;
+                let i = ["q", "k", "v", "o", "gate", "up", "down"]
+                    .iter()
+                    .position(|n| *n == which)
+                    .ok_or_else(|| PyValueError::new_err(format!("unknown linear {which:?}")))?;
+                ly.linears()[i]
+            };
+            let k = kernel_from_name(kernel)?;
+            py.detach(|| w.run_cpu(k, &x, m)).map_err(to_py)
+        })?;
+        Ok(y.into_pyarray(py))
+    }
+}
+
+fn kernel_from_name(s: &str) -> PyResult<Kernel> {
+    Ok(match s {
+        "gemv_row_split" => Kernel::GemvRowSplit,
+        "invariant" => Kernel::Invariant,
+        "gemm" => Kernel::Gemm,
+        "candle" => Kernel::Candle,
+        _ => return Err(PyValueError::new_err(format!("unknown kernel {s:?}"))),
+    })
+}
+
+#[pyclass(frozen, module = "candle_gate._native")]
+struct Engine {
+    inner: Mutex<RsEngine>,
+    model: Arc<RsModel>,
+}
+
+fn output_dict<'py>(py: Python<'py>, o: Output) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("id", o.id)?;
+    d.set_item("text", o.text)?;
+    d.set_item("token_ids", o.token_ids.into_pyarray(py))?;
+    d.set_item("prompt_tokens", o.prompt_tokens.len())?;
+    d.set_item("margins", o.margins.into_pyarray(py))?;
+    d.set_item("rechecked", o.rechecked.into_iter().map(|b| b as u8).collect::<Vec<_>>().into_pyarray(py))?;
+    d.set_item("corrected", o.corrected.into_iter().map(|b| b as u8).collect::<Vec<_>>().into_pyarray(py))?;
+    d.set_item("logit_hashes", o.logit_hashes.into_pyarray(py))?;
+    d.set_item("finish_reason", o.finish_reason.name())?;
+    d.set_item("fingerprint", o.fingerprint)?;
+    let g = PyDict::new(py);
+    g.set_item("steps", o.gate.steps)?;
+    g.set_item("rechecks", o.gate.rechecks)?;
+    g.set_item("corrections", o.gate.corrections)?;
+    d.set_item("gate", g)?;
+    Ok(d)
+}
+
+impl Engine {
+    fn lock(&self) -> PyResult<std::sync::MutexGuard<'_, RsEngine>> {
+        self.inner
+            .lock()
+            .map_err(|_| CandleGateError::new_err("the engine is unusable after an internal error"))
+    }
+}
+
+#[pymethods]
+impl Engine {
+    #[new]
+    #[pyo3(signature = (model, mode = "invariant", profile = None, gate = "off", tau = 0.0,
+        max_num_seqs = 16, max_tokens_per_step = 256, prefill_chunk = 64, kv_budget_tokens = 65536,
+        threads = None, record_logit_hashes = false, row_split_max = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        model: &Model,
+        mode: &str,
+        profile: Option<&str>,
+        gate: &str,
+        tau: f32,
+        max_num_seqs: usize,
+        max_tokens_per_step: usize,
+        prefill_chunk: usize,
+        kv_budget_tokens: usize,
+        threads: Option<usize>,
+        record_logit_hashes: bool,
+        row_split_max: Option<usize>,
+    ) -> PyResult<Self> {
+        guarded("Engine()", || {
+            let mut policy = make_policy(mode, profile).map_err(to_py)?;
+            if let Some(r) = row_split_max {
+                if r == 0 {
+                    return Err(PyValueError::new_err("row_split_max must be at least 1"));
+                }
+                policy.default_row_split_max = r;
+                policy.row_split_max.clear();
+            }
+            let gate = GateConfig::new(GateMode::from_str(gate).map_err(to_py)?, tau).map_err(to_py)?;
+            let cfg = EngineConfig {
+                max_num_seqs,
+                max_tokens_per_step,
+                prefill_chunk,
+                kv_budget_tokens,
+                gate,
+                threads,
+                record_logit_hashes,
+                ..Default::default()
+            };
+            let e = RsEngine::new(model.inner.clone(), Arc::new(policy), cfg).map_err(to_py)?;
+            Ok(Engine { inner: Mutex::new(e), model: model.inner.clone() })
+        })
+    }
+
+    #[pyo3(signature = (prompt_tokens, max_new_tokens, stop = Vec::new(), forced_tokens = None))]
+    fn submit(
+        &self,
+        py: Python<'_>,
+        prompt_tokens: Vec<u32>,
+        max_new_tokens: i64,
+        stop: Vec<String>,
+        forced_tokens: Option<Vec<u32>>,
+    ) -> PyResult<u64> {
+        guarded("Engine.submit", || {
+            if max_new_tokens <= 0 {
+                return Err(PyValueError::new_err(format!("max_new_tokens must be positive, got {max_new_tokens}")));
+            }
+            let req = Request { prompt_tokens, max_new_tokens: max_new_tokens as usize, stop, forced_tokens };
+            py.detach(|| self.lock().map(|mut e| e.submit(req)))?.map_err(to_py)
+        })
+    }
+
+    /// One forward step with the GIL released; returns the number of rows it ran.
+    fn step(&self, py: Python<'_>) -> PyResult<usize> {
+        guarded("Engine.step", || py.detach(|| self.lock().map(|mut e| e.step()))?.map_err(to_py))
+    }
+
+    fn cancel(&self, py: Python<'_>, id: u64) -> PyResult<()> {
+        guarded("Engine.cancel", || py.detach(|| self.lock().map(|mut e| e.cancel(id)))?.map_err(to_py))
+    }
+
+    fn shutdown(&self, py: Python<'_>) -> PyResult<()> {
+        guarded("Engine.shutdown", || py.detach(|| self.lock().map(|mut e| e.shutdown())))
+    }
+
+    #[getter]
+    fn has_work(&self) -> PyResult<bool> {
+        Ok(self.lock()?.has_work())
+    }
+    #[getter]
+    fn num_running(&self) -> PyResult<usize> {
+        Ok(self.lock()?.num_running())
+    }
+    #[getter]
+    fn num_waiting(&self) -> PyResult<usize> {
+        Ok(self.lock()?.num_waiting())
+    }
+    #[getter]
+    fn policy(&self) -> PyResult<String> {
+        Ok(self.lock()?.policy().describe())
+    }
+    #[getter]
+    fn gate(&self) -> PyResult<String> {
+        Ok(self.lock()?.config().gate.describe())
+    }
+
+    fn gate_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.lock()?.gate_stats();
+        let d = PyDict::new(py);
+        d.set_item("steps", s.steps)?;
+        d.set_item("rechecks", s.rechecks)?;
+        d.set_item("corrections", s.corrections)?;
+        Ok(d)
+    }
+
+    /// Events since the last call: dicts with `type` "token" (id, token, text) or "finished"
+    /// (id, reason).
+    fn events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let evs = self.lock()?.drain_events();
+        let out = PyList::empty(py);
+        for ev in evs {
+            let d = PyDict::new(py);
+            match ev {
+                Event::Token { id, token, text } => {
+                    d.set_item("type", "token")?;
+                    d.set_item("id", id)?;
+                    d.set_item("token", token)?;
+                    d.set_item("text", text)?;
+                }
+                Event::Finished { id, reason } => {
+                    d.set_item("type", "finished")?;
+                    d.set_item("id", id)?;
+                    d.set_item("reason", reason.name())?;
+                }
+            }
+            out.append(d)?;
+        }
+        Ok(out)
+    }
+
+    fn is_finished(&self, id: u64) -> PyResult<bool> {
+        Ok(self.lock()?.is_finished(id))
+    }
+
+    fn take_output<'py>(&self, py: Python<'py>, id: u64) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let o = self.lock()?.take_output(id);
+        o.map(|o| output_dict(py, o)).transpose()
+    }
+
+    /// Steps until all of `ids` are finished (GIL released) and returns their outputs in order.
+    fn run<'py>(&self, py: Python<'py>, ids: Vec<u64>) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        let outs = guarded("Engine.run", || py.detach(|| self.lock().map(|mut e| e.run_to_completion(&ids)))?.map_err(to_py))?;
+        outs.into_iter().map(|o| output_dict(py, o)).collect()
+    }
+
+    fn model_path(&self) -> String {
+        self.model.path.display().to_string()
+    }
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("CandleGateError", m.py().get_type::<CandleGateError>())?;
+    m.add("__version__", candle_gate::VERSION)?;
+    m.add("CUDA_AVAILABLE", candle_gate::kernels::cuda::AVAILABLE)?;
+    m.add("METAL_AVAILABLE", candle_gate::kernels::metal::AVAILABLE)?;
+    m.add_class::<Model>()?;
+    m.add_class::<Engine>()?;
+    Ok(())
+}

@@ -1,0 +1,22 @@
+"""candle-gate: greedy decoding that gives the same tokens whatever shares the batch.
+
+    import candle_gate
+    model = candle_gate.Model.load()                 # SmolLM2-135M-Instruct Q4_1, downloaded once
+    [r] = model.generate(["The capital of France is"], max_new_tokens=8)
+    r.text, r.token_ids, r.margins, r.fingerprint
+"""
+from ._native import CandleGateError, CUDA_AVAILABLE, METAL_AVAILABLE, __version__
+from .models import DEFAULT_MODEL, cache_dir, fetch, resolve
+from .engine import Engine, Model, Result, MODES, GATES
+
+__all__ = [
+    "CandleGateError", "CUDA_AVAILABLE", "METAL_AVAILABLE", "__version__",
+    "DEFAULT_MODEL", "cache_dir", "fetch", "resolve",
+    "Engine", "Model", "Result", "MODES", "GATES", "probe",
+]
+
+
+def probe(*args, **kwargs):
+    """See :func:`candle_gate.probe.run_probe`."""
+    from .probe import run_probe
+    return run_probe(*args, **kwargs)

@@ -1,0 +1,134 @@
+"""The ``candle-gate`` command (also ``python -m candle_gate``)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import List, Optional
+
+from . import _native
+from .engine import GATES, MODES
+from .models import DEFAULT_MODEL
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL, help="a known model name or a path to a .gguf file")
+    p.add_argument("--mode", default="invariant", choices=MODES, help="fast-lane kernel policy")
+    p.add_argument("--profile", default=None, help="a crossover/gate profile (JSON) to load")
+
+
+def _gate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gate", default="off", choices=GATES)
+    p.add_argument("--tau", type=float, default=None, help="margin threshold for --gate gated")
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from .engine import Engine, Model
+    model = Model.load(a.model, mode=a.mode, profile=a.profile)
+    eng = Engine(model, gate=a.gate, tau=a.tau, profile=a.profile)
+    rid = eng.submit(a.prompt, max_new_tokens=a.max_new_tokens, stop=a.stop or None, chat=a.chat)
+    if a.json:
+        [r] = eng.run([rid])
+        out = r.to_json()
+        out.update({"model": model.path, "mode": a.mode, "gate": a.gate})
+        print(json.dumps(out))
+        return 0
+    for ev in eng.stream():
+        if ev["type"] == "token":
+            sys.stdout.write(ev["text"])
+            sys.stdout.flush()
+    r = eng.result(rid)
+    sys.stdout.write("\n")
+    print(f"[{len(r.token_ids)} tokens, finish={r.finish_reason}, fingerprint={r.fingerprint}]", file=sys.stderr)
+    return 0
+
+
+def cmd_fetch(a: argparse.Namespace) -> int:
+    from .models import fetch
+    print(fetch(a.model))
+    return 0
+
+
+def cmd_calibrate(a: argparse.Namespace) -> int:
+    from . import calibrate
+    if not (a.kernels or a.gate):
+        print("calibrate: pass --kernels and/or --gate", file=sys.stderr)
+        return 2
+    return calibrate.main(a)
+
+
+def cmd_probe(a: argparse.Namespace) -> int:
+    from . import probe
+    return probe.main(a)
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    from . import bench
+    return bench.main(a)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="candle-gate", description=__doc__)
+    ap.add_argument("--version", action="version", version=f"candle-gate {_native.__version__}")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="greedy generation for one prompt")
+    g.add_argument("prompt")
+    _common(g)
+    _gate_args(g)
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    g.set_defaults(func=cmd_generate)
+
+    f = sub.add_parser("fetch", help="download a known model into the cache")
+    f.add_argument("--model", default=DEFAULT_MODEL)
+    f.set_defaults(func=cmd_fetch)
+
+    c = sub.add_parser("calibrate", help="measure kernel crossovers (--kernels) and the gate's tau (--gate)")
+    _common(c)
+    c.add_argument("--kernels", action="store_true")
+    c.add_argument("--gate", action="store_true")
+    c.add_argument("--quick", action="store_true", help="only the default model's dtypes and shapes")
+    c.add_argument("--out", default="candle-gate-profile.json")
+    c.add_argument("--prompts", default=None, help="calibration prompts for --gate (JSON list or text file)")
+    c.add_argument("--max-new-tokens", type=int, default=64)
+    c.add_argument("--safety", type=float, default=2.0, help="tau = safety x the largest measured margin movement")
+    c.set_defaults(func=cmd_calibrate)
+
+    p = sub.add_parser("probe", help="measure flip rates across batch compositions")
+    _common(p)
+    _gate_args(p)
+    p.add_argument("--prompts", default=None, help="JSON list of prompts (strings or chats) or a text file, one per line")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--json", dest="json_out", default=None, help="write the report here")
+    p.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")
+    p.add_argument("--compositions", default=None, help="comma-separated subset of composition names")
+    p.set_defaults(func=cmd_probe)
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    t = bsub.add_parser("throughput", help="aggregate decode tok/s at several concurrencies")
+    _common(t)
+    _gate_args(t)
+    t.add_argument("--concurrency", default="1,2,4,8,16")
+    t.add_argument("--max-new-tokens", type=int, default=32)
+    t.add_argument("--json", action="store_true")
+    t.set_defaults(func=cmd_bench)
+    return ap
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    a = build_parser().parse_args(argv)
+    try:
+        return a.func(a)
+    except (ValueError, TypeError, FileNotFoundError, _native.CandleGateError) as e:
+        print(f"candle-gate: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,235 @@
+"""Thin Python layer over the Rust engine: prompt preparation and result objects.
+
+The scheduler, the model and the gate live in Rust; this module turns strings and chats into
+token ids and dicts into :class:`Result` objects.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Union
+
+import numpy as np
+
+from . import _native
+from .models import resolve
+
+MODES = ("native", "row_split", "invariant", "gemm")
+GATES = ("off", "gated", "always")
+
+Chat = List[Dict[str, str]]
+Prompt = Union[str, Chat, Sequence[int]]
+
+
+@dataclass
+class Result:
+    text: str
+    token_ids: np.ndarray
+    margins: np.ndarray
+    fingerprint: str
+    finish_reason: str
+    rechecked: np.ndarray
+    corrected: np.ndarray
+    gate: Dict[str, int]
+    prompt_tokens: int
+    logit_hashes: np.ndarray = field(repr=False, default_factory=lambda: np.zeros(0, np.uint64))
+    id: int = 0
+
+    @classmethod
+    def _from(cls, d: Dict[str, Any]) -> "Result":
+        return cls(**d)
+
+    def to_json(self) -> Dict[str, Any]:
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids.tolist(),
+            "margins": [float(m) for m in self.margins],
+            "fingerprint": self.fingerprint,
+            "finish_reason": self.finish_reason,
+            "rechecked": int(self.rechecked.sum()),
+            "corrected": int(self.corrected.sum()),
+        }
+
+
+def _check_chat(chat: Any) -> Chat:
+    if not isinstance(chat, list) or not chat:
+        raise TypeError("a chat must be a non-empty list of {'role': ..., 'content': ...} dicts")
+    for m in chat:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise TypeError(f"chat message must be a dict with string 'role' and 'content', got {m!r}")
+    return chat
+
+
+class Model:
+    """A loaded GGUF model. ``mode`` picks the fast lane's kernels (see README)."""
+
+    def __init__(self, native: "_native.Model"):
+        self._native = native
+
+    @classmethod
+    def load(cls, name_or_path: Optional[str] = None, mode: str = "invariant",
+             profile: Optional[str] = None, quiet: bool = False) -> "Model":
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+        path = resolve(name_or_path, quiet=quiet)
+        return cls(_native.Model.load(str(path), mode, profile))
+
+    @property
+    def path(self) -> str:
+        return self._native.path
+
+    @property
+    def config(self) -> Dict[str, Any]:
+        return self._native.config
+
+    def sha256(self) -> str:
+        return self._native.sha256()
+
+    def tokenize(self, text: str) -> List[int]:
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        return self._native.tokenize(text)
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return self._native.detokenize([int(i) for i in ids])
+
+    def chat_prompt(self, chat: Chat) -> str:
+        chat = _check_chat(chat)
+        return self._native.apply_chat_template([(m["role"], m["content"]) for m in chat])
+
+    def encode_prompt(self, prompt: Prompt, chat: bool = False) -> List[int]:
+        """A string (wrapped in the chat template when ``chat``), a chat (list of messages), or
+        token ids."""
+        if isinstance(prompt, str):
+            if chat:
+                prompt = self.chat_prompt([{"role": "user", "content": prompt}])
+            ids = self.tokenize(prompt)
+        elif isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            ids = self.tokenize(self.chat_prompt(prompt))
+        elif isinstance(prompt, (list, tuple, np.ndarray)) and all(
+                isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
+            ids = [int(t) for t in prompt]
+            if any(t < 0 for t in ids):
+                raise ValueError("token ids must be non-negative")
+        else:
+            raise TypeError(f"a prompt must be a str, a chat (list of message dicts) or token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("empty prompt")
+        return ids
+
+    def engine(self, **kwargs: Any) -> "Engine":
+        return Engine(self, **kwargs)
+
+    def generate(self, prompts: Union[Prompt, List[Prompt]], max_new_tokens: int = 64,
+                 stop: Optional[Sequence[str]] = None, chat: bool = False, **engine_kwargs: Any) -> List[Result]:
+        """Greedy generation for a list of prompts, batched together; results in input order."""
+        return Engine(self, **engine_kwargs).generate(prompts, max_new_tokens=max_new_tokens, stop=stop, chat=chat)
+
+
+class Engine:
+    """Continuous-batching engine. ``submit`` at any time (also from another thread while
+    another thread steps), ``step`` runs one forward with the GIL released."""
+
+    def __init__(self, model: Union[Model, str, None] = None, mode: Optional[str] = None,
+                 profile: Optional[str] = None, gate: str = "off", tau: Optional[float] = None,
+                 max_num_seqs: int = 16, max_tokens_per_step: int = 256, prefill_chunk: int = 64,
+                 kv_budget_tokens: int = 65536, threads: Optional[int] = None,
+                 record_logit_hashes: bool = False, row_split_max: Optional[int] = None):
+        if not isinstance(model, Model):
+            model = Model.load(model)
+        self.model = model
+        mode = mode or model._native.mode
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+        if gate not in GATES:
+            raise ValueError(f"unknown gate {gate!r}; expected one of {', '.join(GATES)}")
+        if tau is None:
+            tau = _profile_tau(profile) if (gate == "gated" and profile) else (DEFAULT_TAU if gate == "gated" else 0.0)
+        if isinstance(tau, bool) or not isinstance(tau, (int, float)):
+            raise TypeError(f"tau must be a number, got {type(tau).__name__}")
+        for name, v in (("max_num_seqs", max_num_seqs), ("max_tokens_per_step", max_tokens_per_step),
+                        ("prefill_chunk", prefill_chunk), ("kv_budget_tokens", kv_budget_tokens)):
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        self._native = _native.Engine(model._native, mode, profile, gate, float(tau), max_num_seqs,
+                                      max_tokens_per_step, prefill_chunk, kv_budget_tokens, threads,
+                                      record_logit_hashes, row_split_max)
+        self._lock = threading.Lock()
+
+    def submit(self, prompt: Prompt, max_new_tokens: int = 64, stop: Optional[Sequence[str]] = None,
+               chat: bool = False, forced_tokens: Optional[Sequence[int]] = None) -> int:
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)):
+            raise TypeError(f"max_new_tokens must be an int, got {type(max_new_tokens).__name__}")
+        if stop is None:
+            stop = []
+        elif isinstance(stop, str):
+            stop = [stop]
+        if not all(isinstance(s, str) for s in stop):
+            raise TypeError("stop must be a string or a list of strings")
+        if any(s == "" for s in stop):
+            raise ValueError("stop strings must not be empty")
+        ids = self.model.encode_prompt(prompt, chat=chat)
+        forced = None if forced_tokens is None else [int(t) for t in forced_tokens]
+        return self._native.submit(ids, int(max_new_tokens), list(stop), forced)
+
+    def step(self) -> int:
+        return self._native.step()
+
+    def cancel(self, request_id: int) -> None:
+        self._native.cancel(int(request_id))
+
+    def shutdown(self) -> None:
+        self._native.shutdown()
+
+    @property
+    def has_work(self) -> bool:
+        return self._native.has_work
+
+    def gate_stats(self) -> Dict[str, int]:
+        return self._native.gate_stats()
+
+    def result(self, request_id: int) -> Optional[Result]:
+        d = self._native.take_output(int(request_id))
+        return None if d is None else Result._from(d)
+
+    def stream(self) -> Iterator[Dict[str, Any]]:
+        """Steps until no work is left, yielding events as they happen: ``{"type": "token",
+        "id", "token", "text"}`` (text is a UTF-8-safe delta) and ``{"type": "finished",
+        "id", "reason"}``."""
+        while True:
+            for ev in self._native.events():
+                yield ev
+            if not self._native.has_work:
+                for ev in self._native.events():
+                    yield ev
+                return
+            self._native.step()
+
+    def run(self, ids: Sequence[int]) -> List[Result]:
+        return [Result._from(d) for d in self._native.run([int(i) for i in ids])]
+
+    def generate(self, prompts: Union[Prompt, List[Prompt]], max_new_tokens: int = 64,
+                 stop: Optional[Sequence[str]] = None, chat: bool = False) -> List[Result]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict)):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError("prompts must be a list of prompts")
+        ids = [self.submit(p, max_new_tokens=max_new_tokens, stop=stop, chat=chat) for p in prompts]
+        return self.run(ids)
+
+
+DEFAULT_TAU = 1.0
+
+
+def _profile_tau(profile: str) -> float:
+    import json
+    try:
+        with open(profile) as f:
+            p = json.load(f)
+    except (OSError, ValueError) as e:
+        raise _native.CandleGateError(f"cannot read profile {profile}: {e}") from e
+    g = p.get("gate") if isinstance(p, dict) else None
+    if not isinstance(g, dict) or "tau" not in g:
+        raise _native.CandleGateError(
+            f"profile {profile} has no gate tau; run `candle-gate calibrate --gate --out {profile}` or pass tau=")
+    return float(g["tau"])
