@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex};
 use candle_gate::dispatch::{Backend, Kernel};
 use candle_gate::engine::{Event, Output};
 use candle_gate::profile::Profile;
+use candle_gate::reference::ReferenceWeights;
 use candle_gate::tokenizer::ChatMessage;
 use candle_gate::{Engine as RsEngine, EngineConfig, GateConfig, GateMode, Mode, Model as RsModel, Policy, Request};
 use numpy::{IntoPyArray, PyArray1};
@@ -126,6 +127,32 @@ impl Model {
                 messages.into_iter().map(|(role, content)| ChatMessage { role, content }).collect();
             self.inner.tokenizer.apply_chat_template(&msgs).map_err(to_py)
         })
+    }
+
+    /// Logits after the last of `tokens` (a fresh sequence): `lane` "fast" runs the model's
+    /// policy in one prefill call; "reference" runs every position through the FP32 reference
+    /// lane (`weights` "dense" or "blockwise").
+    #[pyo3(signature = (tokens, lane = "fast", weights = "dense"))]
+    fn logits<'py>(&self, py: Python<'py>, tokens: Vec<u32>, lane: &str, weights: &str) -> PyResult<Bound<'py, PyArray1<f32>>> {
+        let y = guarded("Model.logits", || {
+            let how = match weights {
+                "dense" => ReferenceWeights::Dense,
+                "blockwise" => ReferenceWeights::Blockwise,
+                _ => return Err(PyValueError::new_err(format!("unknown weights {weights:?}"))),
+            };
+            let l = &self.inner.llama;
+            match lane {
+                "fast" => py.detach(|| l.last_logits(&self.inner.policy, &tokens)).map_err(to_py),
+                "reference" => {
+                    if tokens.is_empty() {
+                        return Err(PyValueError::new_err("empty token list"));
+                    }
+                    py.detach(|| l.reference_logits(&tokens, how)).map_err(to_py)
+                }
+                _ => Err(PyValueError::new_err(format!("unknown lane {lane:?}; expected fast or reference"))),
+            }
+        })?;
+        Ok(y.into_pyarray(py))
     }
 
     /// Runs one named kernel on one linear layer (`layer` index, `which` in q,k,v,o,gate,up,down,

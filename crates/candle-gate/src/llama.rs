@@ -91,6 +91,15 @@ impl KvCache {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+    /// Makes room for one more position (zeros) in every layer.
+    pub fn push_empty(&mut self, kv_dim: usize) {
+        for l in 0..self.k.len() {
+            self.k[l].resize((self.len + 1) * kv_dim, 0.0);
+            self.v[l].resize((self.len + 1) * kv_dim, 0.0);
+        }
+        self.len += 1;
+    }
+
     /// Drops positions `len..` (used to roll back or repair).
     pub fn truncate(&mut self, len: usize, kv_dim: usize) {
         for l in 0..self.k.len() {
@@ -301,6 +310,13 @@ impl Llama {
             GateMatMul::from_arc(embed.clone(), policy.clone())?
         };
         Ok(Llama { cfg, embed, layers, out_norm, lm_head, weight_bytes })
+    }
+
+    /// Fast-lane logits of the last of `tokens`, prefilled from an empty cache in one call.
+    pub fn last_logits(&self, policy: &Policy, tokens: &[u32]) -> Result<Vec<f32>> {
+        let mut cache = self.new_cache();
+        let mut out = self.forward(policy, &mut [SeqRows { cache: &mut cache, tokens, want_logits: true }])?;
+        out.pop().flatten().ok_or_else(|| Error::BadInput("no tokens".into()))
     }
 
     pub fn new_cache(&self) -> KvCache {

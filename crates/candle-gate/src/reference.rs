@@ -86,6 +86,22 @@ pub fn matvec(w: &GateMatMul, how: ReferenceWeights, x: &[f32]) -> Result<Vec<f3
 }
 
 impl Llama {
+    /// Appends `token` at the next position computed entirely in the reference lane.
+    pub fn reference_append(&self, cache: &mut KvCache, token: u32, how: ReferenceWeights) -> Result<Vec<f32>> {
+        cache.push_empty(self.cfg.kv_dim());
+        self.reference_step(cache, token, how)
+    }
+
+    /// Reference-lane logits after each of `tokens`, from an empty cache (for checks).
+    pub fn reference_logits(&self, tokens: &[u32], how: ReferenceWeights) -> Result<Vec<f32>> {
+        let mut cache = self.new_cache();
+        let mut last = Vec::new();
+        for &t in tokens {
+            last = self.reference_append(&mut cache, t, how)?;
+        }
+        Ok(last)
+    }
+
     /// Recomputes position `cache.len() - 1`'s step in the reference lane: the cache must
     /// already hold that position (written by the fast lane); its K/V are replaced in every
     /// layer, and the reference logits are returned.
