@@ -393,10 +393,15 @@ impl Llama {
                 off += n;
             }
             let caches: Vec<&KvCache> = batch.iter().map(|s| &*s.cache).collect();
-            attn.par_chunks_mut(h).enumerate().for_each(|(row, out)| {
+            let attend_row = |(row, out): (usize, &mut [f32])| {
                 let c = caches[row_seq[row]];
                 attend(cfg, &q[row * h..(row + 1) * h], &c.k[li], &c.v[li], row_pos[row] + 1, out);
-            });
+            };
+            if r == 1 {
+                attend_row((0, &mut attn[..]));
+            } else {
+                attn.par_chunks_mut(h).enumerate().for_each(attend_row);
+            }
             let o = layer.wo.forward_rows(policy, &attn, r)?;
             x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
             for (xr, nr) in x.chunks_exact(h).zip(xn.chunks_exact_mut(h)) {

@@ -112,3 +112,151 @@ impl Profile {
         Ok(p)
     }
 }
+
+/// Row counts the crossover is measured at.
+pub const CROSSOVER_ROWS: [usize; 14] = [1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 128];
+
+/// The default model's `[n, k]` linear shapes, then a 7B-class pair.
+pub const MODEL_SHAPES: [[usize; 2]; 5] = [[576, 576], [192, 576], [1536, 576], [576, 1536], [49152, 576]];
+pub const LARGE_SHAPES: [[usize; 2]; 2] = [[4096, 4096], [14336, 4096]];
+
+pub struct MeasureSpec {
+    pub dtypes: Vec<candle_core::quantized::GgmlDType>,
+    pub shapes: Vec<[usize; 2]>,
+    pub rows: Vec<usize>,
+    /// Wall-clock spent per timed cell, at least one call.
+    pub min_time: std::time::Duration,
+}
+
+impl MeasureSpec {
+    /// `--quick`: the default model's dtypes (Q4_1 layers, Q8_0 output) and shapes.
+    pub fn quick() -> Self {
+        use candle_core::quantized::GgmlDType as D;
+        MeasureSpec {
+            dtypes: vec![D::Q4_1, D::Q8_0],
+            shapes: MODEL_SHAPES.to_vec(),
+            rows: CROSSOVER_ROWS.to_vec(),
+            min_time: std::time::Duration::from_millis(4),
+        }
+    }
+    pub fn full() -> Self {
+        let mut shapes = MODEL_SHAPES.to_vec();
+        shapes.extend(LARGE_SHAPES);
+        MeasureSpec {
+            dtypes: crate::kernels::cpu::SUPPORTED.to_vec(),
+            shapes,
+            rows: CROSSOVER_ROWS.to_vec(),
+            min_time: std::time::Duration::from_millis(10),
+        }
+    }
+}
+
+fn time_ns(min_time: std::time::Duration, mut f: impl FnMut()) -> f64 {
+    f(); // warm caches and the dense-weight cache
+    let mut best = f64::INFINITY;
+    let start = std::time::Instant::now();
+    let mut calls = 0;
+    while calls < 3 || start.elapsed() < min_time {
+        let t = std::time::Instant::now();
+        f();
+        best = best.min(t.elapsed().as_nanos() as f64);
+        calls += 1;
+    }
+    best
+}
+
+/// Measures every kernel at every row count for each dtype and shape (k rounded up to the
+/// dtype's block size), and derives each dtype's crossover. `progress` is called per cell.
+pub fn measure(spec: &MeasureSpec, mut progress: impl FnMut(&str)) -> Result<Profile> {
+    use crate::dispatch::{dtype_name, GateMatMul, Kernel};
+    use candle_core::{quantized::QTensor, Device, Tensor};
+    let mut dtypes = BTreeMap::new();
+    for &d in &spec.dtypes {
+        let mut table = Vec::new();
+        for &[n, k0] in &spec.shapes {
+            let bs = d.block_size();
+            let k = k0.div_ceil(bs) * bs;
+            let w = Tensor::randn(0f32, 1.0, (n, k), &Device::Cpu)?;
+            let q = QTensor::quantize(&w, d)?;
+            let g = GateMatMul::from_arc(std::sync::Arc::new(q), std::sync::Arc::new(Policy::default()))?;
+            let max_rows = spec.rows.iter().copied().max().unwrap_or(1);
+            let x: Vec<f32> = Tensor::randn(0f32, 1.0, (max_rows, k), &Device::Cpu)?.flatten_all()?.to_vec1()?;
+            for &m in &spec.rows {
+                // Row-split of a big matrix at many rows costs seconds per call and its line is
+                // linear in m: measure it where it can still win.
+                for kernel in [Kernel::GemvRowSplit, Kernel::Invariant, Kernel::Gemm, Kernel::Candle] {
+                    if kernel == Kernel::GemvRowSplit && m > 32 && n * k > 4096 * 4096 {
+                        continue;
+                    }
+                    progress(&format!("{} [{n},{k}] rows={m} {}", dtype_name(d), kernel.name()));
+                    let xs = &x[..m * k];
+                    let mut err = None;
+                    let ns = time_ns(spec.min_time, || {
+                        if let Err(e) = g.run_cpu(kernel, xs, m) {
+                            err = Some(e);
+                        }
+                    });
+                    if let Some(e) = err {
+                        return Err(e);
+                    }
+                    table.push(TableRow { shape: [n, k], rows: m, kernel: kernel.name().into(), ns_per_call: ns });
+                }
+            }
+        }
+        let (crossover_rows, row_split_max) = crossover(&table);
+        dtypes.insert(dtype_name(d), DtypeProfile { row_split_max, crossover_rows, table });
+    }
+    Ok(Profile {
+        backend: "cpu".into(),
+        created: now_iso8601(),
+        candle_gate_version: crate::VERSION.into(),
+        dtypes,
+        gate: None,
+    })
+}
+
+fn now_iso8601() -> String {
+    let s = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let (days, rem) = (s / 86400, s % 86400);
+    // civil-from-days (Howard Hinnant), to avoid a date dependency
+    let z = days as i64 + 719468;
+    let era = z.div_euclid(146097);
+    let doe = z - era * 146097;
+    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + if m <= 2 { 1 } else { 0 };
+    format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z", rem / 3600, rem % 3600 / 60, rem % 60)
+}
+
+/// A fixed-width text table: per dtype and shape, ns per call of each kernel at each row count.
+pub fn format_table(p: &Profile) -> String {
+    let mut out = String::new();
+    for (d, dp) in &p.dtypes {
+        out.push_str(&format!(
+            "\n{d}: crossover (gemm beats row-split gemv) at {} rows -> row_split_max = {}\n",
+            dp.crossover_rows.map(|r| r.to_string()).unwrap_or_else(|| "none measured".into()),
+            dp.row_split_max
+        ));
+        let mut shapes: Vec<[usize; 2]> = dp.table.iter().map(|r| r.shape).collect();
+        shapes.dedup();
+        for s in shapes {
+            out.push_str(&format!("  [{}, {}]  us/call      gemv_rs   invariant        gemm      candle   inv/candle  inv/gemv_rs\n", s[0], s[1]));
+            let mut rows: Vec<usize> = dp.table.iter().filter(|r| r.shape == s).map(|r| r.rows).collect();
+            rows.dedup();
+            for m in rows {
+                let get = |k: &str| dp.table.iter().find(|r| r.shape == s && r.rows == m && r.kernel == k).map(|r| r.ns_per_call / 1e3);
+                let f = |v: Option<f64>| v.map(|x| format!("{x:11.1}")).unwrap_or_else(|| format!("{:>11}", "-"));
+                let ratio = |a: Option<f64>, b: Option<f64>| match (a, b) {
+                    (Some(a), Some(b)) => format!("{:11.2}x", b / a),
+                    _ => format!("{:>12}", "-"),
+                };
+                let (g, i, ge, c) = (get("gemv_row_split"), get("invariant"), get("gemm"), get("candle"));
+                out.push_str(&format!("    rows={m:<4}       {}{}{}{}{}{}\n", f(g), f(i), f(ge), f(c), ratio(i, c), ratio(i, g)));
+            }
+        }
+    }
+    out
+}

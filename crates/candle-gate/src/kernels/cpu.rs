@@ -17,7 +17,6 @@ use candle_core::quantized::k_quants::{
 };
 use candle_core::quantized::{GgmlDType, QTensor};
 use half::f16;
-use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 
@@ -120,7 +119,9 @@ fn quad_matmul<T: GgmlType>(w: &[T], x: &[f32], m: usize, k: usize, n: usize, ou
     if total <= 1 {
         (0..total).for_each(run);
     } else {
-        (0..total).into_par_iter().for_each(run);
+        // Candle's own spinning worker pool: waking it costs far less than a rayon join, which
+        // matters for the ~200 small matmuls of one decode step.
+        candle_core::utils::barrier_pool().execute_chunked(total, |range| range.for_each(run));
     }
     let tail = n - n_quad;
     if tail > 0 {
