@@ -381,6 +381,73 @@ impl Engine {
     }
 }
 
+/// Measures the kernel crossover (all CPU dtypes and shapes, or `quick`: the default model's)
+/// and writes the profile JSON to `out`; returns the printed table. Progress goes to stderr.
+#[pyfunction]
+#[pyo3(signature = (model_path = None, quick = true, out = String::from("candle-gate-profile.json")))]
+fn calibrate_kernels(py: Python<'_>, model_path: Option<String>, quick: bool, out: String) -> PyResult<String> {
+    let _ = model_path; // the shapes come from the spec; the model is not needed to time kernels
+    guarded("calibrate_kernels", || {
+        py.detach(|| -> candle_gate::Result<String> {
+            use candle_gate::profile::{format_table, measure, MeasureSpec};
+            let spec = if quick { MeasureSpec::quick() } else { MeasureSpec::full() };
+            let total = spec.dtypes.len() * spec.shapes.len() * spec.rows.len() * 4;
+            let mut n = 0usize;
+            let p = measure(&spec, |what| {
+                n += 1;
+                if n % 20 == 0 || n == total {
+                    eprint!("\rcalibrate: {n}/{total} (~) {what:<60}");
+                }
+            })?;
+            eprintln!();
+            // Keep a gate section already in the file.
+            let mut p = p;
+            if let Ok(old) = Profile::load(std::path::Path::new(&out)) {
+                p.gate = old.gate;
+            }
+            p.save(std::path::Path::new(&out))?;
+            Ok(format_table(&p))
+        })
+        .map_err(to_py)
+    })
+}
+
+/// Quantizes a random `[n, k]` weight to `dtype` and runs every CPU kernel on `m` random rows;
+/// returns `{kernel: flat outputs}` (for property tests from Python).
+#[pyfunction]
+fn kernel_outputs<'py>(py: Python<'py>, dtype: &str, n: usize, k: usize, m: usize, seed: u64) -> PyResult<Bound<'py, PyDict>> {
+    use candle_core::{quantized::QTensor, Device, Tensor};
+    let outs = guarded("kernel_outputs", || {
+        let d = candle_gate::dispatch::dtype_from_name(dtype).map_err(to_py)?;
+        if n == 0 || k == 0 {
+            return Err(PyValueError::new_err("n and k must be positive"));
+        }
+        if k % d.block_size() != 0 {
+            return Err(PyValueError::new_err(format!("k={k} is not a multiple of the {dtype} block size {}", d.block_size())));
+        }
+        let dev = Device::Cpu;
+        let r = || -> candle_core::Result<(QTensor, Vec<f32>)> {
+            dev.set_seed(seed)?;
+            let w = Tensor::randn(0f32, 1.0, (n, k), &dev)?;
+            let x = Tensor::randn(0f32, 1.0, (m.max(1), k), &dev)?.flatten_all()?.to_vec1::<f32>()?;
+            Ok((QTensor::quantize(&w, d)?, x))
+        };
+        let (q, x) = r().map_err(|e| CandleGateError::new_err(e.to_string()))?;
+        let g = candle_gate::GateMatMul::from_arc(Arc::new(q), Arc::new(Policy::default())).map_err(to_py)?;
+        let x = &x[..m * k];
+        let mut outs = vec![];
+        for kern in [Kernel::GemvRowSplit, Kernel::Invariant, Kernel::Gemm, Kernel::Candle] {
+            outs.push((kern.name(), g.run_cpu(kern, x, m).map_err(to_py)?));
+        }
+        Ok(outs)
+    })?;
+    let d = PyDict::new(py);
+    for (name, v) in outs {
+        d.set_item(name, v.into_pyarray(py))?;
+    }
+    Ok(d)
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("CandleGateError", m.py().get_type::<CandleGateError>())?;
@@ -388,6 +455,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("CUDA_AVAILABLE", candle_gate::kernels::cuda::AVAILABLE)?;
     m.add("METAL_AVAILABLE", candle_gate::kernels::metal::AVAILABLE)?;
     m.add_class::<Model>()?;
+    m.add_function(wrap_pyfunction!(calibrate_kernels, m)?)?;
+    m.add_function(wrap_pyfunction!(kernel_outputs, m)?)?;
     m.add_class::<Engine>()?;
     Ok(())
 }
