@@ -204,3 +204,19 @@ fn profiles_load_and_refuse_bad_files() {
     assert_eq!(dtype_name(GgmlDType::Q4_1), "q4_1");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Candle's own Q4_1 CPU path computes each element the same way at every row count, and the
+/// invariant kernel (with its AVX2 integer sums) reproduces it bit for bit: the default model's
+/// layers give Candle's exact numbers, only faster.
+#[test]
+fn q4_1_invariant_equals_candle_qmatmul_at_every_row_count() {
+    for (n, k) in [(576, 576), (192, 576), (1536, 576), (576, 1536), (37, 64)] {
+        let w = weight(GgmlDType::Q4_1, n, k, 41);
+        let x = pseudo_random(64 * k, 42);
+        for m in rows_for(n) {
+            let a = w.run_cpu(Kernel::Invariant, &x[..m * k], m).unwrap();
+            let b = w.run_cpu(Kernel::Candle, &x[..m * k], m).unwrap();
+            assert!(bits_equal(&a, &b), "[{n},{k}] m={m}");
+        }
+    }
+}

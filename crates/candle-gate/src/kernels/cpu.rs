@@ -79,13 +79,32 @@ fn quantize_rows<T: GgmlType>(x: &[f32], m: usize, k: usize) -> Vec<T::VecDotTyp
     q
 }
 
+/// `Some(slice)` when `A` is `B` (a type-level dispatch that keeps the kernels generic).
+fn cast<A: 'static, B: 'static>(s: &[A]) -> Option<&[B]> {
+    if std::any::TypeId::of::<A>() == std::any::TypeId::of::<B>() {
+        // SAFETY: A and B are the same type.
+        Some(unsafe { std::slice::from_raw_parts(s.as_ptr() as *const B, s.len()) })
+    } else {
+        None
+    }
+}
+
 /// The shared core of `gemv` and `invariant`: rows `0..m` of `x` against all `n` columns.
 /// Each output element is computed by exactly one `vec_dot_4`/`vec_dot_2`/`vec_dot` call over
 /// the full k, independent of `m`, of the tile it falls in and of the thread that runs it.
-fn quad_matmul<T: GgmlType>(w: &[T], x: &[f32], m: usize, k: usize, n: usize, out: &mut [f32]) {
+fn quad_matmul<T: GgmlType + 'static>(w: &[T], x: &[f32], m: usize, k: usize, n: usize, out: &mut [f32])
+where
+    T::VecDotType: 'static,
+{
     let kb = k / T::BLCK_SIZE;
     let xq = quantize_rows::<T>(x, m, k);
     let xq = &xq[..];
+    if let (Some(w), Some(xq)) = (
+        cast::<T, BlockQ4_1>(w),
+        cast::<T::VecDotType, candle_core::quantized::k_quants::BlockQ8_1>(xq),
+    ) {
+        return super::cpu_q4_1::matmul(w, xq, m, k, n, out);
+    }
     let row = |r: usize| &xq[r * kb..(r + 1) * kb];
     let col = |c: usize| &w[c * kb..(c + 1) * kb];
     let n_quad = n & !3;

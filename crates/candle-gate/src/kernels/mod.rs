@@ -2,6 +2,7 @@
 //! GPU backends are stubs unless their cargo feature is on.
 
 pub mod cpu;
+mod cpu_q4_1;
 
 #[cfg(feature = "cuda")]
 pub mod cuda;

@@ -1,0 +1,153 @@
+//! Q4_1 × Q8_1 for the CPU `gemv` and `invariant` kernels.
+//!
+//! Candle 0.11 computes this dot product with its generic scalar code. Here the per-block
+//! integer sum is computed with AVX2 — integer arithmetic is exact, so the lanes cannot change
+//! it — and the float part is done exactly as Candle does it, block by block in order:
+//! `sumf += sumi as f32 * d_x * d_y + m_x * s_y`. Every output element is therefore bitwise
+//! equal to Candle's own Q4_1 result, at every row count, while a weight block is unpacked once
+//! per tile of rows instead of once per row and column.
+
+use candle_core::quantized::k_quants::{BlockQ4_1, BlockQ8_1};
+use half::f16;
+
+/// Mirrors Candle's `#[repr(C)]` `BlockQ4_1` (its fields are crate-private).
+#[repr(C)]
+struct Q41 {
+    d: f16,
+    m: f16,
+    qs: [u8; 16],
+}
+/// Mirrors Candle's `#[repr(C)]` `BlockQ8_1`.
+#[repr(C)]
+struct Q81 {
+    d: f16,
+    s: f16,
+    qs: [i8; 32],
+}
+const _: () = assert!(std::mem::size_of::<Q41>() == std::mem::size_of::<BlockQ4_1>());
+const _: () = assert!(std::mem::size_of::<Q81>() == std::mem::size_of::<BlockQ8_1>());
+
+fn as_q41(w: &[BlockQ4_1]) -> &[Q41] {
+    // SAFETY: same size and alignment (asserted above), both repr(C) {f16, f16, bytes}.
+    unsafe { std::slice::from_raw_parts(w.as_ptr() as *const Q41, w.len()) }
+}
+fn as_q81(x: &[BlockQ8_1]) -> &[Q81] {
+    // SAFETY: as above.
+    unsafe { std::slice::from_raw_parts(x.as_ptr() as *const Q81, x.len()) }
+}
+
+#[inline(always)]
+fn block_sumi_scalar(x: &Q41, y: &Q81) -> i32 {
+    let mut s = 0i32;
+    for j in 0..16 {
+        s += (x.qs[j] as i32 & 0x0F) * y.qs[j] as i32 + (x.qs[j] as i32 >> 4) * y.qs[j + 16] as i32;
+    }
+    s
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::{Q41, Q81};
+    use std::arch::x86_64::*;
+
+    /// The 32 weight nibbles of a block as unsigned bytes, in element order.
+    #[inline(always)]
+    pub unsafe fn unpack(x: &Q41) -> __m256i {
+        let q = _mm_loadu_si128(x.qs.as_ptr() as *const __m128i);
+        let mask = _mm_set1_epi8(0x0F);
+        let lo = _mm_and_si128(q, mask);
+        let hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
+        _mm256_set_m128i(hi, lo)
+    }
+
+    #[inline(always)]
+    pub unsafe fn sumi(xq: __m256i, y: &Q81) -> i32 {
+        let yq = _mm256_loadu_si256(y.qs.as_ptr() as *const __m256i);
+        // u8 (<= 15) x i8 pairs summed to i16: |15*128*2| fits; then pairs of i16 to i32.
+        let p16 = _mm256_maddubs_epi16(xq, yq);
+        let p32 = _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+        let s = _mm_add_epi32(_mm256_castsi256_si128(p32), _mm256_extracti128_si256(p32, 1));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
+        _mm_cvtsi128_si32(s)
+    }
+}
+
+const MAX_TILE: usize = 16;
+
+/// `out[r * n + c]` for rows `0..m` (at most 16) of `xq` (row-major Q8_1 blocks) and columns
+/// `cols` of `w`.
+fn tile(w: &[Q41], xq: &[Q81], kb: usize, m: usize, cols: std::ops::Range<usize>, n: usize, out: *mut f32) {
+    debug_assert!(m <= MAX_TILE);
+    let mut yd = [[0f32; 2]; 0].to_vec();
+    yd.reserve(m * kb);
+    for r in 0..m {
+        for b in 0..kb {
+            let y = &xq[r * kb + b];
+            yd.push([y.d.to_f32(), y.s.to_f32()]);
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    let simd = is_x86_feature_detected!("avx2");
+    for c in cols {
+        let wc = &w[c * kb..(c + 1) * kb];
+        let mut acc = [0f32; MAX_TILE];
+        for (b, x) in wc.iter().enumerate() {
+            let (xd, xm) = (x.d.to_f32(), x.m.to_f32());
+            #[cfg(target_arch = "x86_64")]
+            if simd {
+                // SAFETY: AVX2 detected at run time.
+                unsafe {
+                    let xq8 = avx2::unpack(x);
+                    for r in 0..m {
+                        let sumi = avx2::sumi(xq8, &xq[r * kb + b]);
+                        let [d, s] = yd[r * kb + b];
+                        acc[r] += sumi as f32 * xd * d + xm * s;
+                    }
+                }
+                continue;
+            }
+            for r in 0..m {
+                let sumi = block_sumi_scalar(x, &xq[r * kb + b]);
+                let [d, s] = yd[r * kb + b];
+                acc[r] += sumi as f32 * xd * d + xm * s;
+            }
+        }
+        for r in 0..m {
+            // SAFETY: each (r, c) belongs to exactly one caller-side task.
+            unsafe { *out.add(r * n + c) = acc[r] };
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+/// Columns handed to a worker at once.
+const COLS_PER_TASK: usize = 32;
+
+/// `y = x · Wᵀ` for `m` rows; bitwise equal to Candle's Q4_1 matmul row by row.
+pub fn matmul(w: &[BlockQ4_1], xq: &[BlockQ8_1], m: usize, k: usize, n: usize, out: &mut [f32]) {
+    let kb = k / 32;
+    let (w, xq) = (as_q41(w), as_q81(xq));
+    let ptr = OutPtr(out.as_mut_ptr());
+    let col_tasks = n.div_ceil(COLS_PER_TASK);
+    let row_tiles = m.div_ceil(MAX_TILE);
+    let run = |task: usize| {
+        let p = ptr;
+        let (rt, ct) = (task / col_tasks, task % col_tasks);
+        let r0 = rt * MAX_TILE;
+        let rows = MAX_TILE.min(m - r0);
+        let cols = ct * COLS_PER_TASK..n.min((ct + 1) * COLS_PER_TASK);
+        // SAFETY: the offset stays inside `out` (rows r0.. of m).
+        tile(w, &xq[r0 * kb..(r0 + rows) * kb], kb, rows, cols, n, unsafe { p.0.add(r0 * n) });
+    };
+    let total = row_tiles * col_tasks;
+    if total <= 1 {
+        (0..total).for_each(run);
+    } else {
+        candle_core::utils::barrier_pool().execute_chunked(total, |range| range.for_each(run));
+    }
+}
