@@ -135,13 +135,7 @@ where
         }
     };
     let total = row_tiles * tasks;
-    if total <= 1 {
-        (0..total).for_each(run);
-    } else {
-        // Candle's own spinning worker pool: waking it costs far less than a rayon join, which
-        // matters for the ~200 small matmuls of one decode step.
-        candle_core::utils::barrier_pool().execute_chunked(total, |range| range.for_each(run));
-    }
+    super::parallel_for(total, run);
     let tail = n - n_quad;
     if tail > 0 {
         for r in 0..m {

@@ -145,9 +145,5 @@ pub fn matmul(w: &[BlockQ4_1], xq: &[BlockQ8_1], m: usize, k: usize, n: usize, o
         tile(w, &xq[r0 * kb..(r0 + rows) * kb], kb, rows, cols, n, unsafe { p.0.add(r0 * n) });
     };
     let total = row_tiles * col_tasks;
-    if total <= 1 {
-        (0..total).for_each(run);
-    } else {
-        candle_core::utils::barrier_pool().execute_chunked(total, |range| range.for_each(run));
-    }
+    super::parallel_for(total, run);
 }

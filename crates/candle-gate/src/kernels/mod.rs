@@ -16,7 +16,56 @@ pub mod metal;
 #[path = "dummy_metal.rs"]
 pub mod metal;
 
+use std::sync::atomic::{AtomicU8, Ordering};
+
 use candle_core::{quantized::QMatMul, Module, Tensor};
+use rayon::prelude::*;
+
+/// The worker pool the CPU kernels split output columns over. Which pool (and how many threads)
+/// never changes a result: every output element is computed whole by one worker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pool {
+    /// rayon: the current rayon pool, so `Engine(threads=N)` applies; degrades gracefully when
+    /// the machine is shared. The default.
+    Rayon,
+    /// Candle's own spinning barrier pool: lower wake-up cost on an idle machine, but spinning
+    /// workers collapse when other processes compete for the cores.
+    Candle,
+}
+
+static POOL: AtomicU8 = AtomicU8::new(u8::MAX);
+
+/// The pool in use: set by [`set_pool`], else `CANDLE_GATE_POOL=candle|rayon`, else rayon.
+pub fn pool() -> Pool {
+    match POOL.load(Ordering::Relaxed) {
+        0 => Pool::Rayon,
+        1 => Pool::Candle,
+        _ => {
+            let p = match std::env::var("CANDLE_GATE_POOL").as_deref() {
+                Ok("candle") => Pool::Candle,
+                _ => Pool::Rayon,
+            };
+            set_pool(p);
+            p
+        }
+    }
+}
+
+pub fn set_pool(p: Pool) {
+    POOL.store(if p == Pool::Rayon { 0 } else { 1 }, Ordering::Relaxed);
+}
+
+/// Runs `run(task)` for every task in `0..total` on the chosen pool.
+pub(crate) fn parallel_for(total: usize, run: impl Fn(usize) + Sync + Send) {
+    if total <= 1 {
+        (0..total).for_each(run);
+        return;
+    }
+    match pool() {
+        Pool::Rayon => (0..total).into_par_iter().for_each(run),
+        Pool::Candle => candle_core::utils::barrier_pool().execute_chunked(total, |range| range.for_each(&run)),
+    }
+}
 
 /// Row-split on a GPU: every row through Candle's own single-row (mat-vec) kernel. Shared by
 /// the CUDA and Metal backends, whose single-row kernels Candle picks for one-row inputs.
