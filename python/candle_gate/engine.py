@@ -5,7 +5,6 @@ token ids and dicts into :class:`Result` objects.
 """
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Union
 
@@ -14,7 +13,7 @@ import numpy as np
 from . import _native
 from .models import resolve
 
-MODES = ("native", "row_split", "invariant", "gemm")
+MODES = ("native", "row_split", "invariant", "gemm", "gemm_f16")
 GATES = ("off", "gated", "always")
 
 Chat = List[Dict[str, str]]
@@ -134,7 +133,8 @@ class Engine:
                  profile: Optional[str] = None, gate: str = "off", tau: Optional[float] = None,
                  max_num_seqs: int = 16, max_tokens_per_step: int = 256, prefill_chunk: int = 64,
                  kv_budget_tokens: int = 65536, threads: Optional[int] = None,
-                 record_logit_hashes: bool = False, row_split_max: Optional[int] = None):
+                 record_logit_hashes: bool = False, row_split_max: Optional[int] = None,
+                 deep_tau: Optional[float] = None):
         if not isinstance(model, Model):
             model = Model.load(model)
         self.model = model
@@ -144,7 +144,10 @@ class Engine:
         if gate not in GATES:
             raise ValueError(f"unknown gate {gate!r}; expected one of {', '.join(GATES)}")
         if tau is None:
-            tau = _profile_tau(profile) if (gate == "gated" and profile) else (DEFAULT_TAU if gate == "gated" else 0.0)
+            if gate == "gated" and not profile:
+                raise ValueError("gate='gated' needs tau= or a profile with a calibrated tau "
+                                 "(candle-gate calibrate --gate --out PROFILE)")
+            tau = _profile_tau(profile) if gate == "gated" else 0.0
         if isinstance(tau, bool) or not isinstance(tau, (int, float)):
             raise TypeError(f"tau must be a number, got {type(tau).__name__}")
         for name, v in (("max_num_seqs", max_num_seqs), ("max_tokens_per_step", max_tokens_per_step),
@@ -153,8 +156,8 @@ class Engine:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         self._native = _native.Engine(model._native, mode, profile, gate, float(tau), max_num_seqs,
                                       max_tokens_per_step, prefill_chunk, kv_budget_tokens, threads,
-                                      record_logit_hashes, row_split_max)
-        self._lock = threading.Lock()
+                                      record_logit_hashes, row_split_max,
+                                      None if deep_tau is None else float(deep_tau))
 
     def submit(self, prompt: Prompt, max_new_tokens: int = 64, stop: Optional[Sequence[str]] = None,
                chat: bool = False, forced_tokens: Optional[Sequence[int]] = None) -> int:
@@ -218,9 +221,6 @@ class Engine:
         return self.run(ids)
 
 
-DEFAULT_TAU = 1.0
-
-
 def _profile_tau(profile: str) -> float:
     import json
     try:
@@ -233,3 +233,8 @@ def _profile_tau(profile: str) -> float:
         raise _native.CandleGateError(
             f"profile {profile} has no gate tau; run `candle-gate calibrate --gate --out {profile}` or pass tau=")
     return float(g["tau"])
+
+
+# The probe's fallback tau when neither tau nor a profile is given (the calibrated value for
+# the default model's gemm_f16 lane; see README).
+DEFAULT_TAU = 0.1

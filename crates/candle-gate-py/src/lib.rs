@@ -21,11 +21,34 @@ use pyo3::types::{PyDict, PyList};
 
 create_exception!(_native, CandleGateError, PyException, "Any error raised by candle-gate.");
 
+/// Candle errors carry a backtrace when RUST_BACKTRACE is set; Python users get the message.
+fn clean(msg: String) -> String {
+    match msg.find("\n   0: ") {
+        Some(i) => msg[..i].trim_end().to_string(),
+        None => msg,
+    }
+}
+
 fn to_py(e: candle_gate::Error) -> PyErr {
     match e {
-        candle_gate::Error::BadInput(m) => PyValueError::new_err(m),
-        other => CandleGateError::new_err(other.to_string()),
+        candle_gate::Error::BadInput(m) => PyValueError::new_err(clean(m)),
+        other => CandleGateError::new_err(clean(other.to_string())),
     }
+}
+
+/// Deterministic inputs for property tests without seeding Candle's RNG (the CPU device has
+/// no seed): xorshift64*.
+fn xorshift(len: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
+    (0..len)
+        .map(|_| {
+            s ^= s >> 12;
+            s ^= s << 25;
+            s ^= s >> 27;
+            let u = (s.wrapping_mul(0x2545F4914F6CDD1D) >> 40) as f32 / (1u64 << 24) as f32;
+            (u - 0.5) * 4.0
+        })
+        .collect()
 }
 
 /// Runs `f`, turning a panic into a `CandleGateError` instead of unwinding into Python.
@@ -190,6 +213,7 @@ fn kernel_from_name(s: &str) -> PyResult<Kernel> {
         "gemv_row_split" => Kernel::GemvRowSplit,
         "invariant" => Kernel::Invariant,
         "gemm" => Kernel::Gemm,
+        "gemm_f16" => Kernel::GemmF16,
         "candle" => Kernel::Candle,
         _ => return Err(PyValueError::new_err(format!("unknown kernel {s:?}"))),
     })
@@ -217,6 +241,7 @@ fn output_dict<'py>(py: Python<'py>, o: Output) -> PyResult<Bound<'py, PyDict>> 
     g.set_item("steps", o.gate.steps)?;
     g.set_item("rechecks", o.gate.rechecks)?;
     g.set_item("corrections", o.gate.corrections)?;
+    g.set_item("deep_rechecks", o.gate.deep_rechecks)?;
     d.set_item("gate", g)?;
     Ok(d)
 }
@@ -234,7 +259,7 @@ impl Engine {
     #[new]
     #[pyo3(signature = (model, mode = "invariant", profile = None, gate = "off", tau = 0.0,
         max_num_seqs = 16, max_tokens_per_step = 256, prefill_chunk = 64, kv_budget_tokens = 65536,
-        threads = None, record_logit_hashes = false, row_split_max = None))]
+        threads = None, record_logit_hashes = false, row_split_max = None, deep_tau = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         model: &Model,
@@ -249,6 +274,7 @@ impl Engine {
         threads: Option<usize>,
         record_logit_hashes: bool,
         row_split_max: Option<usize>,
+        deep_tau: Option<f32>,
     ) -> PyResult<Self> {
         guarded("Engine()", || {
             let mut policy = make_policy(mode, profile).map_err(to_py)?;
@@ -259,7 +285,12 @@ impl Engine {
                 policy.default_row_split_max = r;
                 policy.row_split_max.clear();
             }
-            let gate = GateConfig::new(GateMode::from_str(gate).map_err(to_py)?, tau).map_err(to_py)?;
+            let gmode = GateMode::from_str(gate).map_err(to_py)?;
+            let gate = match deep_tau {
+                Some(d) => GateConfig::with_deep(gmode, tau, d),
+                None => GateConfig::new(gmode, tau),
+            }
+            .map_err(to_py)?;
             let cfg = EngineConfig {
                 max_num_seqs,
                 max_tokens_per_step,
@@ -333,6 +364,7 @@ impl Engine {
         d.set_item("steps", s.steps)?;
         d.set_item("rechecks", s.rechecks)?;
         d.set_item("corrections", s.corrections)?;
+        d.set_item("deep_rechecks", s.deep_rechecks)?;
         Ok(d)
     }
 
@@ -427,9 +459,8 @@ fn kernel_outputs<'py>(py: Python<'py>, dtype: &str, n: usize, k: usize, m: usiz
         }
         let dev = Device::Cpu;
         let r = || -> candle_core::Result<(QTensor, Vec<f32>)> {
-            dev.set_seed(seed)?;
-            let w = Tensor::randn(0f32, 1.0, (n, k), &dev)?;
-            let x = Tensor::randn(0f32, 1.0, (m.max(1), k), &dev)?.flatten_all()?.to_vec1::<f32>()?;
+            let w = Tensor::from_vec(xorshift(n * k, seed), (n, k), &dev)?;
+            let x = xorshift(m.max(1) * k, seed ^ 0xABCDEF);
             Ok((QTensor::quantize(&w, d)?, x))
         };
         let (q, x) = r().map_err(|e| CandleGateError::new_err(e.to_string()))?;

@@ -26,16 +26,21 @@ pub enum Mode {
     Invariant,
     /// The dequantized dense GEMM at every row count: fast for prefill, not batch invariant.
     Gemm,
+    /// The dense GEMM in half precision (F16 weights and activations, F16 results): the
+    /// CPU stand-in for a bf16/f16 GPU lane, where batch-dependent rounding is large enough to
+    /// flip near-ties. The lane the margin gate is demonstrated on.
+    GemmF16,
 }
 
 impl Mode {
-    pub const ALL: [Mode; 4] = [Mode::Native, Mode::RowSplit, Mode::Invariant, Mode::Gemm];
+    pub const ALL: [Mode; 5] = [Mode::Native, Mode::RowSplit, Mode::Invariant, Mode::Gemm, Mode::GemmF16];
     pub fn name(self) -> &'static str {
         match self {
             Mode::Native => "native",
             Mode::RowSplit => "row_split",
             Mode::Invariant => "invariant",
             Mode::Gemm => "gemm",
+            Mode::GemmF16 => "gemm_f16",
         }
     }
 }
@@ -48,7 +53,7 @@ impl FromStr for Mode {
             .find(|m| m.name() == s)
             .ok_or_else(|| {
                 Error::BadInput(format!(
-                    "unknown mode {s:?}; expected one of native, row_split, invariant, gemm"
+                    "unknown mode {s:?}; expected one of native, row_split, invariant, gemm, gemm_f16"
                 ))
             })
     }
@@ -60,6 +65,7 @@ pub enum Kernel {
     GemvRowSplit,
     Invariant,
     Gemm,
+    GemmF16,
     Candle,
 }
 
@@ -69,6 +75,7 @@ impl Kernel {
             Kernel::GemvRowSplit => "gemv_row_split",
             Kernel::Invariant => "invariant",
             Kernel::Gemm => "gemm",
+            Kernel::GemmF16 => "gemm_f16",
             Kernel::Candle => "candle",
         }
     }
@@ -152,6 +159,7 @@ impl Policy {
         match self.mode {
             Mode::Native => Kernel::Candle,
             Mode::Gemm => Kernel::Gemm,
+            Mode::GemmF16 => Kernel::GemmF16,
             Mode::Invariant => Kernel::Invariant,
             Mode::RowSplit if rows <= self.row_split_max(backend, dtype) => Kernel::GemvRowSplit,
             Mode::RowSplit => Kernel::Gemm,
@@ -173,6 +181,7 @@ pub struct GateMatMul {
     weight: Arc<QTensor>,
     native: QMatMul,
     dense: OnceLock<Tensor>,
+    dense_f16: OnceLock<Tensor>,
     policy: Arc<Policy>,
 }
 
@@ -197,7 +206,7 @@ impl GateMatMul {
             )));
         }
         let native = QMatMul::from_arc(weight.clone())?;
-        Ok(GateMatMul { weight, native, dense: OnceLock::new(), policy })
+        Ok(GateMatMul { weight, native, dense: OnceLock::new(), dense_f16: OnceLock::new(), policy })
     }
 
     pub fn with_policy(&self, policy: Arc<Policy>) -> Self {
@@ -205,6 +214,7 @@ impl GateMatMul {
             weight: self.weight.clone(),
             native: self.native.clone(),
             dense: OnceLock::new(),
+            dense_f16: OnceLock::new(),
             policy,
         }
     }
@@ -224,6 +234,14 @@ impl GateMatMul {
     /// The weight dequantized to a dense FP32 `[n, k]` tensor, made once and cached.
     pub fn dense_f32(&self) -> Result<&Tensor> {
         self.dense()
+    }
+
+    fn dense_f16(&self) -> Result<&Tensor> {
+        if let Some(t) = self.dense_f16.get() {
+            return Ok(t);
+        }
+        let t = self.weight.dequantize_f16(&self.weight.device())?;
+        Ok(self.dense_f16.get_or_init(|| t))
     }
 
     fn dense(&self) -> Result<&Tensor> {
@@ -249,13 +267,13 @@ impl GateMatMul {
         match kernel {
             Kernel::GemvRowSplit => kernels::cpu::gemv_rows(&self.weight, x, m),
             Kernel::Invariant => kernels::cpu::invariant(&self.weight, x, m),
-            Kernel::Gemm | Kernel::Candle => {
+            Kernel::Gemm | Kernel::GemmF16 | Kernel::Candle => {
                 kernels::cpu::check(&self.weight, x, m)?;
                 let xs = Tensor::from_slice(x, (m, k), &Device::Cpu)?;
-                let ys = if kernel == Kernel::Gemm {
-                    xs.matmul(&self.dense()?.t()?)?
-                } else {
-                    self.native.forward(&xs)?
+                let ys = match kernel {
+                    Kernel::Gemm => xs.matmul(&self.dense()?.t()?)?,
+                    Kernel::GemmF16 => xs.to_dtype(DType::F16)?.matmul(&self.dense_f16()?.t()?)?.to_dtype(DType::F32)?,
+                    _ => self.native.forward(&xs)?,
                 };
                 debug_assert_eq!(ys.dims(), &[m, n]);
                 Ok(ys.flatten_all()?.to_vec1::<f32>()?)
@@ -308,6 +326,10 @@ impl Module for GateMatMul {
                     Kernel::GemvRowSplit | Kernel::Invariant => row_split(&xs2)?,
                     Kernel::Candle => self.native.forward(&xs2)?,
                     Kernel::Gemm => xs2.matmul(&self.dense().map_err(candle_core::Error::wrap)?.t()?)?,
+                    Kernel::GemmF16 => xs2
+                        .to_dtype(DType::F16)?
+                        .matmul(&self.dense_f16().map_err(candle_core::Error::wrap)?.t()?)?
+                        .to_dtype(xs.dtype())?,
                 }
             }
         };
