@@ -14,9 +14,4 @@ __all__ = [
     "DEFAULT_MODEL", "cache_dir", "fetch", "resolve",
     "Engine", "Model", "Result", "MODES", "GATES", "probe",
 ]
-
-
-def probe(*args, **kwargs):
-    """See :func:`candle_gate.probe.run_probe`."""
-    from .probe import run_probe
-    return run_probe(*args, **kwargs)
+from . import probe  # callable module: candle_gate.probe(...) runs candle_gate.probe.run_probe

@@ -9,10 +9,11 @@ Compositions (``COMPOSITIONS``):
 - ``batch2`` ... ``batch16``: the prompts in groups of that size, one engine per group; the last
   group is padded by cycling through the prompts (padding requests are not scored).
 - ``staggered``: one engine; the requests arrive one by one, a new one every 3 steps.
-- ``mixed_prefill``: one engine per prompt; once the request decodes, a filler request with a
-  120-token prompt arrives at its first decode step and then every 8 decode steps
-  (``mixed_prefill_every``), and is prefilled in one chunk (prefill_chunk 128) in the same step
-  as the probed request's decode row; fillers stop after their first token and are not scored.
+- ``mixed_prefill``: all prompts in one batch; once every request decodes, a filler request
+  with a 120-token prompt arrives (then again every 8 decode steps, ``mixed_prefill_every``)
+  and is prefilled in one chunk (prefill_chunk 128) in the same step as the decode rows of the
+  probed requests; fillers stop after their first token and are not scored. Compare it with
+  ``threads2``/``reversed`` (the same batch without fillers) to isolate the filler's effect.
 - ``reversed``: all prompts in one batch, submitted in reverse order.
 - ``threads1`` / ``threads2``: all prompts in one batch on a 1- / 2-thread pool.
 
@@ -34,9 +35,12 @@ Top-level extras: ``scored_steps`` (steps per composition), ``distinct_outputs``
 the number of distinct token sequences over the baseline and all free-running compositions),
 ``identical_sequences_share`` (share of prompts with one distinct output),
 ``pairwise_diverging`` (for every pair of runs, the number of prompts whose tokens differ) and
-``flip_margins`` (per composition, the baseline margins at the flipped steps).
+``flip_margins`` (per composition, the baseline margins at the flipped steps) and
+``baseline_margins`` (min, 1st and 10th percentile and median of the baseline's margins: how
+close the near-ties come).
 ``gate`` sums ``gate_stats`` over every free-running engine (baseline included), or is null when
-the gate is off.
+the gate is off: ``mode``, ``tau``, ``steps``, ``rechecks``, ``corrections``, then any further
+counter the engine reports (``deep_rechecks``).
 """
 from __future__ import annotations
 
@@ -57,7 +61,7 @@ COMPOSITIONS = ("batch2", "batch3", "batch4", "batch5", "batch8", "batch16", "st
 
 REPORT_KEYS = ("model", "mode", "prompts", "max_new_tokens", "compositions", "gate")
 EXTRA_KEYS = ("scored_steps", "distinct_outputs", "identical_sequences_share",
-              "pairwise_diverging", "flip_margins")
+              "pairwise_diverging", "flip_margins", "baseline_margins")
 COMPOSITION_KEYS = ("name", "step_flip_rate", "diverging_sequences", "logit_bit_mismatches",
                     "first_divergence", "margins_at_divergence")
 GATE_KEYS = ("mode", "tau", "steps", "rechecks", "corrections")
@@ -153,6 +157,8 @@ def load_prompts(path: str) -> List[Any]:
     except OSError as e:
         raise ValueError(f"cannot read prompts file {path!r}: {e}") from None
     stripped = text.lstrip()
+    if not stripped:
+        raise ValueError(f"prompts file {path!r} holds no prompts")
     if str(path).endswith(".json") or stripped.startswith(("[", "{")):
         try:
             data = json.loads(text)
@@ -226,12 +232,13 @@ class Runner:
 
     def __init__(self, model: Model, prompts: Sequence[Any], max_new_tokens: int, mode: str,
                  gate: str = "off", tau: float = 0.0, profile: Optional[str] = None,
-                 row_split_max: Optional[int] = None, mixed_prefill_every: int = MIXED_PREFILL_EVERY):
+                 row_split_max: Optional[int] = None, mixed_prefill_every: int = MIXED_PREFILL_EVERY,
+                 deep_tau: Optional[float] = None):
         if isinstance(mixed_prefill_every, bool) or not isinstance(mixed_prefill_every, int) or mixed_prefill_every <= 0:
             raise ValueError(f"mixed_prefill_every must be a positive int, got {mixed_prefill_every!r}")
         self.mixed_prefill_every = mixed_prefill_every
         self.model, self.mode, self.gate, self.tau = model, mode, gate, float(tau)
-        self.profile, self.row_split_max = profile, row_split_max
+        self.profile, self.row_split_max, self.deep_tau = profile, row_split_max, deep_tau
         self.max_new_tokens = max_new_tokens
         self.ids: List[List[int]] = []
         for i, p in enumerate(prompts):
@@ -249,11 +256,12 @@ class Runner:
     def n(self) -> int:
         return len(self.ids)
 
-    def engine(self, n_seqs: int, threads: Optional[int] = None) -> Engine:
+    def engine(self, n_seqs: int, threads: Optional[int] = None, budget: int = MAX_TOKENS_PER_STEP) -> Engine:
+        extra = {} if self.deep_tau is None else {"deep_tau": self.deep_tau}
         return Engine(self.model, mode=self.mode, profile=self.profile, gate=self.gate, tau=self.tau,
-                      max_num_seqs=max(16, n_seqs), max_tokens_per_step=MAX_TOKENS_PER_STEP,
+                      max_num_seqs=max(16, n_seqs + 1), max_tokens_per_step=budget,
                       prefill_chunk=PREFILL_CHUNK, threads=threads, record_logit_hashes=True,
-                      row_split_max=self.row_split_max)
+                      row_split_max=self.row_split_max, **extra)
 
     def _submit(self, eng: Engine, i: int, forced: Optional[Sequence[np.ndarray]]) -> int:
         if forced is None:
@@ -315,28 +323,23 @@ class Runner:
         return res
 
     def _mixed_prefill(self, forced) -> List[Result]:
-        out = []
-        for i in range(self.n):
-            eng = self.engine(2)
-            rid = self._submit(eng, i, forced)
-            decoding, k = False, 0
-            while not eng._native.is_finished(rid):
-                if decoding and k % self.mixed_prefill_every == 0:
-                    eng.submit(self.filler, max_new_tokens=1)
-                if eng.step() == 0 and not eng.has_work:
-                    break
-                if decoding:
-                    k += 1
-                for ev in eng._native.events():
-                    if ev["type"] == "token" and ev["id"] == rid:
-                        decoding = True
-            eng._native.events()
-            r = eng.result(rid)
-            if r is None:
-                raise RuntimeError(f"mixed_prefill: request for prompt {i} did not finish")
-            out.append(r)
-            self._done(eng, forced)
-        return out
+        eng = self.engine(self.n, budget=max(MAX_TOKENS_PER_STEP, self.n + FILLER_TOKENS))
+        rids = [self._submit(eng, i, forced) for i in range(self.n)]
+        probed, started = set(rids), set()
+        k = 0
+        while any(not eng._native.is_finished(r) for r in rids):
+            if len(started) == self.n and k % self.mixed_prefill_every == 0:
+                eng.submit(self.filler, max_new_tokens=1)
+            if eng.step() == 0 and not eng.has_work:
+                break
+            if len(started) == self.n:
+                k += 1
+            for ev in eng._native.events():
+                if ev["id"] in probed:
+                    started.add(ev["id"])
+        res = eng.run(rids)
+        self._done(eng, forced)
+        return res
 
     def _all(self, order: List[int], threads: Optional[int], forced) -> List[Result]:
         eng = self.engine(self.n, threads=threads)
@@ -392,6 +395,14 @@ def compare(name: str, base: Sequence[Result], free: Sequence[Result],
     return entry, steps, flip_margins
 
 
+def _quantiles(m: np.ndarray) -> Dict[str, Optional[float]]:
+    keys = ("min", "p1", "p10", "median")
+    if len(m) == 0:
+        return dict.fromkeys(keys)
+    q = np.percentile(m.astype(np.float64), [0, 1, 10, 50])
+    return {k: float(v) for k, v in zip(keys, q)}
+
+
 def resolve_tau(gate: str, tau: Optional[float], profile: Optional[str]) -> float:
     if tau is not None:
         if isinstance(tau, bool) or not isinstance(tau, (int, float)) or math.isnan(tau):
@@ -407,13 +418,15 @@ def run_probe(model: Union[None, str, Model] = None, prompts: Optional[Sequence[
               tau: Optional[float] = None, profile: Optional[str] = None,
               compositions: Union[None, str, Sequence[str]] = None, progress: bool = True,
               row_split_max: Optional[int] = None,
-              mixed_prefill_every: int = MIXED_PREFILL_EVERY) -> Dict[str, Any]:
+              mixed_prefill_every: int = MIXED_PREFILL_EVERY,
+              deep_tau: Optional[float] = None) -> Dict[str, Any]:
     """Runs ``prompts`` (default :data:`DEFAULT_PROMPTS`) alone and under ``compositions``
     (default all of :data:`COMPOSITIONS`) and returns the report (see the module docstring).
 
     ``model``: a name, a path or a loaded :class:`Model` (its fast lane is replaced by ``mode``
     in every engine). ``row_split_max`` overrides the row-split threshold; ``mixed_prefill_every``
-    the decode steps between two filler prefills in ``mixed_prefill``."""
+    the decode steps between two filler prefills in ``mixed_prefill``; ``deep_tau`` is passed to
+    every engine when given."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
     if gate not in GATES:
@@ -426,7 +439,7 @@ def run_probe(model: Union[None, str, Model] = None, prompts: Optional[Sequence[
     if not isinstance(model, Model):
         model = Model.load(model, mode=mode, profile=profile)
     runner = Runner(model, prompts, max_new_tokens, mode, gate, tau_v, profile, row_split_max,
-                    mixed_prefill_every)
+                    mixed_prefill_every, deep_tau)
 
     prog = Progress(1 + 2 * len(names), enabled=progress)
     prog.start("baseline (batch 1)")
@@ -465,6 +478,7 @@ def run_probe(model: Union[None, str, Model] = None, prompts: Optional[Sequence[
         "identical_sequences_share": sum(d == 1 for d in distinct) / max(runner.n, 1),
         "pairwise_diverging": {"names": run_names, "matrix": matrix},
         "flip_margins": flip_margins,
+        "baseline_margins": _quantiles(np.concatenate([r.margins for r in base]) if base else np.zeros(0)),
     }
     return report
 
@@ -488,6 +502,10 @@ def format_report(r: Dict[str, Any]) -> str:
         lines.append(f"{c['name']:<14} {c['step_flip_rate'] * 100:8.2f}% "
                      f"{c['diverging_sequences']:>4}/{r['prompts']:<4} {c['logit_bit_mismatches']:>9}  "
                      f"{_fmt_list(c['first_divergence']):<22} {_fmt_list(c['margins_at_divergence'], '{:.3f}')}")
+    bm = r.get("baseline_margins") or {}
+    if bm.get("min") is not None:
+        lines.append(f"baseline margins: min {bm['min']:.3g}, p1 {bm['p1']:.3g}, p10 {bm['p10']:.3g}, "
+                     f"median {bm['median']:.3g}")
     if "distinct_outputs" in r:
         d = r["distinct_outputs"]
         lines.append(f"identical output across all runs: {sum(x == 1 for x in d)}/{len(d)} prompts "
@@ -495,7 +513,8 @@ def format_report(r: Dict[str, Any]) -> str:
     g = r.get("gate")
     if g:
         lines.append(f"gate {g['mode']} tau={g['tau']:g}: {g['steps']} steps, {g['rechecks']} rechecks "
-                     f"({g['rechecks'] / max(g['steps'], 1) * 100:.1f}%), {g['corrections']} corrections")
+                     f"({g['rechecks'] / max(g['steps'], 1) * 100:.1f}%), {g['corrections']} corrections"
+                     + "".join(f", {v} {k.replace('_', ' ')}" for k, v in g.items() if k not in GATE_KEYS))
     else:
         lines.append("gate off")
     return "\n".join(lines)
