@@ -71,6 +71,85 @@ mod avx2 {
         let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
         _mm_cvtsi128_si32(s)
     }
+
+    /// The integer sums of one weight block against eight rows' blocks, as eight i32 lanes
+    /// (lane i = row i). Integer adds are exact, so the reduction tree cannot change them.
+    #[inline(always)]
+    pub unsafe fn sumi8(xq: __m256i, ys: [&Q81; 8]) -> __m256i {
+        let ones = _mm256_set1_epi16(1);
+        let p = |y: &Q81| {
+            let yq = _mm256_loadu_si256(y.qs.as_ptr() as *const __m256i);
+            _mm256_madd_epi16(_mm256_maddubs_epi16(xq, yq), ones)
+        };
+        let h01 = _mm256_hadd_epi32(p(ys[0]), p(ys[1]));
+        let h23 = _mm256_hadd_epi32(p(ys[2]), p(ys[3]));
+        let h45 = _mm256_hadd_epi32(p(ys[4]), p(ys[5]));
+        let h67 = _mm256_hadd_epi32(p(ys[6]), p(ys[7]));
+        let q0 = _mm256_hadd_epi32(h01, h23);
+        let q1 = _mm256_hadd_epi32(h45, h67);
+        let lo = _mm256_permute2x128_si256(q0, q1, 0x20);
+        let hi = _mm256_permute2x128_si256(q0, q1, 0x31);
+        _mm256_add_epi32(lo, hi)
+    }
+
+    /// Eight rows of one column at once: lane i accumulates row i with exactly the scalar
+    /// expression `acc += sumi as f32 * xd * d + xm * s` (separate IEEE multiplies and adds, no
+    /// fused multiply-add), block after block.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn column_8rows(w: &[Q41], ys: &[[&Q81; 8]], yd: &[__m256], ysum: &[__m256]) -> [f32; 8] {
+        let mut acc = _mm256_setzero_ps();
+        for (b, x) in w.iter().enumerate() {
+            let xq = unpack(x);
+            let xd = _mm256_set1_ps(x.d.to_f32());
+            let xm = _mm256_set1_ps(x.m.to_f32());
+            let s = _mm256_cvtepi32_ps(sumi8(xq, ys[b]));
+            let t = _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(s, xd), yd[b]), _mm256_mul_ps(xm, ysum[b]));
+            acc = _mm256_add_ps(acc, t);
+        }
+        let mut out = [0f32; 8];
+        _mm256_storeu_ps(out.as_mut_ptr(), acc);
+        out
+    }
+}
+
+/// Rows at which the eight-lane path beats one horizontal sum per row (both give the same bits).
+const GROUP_MIN_ROWS: usize = 3;
+
+/// An all-zero activation block for the unused lanes of a group.
+static ZERO_Q81: Q81 = Q81 { d: f16::ZERO, s: f16::ZERO, qs: [0; 32] };
+
+/// Rows `r0..r0+8` (fewer at the end, padded with zero blocks) against columns `cols`.
+#[cfg(target_arch = "x86_64")]
+fn group8(w: &[Q41], xq: &[Q81], kb: usize, r0: usize, rows: usize, cols: std::ops::Range<usize>, n: usize, out: *mut f32) {
+    use std::arch::x86_64::*;
+    let mut ys: Vec<[&Q81; 8]> = Vec::with_capacity(kb);
+    let mut yd = Vec::with_capacity(kb);
+    let mut ysum = Vec::with_capacity(kb);
+    for b in 0..kb {
+        let mut blk = [&ZERO_Q81; 8];
+        let mut d = [0f32; 8];
+        let mut s = [0f32; 8];
+        for i in 0..rows {
+            let y = &xq[(r0 + i) * kb + b];
+            blk[i] = y;
+            d[i] = y.d.to_f32();
+            s[i] = y.s.to_f32();
+        }
+        ys.push(blk);
+        // SAFETY: plain loads from arrays of eight floats (AVX2 is checked by the caller).
+        unsafe {
+            yd.push(_mm256_loadu_ps(d.as_ptr()));
+            ysum.push(_mm256_loadu_ps(s.as_ptr()));
+        }
+    }
+    for c in cols {
+        // SAFETY: AVX2 detected by the caller.
+        let acc = unsafe { avx2::column_8rows(&w[c * kb..(c + 1) * kb], &ys, &yd, &ysum) };
+        for (i, v) in acc.iter().take(rows).enumerate() {
+            // SAFETY: each (row, c) belongs to exactly one caller-side task.
+            unsafe { *out.add((r0 + i) * n + c) = *v };
+        }
+    }
 }
 
 const MAX_TILE: usize = 16;
@@ -89,6 +168,16 @@ fn tile(w: &[Q41], xq: &[Q81], kb: usize, m: usize, cols: std::ops::Range<usize>
     }
     #[cfg(target_arch = "x86_64")]
     let simd = is_x86_feature_detected!("avx2");
+    #[cfg(target_arch = "x86_64")]
+    if simd && m >= GROUP_MIN_ROWS {
+        let mut r0 = 0;
+        while r0 < m {
+            let rows = 8.min(m - r0);
+            group8(w, xq, kb, r0, rows, cols.clone(), n, out);
+            r0 += rows;
+        }
+        return;
+    }
     for c in cols {
         let wc = &w[c * kb..(c + 1) * kb];
         let mut acc = [0f32; MAX_TILE];
