@@ -18,6 +18,7 @@ use candle_core::quantized::k_quants::{
 use candle_core::quantized::{GgmlDType, QTensor};
 use half::f16;
 
+use super::OutPtr;
 use crate::error::{Error, Result};
 
 /// Rows that share one pass over a weight quad. 16 quantized Q8 rows of k=4096 are ~70 KiB,
@@ -58,11 +59,6 @@ fn blocks_of<T>(bytes: &[u8]) -> Result<&[T]> {
     Ok(unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const T, bytes.len() / size) })
 }
 
-/// Pointer wrapper so disjoint output ranges can be written from rayon workers.
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
 
 fn quantize_rows<T: GgmlType>(x: &[f32], m: usize, k: usize) -> Vec<T::VecDotType> {
     let kb = k / T::BLCK_SIZE;

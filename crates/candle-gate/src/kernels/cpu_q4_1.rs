@@ -10,6 +10,8 @@
 use candle_core::quantized::k_quants::{BlockQ4_1, BlockQ8_1};
 use half::f16;
 
+use super::OutPtr;
+
 /// Mirrors Candle's `#[repr(C)]` `BlockQ4_1` (its fields are crate-private).
 #[repr(C)]
 struct Q41 {
@@ -158,14 +160,6 @@ const MAX_TILE: usize = 16;
 /// `cols` of `w`.
 fn tile(w: &[Q41], xq: &[Q81], kb: usize, m: usize, cols: std::ops::Range<usize>, n: usize, out: *mut f32) {
     debug_assert!(m <= MAX_TILE);
-    let mut yd = [[0f32; 2]; 0].to_vec();
-    yd.reserve(m * kb);
-    for r in 0..m {
-        for b in 0..kb {
-            let y = &xq[r * kb + b];
-            yd.push([y.d.to_f32(), y.s.to_f32()]);
-        }
-    }
     #[cfg(target_arch = "x86_64")]
     let simd = is_x86_feature_detected!("avx2");
     #[cfg(target_arch = "x86_64")]
@@ -178,6 +172,7 @@ fn tile(w: &[Q41], xq: &[Q81], kb: usize, m: usize, cols: std::ops::Range<usize>
         }
         return;
     }
+    let yd: Vec<[f32; 2]> = xq[..m * kb].iter().map(|y| [y.d.to_f32(), y.s.to_f32()]).collect();
     for c in cols {
         let wc = &w[c * kb..(c + 1) * kb];
         let mut acc = [0f32; MAX_TILE];
@@ -208,11 +203,6 @@ fn tile(w: &[Q41], xq: &[Q81], kb: usize, m: usize, cols: std::ops::Range<usize>
         }
     }
 }
-
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
 
 /// Columns handed to a worker at once.
 const COLS_PER_TASK: usize = 32;

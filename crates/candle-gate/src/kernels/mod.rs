@@ -55,6 +55,12 @@ pub fn set_pool(p: Pool) {
     POOL.store(if p == Pool::Rayon { 0 } else { 1 }, Ordering::Relaxed);
 }
 
+/// Output pointer shared by workers that write disjoint elements of one output buffer.
+#[derive(Clone, Copy)]
+pub(crate) struct OutPtr(pub(crate) *mut f32);
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
 /// Runs `run(task)` for every task in `0..total` on the chosen pool.
 pub(crate) fn parallel_for(total: usize, run: impl Fn(usize) + Sync + Send) {
     if total <= 1 {
