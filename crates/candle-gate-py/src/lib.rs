@@ -177,52 +177,11 @@ impl Model {
         })?;
         Ok(y.into_pyarray(py))
     }
-
-    /// Runs one named kernel on one linear layer (`layer` index, `which` in q,k,v,o,gate,up,down,
-    /// lm_head) for `m` rows of `x` (flat); for differential tests and calibration.
-    fn run_kernel<'py>(
-        &self,
-        py: Python<'py>,
-        layer: usize,
-        which: &str,
-        kernel: &str,
-        x: Vec<f32>,
-        m: usize,
-    ) -> PyResult<Bound<'py, PyArray1<f32>>> {
-        let y = guarded("Model.run_kernel", || {
-            let l = &self.inner.llama;
-            let w = if which == "lm_head" {
-                &l.lm_head
-            } else {
-                let ly = l.layers.get(layer).ok_or_else(|| PyValueError::new_err(format!("no layer {layer}")))?;
-                let i = ["q", "k", "v", "o", "gate", "up", "down"]
-                    .iter()
-                    .position(|n| *n == which)
-                    .ok_or_else(|| PyValueError::new_err(format!("unknown linear {which:?}")))?;
-                ly.linears()[i]
-            };
-            let k = kernel_from_name(kernel)?;
-            py.detach(|| w.run_cpu(k, &x, m)).map_err(to_py)
-        })?;
-        Ok(y.into_pyarray(py))
-    }
-}
-
-fn kernel_from_name(s: &str) -> PyResult<Kernel> {
-    Ok(match s {
-        "gemv_row_split" => Kernel::GemvRowSplit,
-        "invariant" => Kernel::Invariant,
-        "gemm" => Kernel::Gemm,
-        "gemm_f16" => Kernel::GemmF16,
-        "candle" => Kernel::Candle,
-        _ => return Err(PyValueError::new_err(format!("unknown kernel {s:?}"))),
-    })
 }
 
 #[pyclass(frozen, module = "candle_gate._native")]
 struct Engine {
     inner: Mutex<RsEngine>,
-    model: Arc<RsModel>,
 }
 
 fn output_dict<'py>(py: Python<'py>, o: Output) -> PyResult<Bound<'py, PyDict>> {
@@ -302,7 +261,7 @@ impl Engine {
                 ..Default::default()
             };
             let e = RsEngine::new(model.inner.clone(), Arc::new(policy), cfg).map_err(to_py)?;
-            Ok(Engine { inner: Mutex::new(e), model: model.inner.clone() })
+            Ok(Engine { inner: Mutex::new(e) })
         })
     }
 
@@ -406,10 +365,6 @@ impl Engine {
     fn run<'py>(&self, py: Python<'py>, ids: Vec<u64>) -> PyResult<Vec<Bound<'py, PyDict>>> {
         let outs = guarded("Engine.run", || py.detach(|| self.lock().map(|mut e| e.run_to_completion(&ids)))?.map_err(to_py))?;
         outs.into_iter().map(|o| output_dict(py, o)).collect()
-    }
-
-    fn model_path(&self) -> String {
-        self.model.path.display().to_string()
     }
 }
 
