@@ -1,4 +1,5 @@
 """``candle-gate bench throughput``: aggregate decode tok/s at several concurrencies.
+``candle-gate bench gate``: the margin gate's cost, off / gated / always in one run.
 
 For each concurrency c a fresh engine gets c requests with distinct prompts. The engine is
 stepped until every request has produced its first token (the prefill, not timed); then the
@@ -6,6 +7,12 @@ rest of the run is timed, and tok/s = tokens generated in that phase / its wall 
 Requests that stop early (EOS) simply contribute fewer tokens. A short warm-up run comes first.
 Timings are ratios taken side by side in one run (DESIGN.md §5): compare modes and
 concurrencies within one invocation, not across machines.
+
+The gate benchmark runs the same requests (concurrency c) with the gate off, gated and always,
+``repeats`` times in turn, and keeps each setting's fastest run. From the time per decoded token
+it reports the time the gate adds over off and the time always adds, and their ratio
+(gated's added time / always's added time: 0 = free, 1 = as costly as checking every step),
+with the recheck rate of the gated run.
 """
 from __future__ import annotations
 
@@ -47,9 +54,9 @@ def parse_concurrency(spec: Union[str, Sequence[int]]) -> List[int]:
 
 
 def _measure(model: Model, mode: str, c: int, max_new_tokens: int, gate: str,
-             tau: Optional[float], profile: Optional[str]) -> Dict[str, Any]:
-    eng = Engine(model, mode=mode, profile=profile, gate=gate, tau=tau, max_num_seqs=max(16, c),
-                 max_tokens_per_step=max(256, 64 * c))
+             tau: Optional[float], profile: Optional[str], deep_tau: Optional[float] = None) -> Dict[str, Any]:
+    eng = Engine(model, mode=mode, profile=profile, gate=gate, tau=tau, deep_tau=deep_tau,
+                 max_num_seqs=max(16, c), max_tokens_per_step=max(256, 64 * c))
     ids = [eng.submit(bench_prompt(i), max_new_tokens=max_new_tokens, chat=True) for i in range(c)]
     started = set()
     while len(started) < c and eng.has_work:
@@ -65,13 +72,13 @@ def _measure(model: Model, mode: str, c: int, max_new_tokens: int, gate: str,
     dt = time.perf_counter() - t0
     eng.run(ids)
     return {"concurrency": c, "tok_per_s": decode_tokens / dt if dt > 0 and decode_tokens > 0 else 0.0,
-            "decode_tokens": decode_tokens, "seconds": dt}
+            "decode_tokens": decode_tokens, "seconds": dt, "gate_stats": eng.gate_stats()}
 
 
 def throughput(model: Union[None, str, Model] = None, mode: str = "invariant",
                concurrency_list: Union[str, Sequence[int]] = (1, 2, 4, 8, 16), max_new_tokens: int = 32,
                gate: str = "off", tau: Optional[float] = None, profile: Optional[str] = None,
-               warmup: bool = True) -> Dict[str, Any]:
+               warmup: bool = True, deep_tau: Optional[float] = None) -> Dict[str, Any]:
     """``{"mode", "gate", "results": [{"concurrency": c, "tok_per_s": x}]}``: aggregate decode
     tok/s for each concurrency (see the module docstring)."""
     if mode not in MODES:
@@ -84,12 +91,61 @@ def throughput(model: Union[None, str, Model] = None, mode: str = "invariant",
     if not isinstance(model, Model):
         model = Model.load(model, mode=mode, profile=profile)
     if warmup:
-        _measure(model, mode, 1, 2, gate, tau, profile)
+        _measure(model, mode, 1, 2, gate, tau, profile, deep_tau)
     results = []
     for c in cs:
-        m = _measure(model, mode, c, max_new_tokens, gate, tau, profile)
+        m = _measure(model, mode, c, max_new_tokens, gate, tau, profile, deep_tau)
         results.append({"concurrency": c, "tok_per_s": m["tok_per_s"]})
     return {"mode": mode, "gate": gate, "results": results}
+
+
+def gate_cost(model: Union[None, str, Model] = None, mode: str = "gemm_f16", concurrency: int = 4,
+              max_new_tokens: int = 64, tau: Optional[float] = None, deep_tau: Optional[float] = None,
+              profile: Optional[str] = None, repeats: int = 2) -> Dict[str, Any]:
+    """Off / gated / always side by side (see the module docstring)."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency <= 0:
+        raise ValueError(f"concurrency must be a positive int, got {concurrency!r}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 2:
+        raise ValueError(f"max_new_tokens must be an int >= 2, got {max_new_tokens!r}")
+    if not isinstance(model, Model):
+        model = Model.load(model, mode=mode, profile=profile)
+    # Resolve tau once (explicit, else the profile's) so that every run uses the same numbers.
+    probe_engine = Engine(model, mode=mode, profile=profile, gate="gated", tau=tau, deep_tau=deep_tau)
+    tau, deep_tau = probe_engine.tau, probe_engine.deep_tau
+    _measure(model, mode, 1, 2, "off", None, profile)
+    best: Dict[str, Dict[str, Any]] = {}
+    for _ in range(max(1, repeats)):
+        for gate in ("off", "gated", "always"):
+            m = _measure(model, mode, concurrency, max_new_tokens, gate,
+                         tau if gate == "gated" else None, profile, deep_tau)
+            if gate not in best or m["tok_per_s"] > best[gate]["tok_per_s"]:
+                best[gate] = m
+    ms = {g: 1000.0 / best[g]["tok_per_s"] for g in best}
+    added_gated, added_always = ms["gated"] - ms["off"], ms["always"] - ms["off"]
+    st = best["gated"]["gate_stats"]
+    return {
+        "mode": mode, "concurrency": concurrency, "tau": tau, "deep_tau": deep_tau,
+        "tok_per_s": {g: best[g]["tok_per_s"] for g in ("off", "gated", "always")},
+        "ms_per_token": ms,
+        "added_ms_gated": added_gated,
+        "added_ms_always": added_always,
+        "gated_vs_always": added_gated / added_always if added_always > 0 else float("nan"),
+        "recheck_rate": st["rechecks"] / st["steps"] if st["steps"] else 0.0,
+        "deep_rechecks": st.get("deep_rechecks", 0),
+    }
+
+
+def format_gate_cost(r: Dict[str, Any]) -> str:
+    lines = [f"mode {r['mode']}  concurrency {r['concurrency']}  tau {r['tau']:.4g}  deep_tau {r['deep_tau']:.4g}",
+             f"{'gate':>7} {'tok/s':>8} {'ms/token':>9}"]
+    for g in ("off", "gated", "always"):
+        lines.append(f"{g:>7} {r['tok_per_s'][g]:8.1f} {r['ms_per_token'][g]:9.2f}")
+    lines.append(f"added ms/token: gated {r['added_ms_gated']:.2f}, always {r['added_ms_always']:.2f} "
+                 f"-> gated/always = {r['gated_vs_always']:.2f}x  (recheck rate {100 * r['recheck_rate']:.1f}%, "
+                 f"{r['deep_rechecks']} deep rechecks)")
+    return "\n".join(lines)
 
 
 def format_table(r: Dict[str, Any]) -> str:
@@ -104,11 +160,19 @@ def format_table(r: Dict[str, Any]) -> str:
 
 
 def main(args) -> int:
-    if getattr(args, "bench", "throughput") != "throughput":
-        raise ValueError(f"unknown benchmark {args.bench!r}")
+    which = getattr(args, "bench", "throughput")
+    if which == "gate":
+        r = gate_cost(model=args.model, mode=args.mode, concurrency=args.concurrency,
+                      max_new_tokens=args.max_new_tokens, tau=args.tau, deep_tau=args.deep_tau,
+                      profile=args.profile)
+        print(json.dumps(r) if args.json else format_gate_cost(r))
+        sys.stdout.flush()
+        return 0
+    if which != "throughput":
+        raise ValueError(f"unknown benchmark {which!r}")
     r = throughput(model=args.model, mode=args.mode, concurrency_list=args.concurrency,
                    max_new_tokens=args.max_new_tokens, gate=args.gate, tau=args.tau,
-                   profile=args.profile)
+                   profile=args.profile, deep_tau=args.deep_tau)
     if args.json:
         print(json.dumps(r))
     else:

@@ -1,27 +1,29 @@
 """``candle-gate calibrate``: kernel crossovers (``--kernels``) and the gate's tau (``--gate``).
 
-Gate calibration (DESIGN.md §2 "Gate": tau is calibrated from measured discrepancy, not guessed)
-measures how far the fast lane's top1-top2 margin moves, in two ways:
+Gate calibration (DESIGN.md §2 "Gate": tau is calibrated from measured discrepancy, not guessed).
+The calibration prompts (``CALIBRATION_PROMPTS``, disjoint from the probe's default prompts and
+from the prompts the tests judge determinism on, or ``--prompts``) are decoded alone in ``mode``
+(default ``gemm_f16``, a lane whose numbers depend on the batch) and then, teacher-forced to those
+tokens, under the compositions batch4, batch8 and mixed_prefill (see :mod:`candle_gate.probe`).
+Every run uses ``gate="shadow"``: each step also runs the reference step over the cache the fast
+lane wrote (exactly what a recheck computes), records its margin and puts the fast lane's K/V
+back, so the tokens are the ungated lane's. Three movements are measured per step (a margin
+"moves" by ``|m1 - m2|``, or by ``m1 + m2`` when the two top tokens differ, the change of the gap
+between the two tokens that swapped; when the top token of a recheck is unknown because the
+reference lane would have changed it, the sum is taken too):
 
-1. Batch movement. The calibration prompts (``CALIBRATION_PROMPTS``, disjoint from the probe's
-   default prompts, or ``--prompts``) are decoded alone in ``mode`` (default ``gemm``, the lane
-   whose numbers depend on the batch) and then, teacher-forced to those tokens, under the
-   compositions batch4, batch8 and mixed_prefill (see :mod:`candle_gate.probe`). For every step
-   the movement is ``|margin_comp - margin_alone|``; on a step whose argmax flipped it is
-   ``margin_comp + margin_alone`` (the change of the gap between the two tokens that swapped).
-2. Reference discrepancy. For a few short prefixes (prompt + some generated tokens, at most
-   ``max_reference_len`` tokens: the reference lane recomputes from scratch at ~0.03-0.1 s per
-   position) the fast lane's logits (one prefill call) are compared with the FP32 reference
-   lane's: with a, b the fast lane's top-1 / top-2 tokens the movement is
-   ``|(fast[a] - fast[b]) - (ref[a] - ref[b])|``. The fast logits come from one prefill call,
-   i.e. the kernel the policy picks for ``len(prefix)`` rows (for ``row_split`` that is the gemm
-   path once the prefix is longer than the threshold, not the per-row decode path).
+1. ``batch_shift``: the fast lane's margin, alone vs each composition.
+2. ``reference_shift``: the fast lane's margin vs the recheck's, at the same step.
+3. ``recheck_shift``: the recheck's margin, alone vs each composition. A recheck removes the
+   step's own batch noise but not what earlier fast-lane steps left in the cache.
 
-Rule: ``tau = safety x max_margin_shift``, where ``max_margin_shift`` is the largest movement
-seen in 1 and 2. A step whose fast-lane margin is at least tau keeps the same argmax under every
-composition measured and agrees with the reference lane, with room to spare (``safety``,
-default 2); steps below tau are rechecked in the reference lane. If nothing moved at all (an
-invariant fast lane that matches the reference bit for bit) tau is 0: the gate never rechecks.
+Rule: ``tau = safety x max(batch_shift, reference_shift)``: a step whose fast-lane margin is at
+least tau keeps its argmax under every composition measured and agrees with the reference lane,
+with room to spare (``safety``, default 2); steps below tau are rechecked.
+``deep_tau = safety x recheck_shift``: a recheck whose own margin is below it rebuilds the
+sequence's cache in the reference lane ("deep recheck"), after which the token depends on the
+token history alone. If nothing moved (an invariant lane that matches the reference bit for bit)
+both are 0 and the gate never rechecks.
 
 The result is merged into the profile JSON at ``--out`` under ``"gate"``; other keys of an
 existing profile are kept.
@@ -37,7 +39,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import numpy as np
 
 from . import _native
-from .engine import MODES, Model
+from .engine import MODES, Model, Result
 from .models import resolve
 from .probe import Progress, Runner, check_prompts, load_prompts, write_json
 
@@ -63,10 +65,11 @@ CALIBRATION_PROMPTS: List[Any] = [
 ]
 
 GATE_COMPOSITIONS = ("batch4", "batch8", "mixed_prefill")
-RULE = ("tau = safety x max_margin_shift; max_margin_shift = the largest |top1-top2 margin movement| "
-        "of the fast lane seen between a request decoded alone and teacher-forced in batch4/batch8/"
-        "mixed_prefill (margin sum on flipped steps), and between the fast and FP32 reference lanes "
-        "on sampled prefixes")
+RULE = ("tau = safety x max(batch_shift, reference_shift); deep_tau = safety x recheck_shift. "
+        "batch_shift: the fast lane's top1-top2 margin, alone vs teacher-forced in batch4/batch8/"
+        "mixed_prefill; reference_shift: fast lane vs the reference step over the same cache; "
+        "recheck_shift: the reference step's margin, alone vs those compositions "
+        "(movement |m1-m2|, or m1+m2 where the top token changed)")
 
 
 def calibrate_kernels(args) -> Any:
@@ -80,46 +83,55 @@ def calibrate_kernels(args) -> Any:
     return fn(model_path, bool(getattr(args, "quick", False)), args.out)
 
 
-def _batch_shifts(base, forced) -> List[float]:
-    shifts: List[float] = []
-    for b, f in zip(base, forced):
-        m = min(len(b.margins), len(f.margins), len(b.token_ids), len(f.token_ids))
-        mb = b.margins[:m].astype(np.float64)
-        mf = f.margins[:m].astype(np.float64)
-        flipped = b.token_ids[:m] != f.token_ids[:m]
-        shifts.extend(np.where(flipped, mb + mf, np.abs(mf - mb)).tolist())
-    return shifts
+def _moves(m1: np.ndarray, m2: np.ndarray, swapped: np.ndarray) -> np.ndarray:
+    m1, m2 = m1.astype(np.float64), m2.astype(np.float64)
+    return np.where(swapped, m1 + m2, np.abs(m1 - m2))
 
 
-def _reference_shifts(model: Model, prompt_ids: Sequence[Sequence[int]], base, samples: int,
-                      max_len: int, seed: int = 0) -> List[Dict[str, Any]]:
-    rng = np.random.default_rng(seed)
-    cands = [i for i, p in enumerate(prompt_ids) if len(p) <= max_len]
-    if not cands or samples <= 0:
-        return []
-    out = []
-    for j in range(samples):
-        i = cands[j % len(cands)]
-        gen = [int(t) for t in base[i].token_ids]
-        room = min(len(gen) - 1, max_len - len(prompt_ids[i]))
-        k = int(rng.integers(0, room + 1)) if room > 0 else 0
-        toks = list(prompt_ids[i]) + gen[:k]
-        fast = np.asarray(model._native.logits(toks, "fast"), dtype=np.float64)
-        ref = np.asarray(model._native.logits(toks, "reference"), dtype=np.float64)
-        a, b = np.argsort(-fast, kind="stable")[:2]
-        shift = abs((fast[a] - fast[b]) - (ref[a] - ref[b]))
-        out.append({"prompt": i, "position": len(toks), "shift": float(shift),
-                    "agree": bool(int(np.argmax(ref)) == int(a))})
-    return out
+def _steps(a: Result, b: Result) -> int:
+    return min(len(a.token_ids), len(b.token_ids))
 
 
-def calibrate_gate(model: Union[None, str, Model] = None, mode: str = "gemm",
+def batch_shifts(base: Sequence[Result], comp: Sequence[Result]) -> np.ndarray:
+    """Fast-lane margin movement, step by step, between two runs of the same tokens."""
+    out = [np.zeros(0)]
+    for a, b in zip(base, comp):
+        n = _steps(a, b)
+        out.append(_moves(a.margins[:n], b.margins[:n], a.token_ids[:n] != b.token_ids[:n]))
+    return np.concatenate(out)
+
+
+def reference_shifts(runs: Sequence[Result]) -> np.ndarray:
+    """Fast lane vs the recheck at the same step (shadow runs)."""
+    out = [np.zeros(0)]
+    for r in runs:
+        out.append(_moves(r.margins, r.reference_margins, r.corrected.astype(bool)))
+    return np.concatenate(out)
+
+
+def recheck_shifts(base: Sequence[Result], comp: Sequence[Result]) -> np.ndarray:
+    """The recheck's margin movement between two shadow runs of the same tokens. The recheck's
+    top token is the fast lane's unless it would have corrected it; when either would have, the
+    tokens are taken to differ (an upper bound)."""
+    out = [np.zeros(0)]
+    for a, b in zip(base, comp):
+        n = _steps(a, b)
+        swapped = ((a.token_ids[:n] != b.token_ids[:n]) | a.corrected[:n].astype(bool)
+                   | b.corrected[:n].astype(bool))
+        out.append(_moves(a.reference_margins[:n], b.reference_margins[:n], swapped))
+    return np.concatenate(out)
+
+
+def _max(x: np.ndarray) -> float:
+    return float(x.max()) if len(x) else 0.0
+
+
+def calibrate_gate(model: Union[None, str, Model] = None, mode: str = "gemm_f16",
                    prompts: Optional[Sequence[Any]] = None, max_new_tokens: int = 64,
                    safety: float = 2.0, quick: bool = False, profile: Optional[str] = None,
-                   reference_samples: Optional[int] = None, max_reference_len: int = 48,
                    progress: bool = True) -> Dict[str, Any]:
-    """Measures the margin movement and returns the profile's ``"gate"`` entry (see the module
-    docstring). ``quick``: 6 prompts, at most 16 new tokens, 3 reference samples."""
+    """Measures the margin movements and returns the profile's ``"gate"`` entry (see the module
+    docstring). ``quick``: 6 prompts, at most 16 new tokens."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
     if isinstance(safety, bool) or not isinstance(safety, (int, float)) or not safety > 0 or safety == float("inf"):
@@ -130,38 +142,36 @@ def calibrate_gate(model: Union[None, str, Model] = None, mode: str = "gemm",
     if quick:
         prompts = prompts[:6]
         max_new_tokens = min(max_new_tokens, 16)
-    if reference_samples is None:
-        reference_samples = 3 if quick else 8
     if isinstance(model, Model):
         if model._native.mode != mode:
             model = Model.load(model.path, mode=mode, profile=profile)
     else:
         model = Model.load(model, mode=mode, profile=profile)
 
-    runner = Runner(model, prompts, max_new_tokens, mode, "off", 0.0, profile)
-    prog = Progress(2 + len(GATE_COMPOSITIONS), enabled=progress, label="calibrate")
+    runner = Runner(model, prompts, max_new_tokens, mode, "shadow", 0.0, profile)
+    prog = Progress(1 + len(GATE_COMPOSITIONS), enabled=progress, label="calibrate")
     prog.start("alone (batch 1)")
     base = runner.baseline()
     prog.advance()
     forced_tokens = [r.token_ids for r in base]
-    per_comp: Dict[str, float] = {}
-    shifts: List[float] = []
+    by_comp: Dict[str, Dict[str, float]] = {}
+    batch, ref, recheck = [], [reference_shifts(base)], []
     for name in GATE_COMPOSITIONS:
         prog.start(f"{name} (teacher-forced)")
-        s = _batch_shifts(base, runner.run(name, forced=forced_tokens))
-        per_comp[name] = max(s) if s else 0.0
-        shifts.extend(s)
+        comp = runner.run(name, forced=forced_tokens)
+        b, r, c = batch_shifts(base, comp), reference_shifts(comp), recheck_shifts(base, comp)
+        by_comp[name] = {"batch_shift": _max(b), "reference_shift": _max(r), "recheck_shift": _max(c)}
+        batch.append(b)
+        ref.append(r)
+        recheck.append(c)
         prog.advance()
-    prog.start("fast vs reference lane")
-    ref = _reference_shifts(model, runner.ids, base, reference_samples, max_reference_len)
-    prog.advance()
     prog.finish()
 
-    batch_shift = max(shifts) if shifts else 0.0
-    reference_shift = max((r["shift"] for r in ref), default=0.0)
-    m = max(batch_shift, reference_shift)
+    batch_a, ref_a, recheck_a = (np.concatenate(x) for x in (batch, ref, recheck))
+    m = max(_max(batch_a), _max(ref_a))
     return {
         "tau": float(safety) * m,
+        "deep_tau": float(safety) * _max(recheck_a),
         "rule": RULE,
         "safety": float(safety),
         "max_margin_shift": m,
@@ -169,12 +179,12 @@ def calibrate_gate(model: Union[None, str, Model] = None, mode: str = "gemm",
         "calibration_prompts": len(prompts),
         "max_new_tokens": max_new_tokens,
         "steps": sum(len(r.token_ids) for r in base),
-        "batch_shift": batch_shift,
-        "batch_shift_by_composition": per_comp,
-        "batch_shift_p99": float(np.percentile(shifts, 99)) if shifts else 0.0,
-        "reference_shift": reference_shift,
-        "reference_positions": len(ref),
-        "reference_argmax_disagreements": sum(not r["agree"] for r in ref),
+        "batch_shift": _max(batch_a),
+        "reference_shift": _max(ref_a),
+        "recheck_shift": _max(recheck_a),
+        "batch_shift_p99": float(np.percentile(batch_a, 99)) if len(batch_a) else 0.0,
+        "by_composition": by_comp,
+        "reference_disagreements": int(sum(int(r.corrected.sum()) for r in base)),
     }
 
 
@@ -224,10 +234,9 @@ def main(args) -> int:
                            quick=bool(getattr(args, "quick", False)), profile=args.profile)
         merge_gate(args.out, g)
         print(f"gate: mode {g['mode']}, {g['calibration_prompts']} prompts x {g['max_new_tokens']} tokens "
-              f"({g['steps']} steps): max margin shift {g['max_margin_shift']:.4g} "
-              f"(batch {g['batch_shift']:.4g}, reference {g['reference_shift']:.4g} over "
-              f"{g['reference_positions']} positions) -> tau = {g['safety']:g} x {g['max_margin_shift']:.4g} "
-              f"= {g['tau']:.4g}")
+              f"({g['steps']} steps): batch shift {g['batch_shift']:.4g}, reference shift "
+              f"{g['reference_shift']:.4g} -> tau = {g['safety']:g} x {g['max_margin_shift']:.4g} = {g['tau']:.4g}; "
+              f"recheck shift {g['recheck_shift']:.4g} -> deep_tau = {g['deep_tau']:.4g}")
         print(f"gate: written to {args.out}")
         print(json.dumps(g, indent=2))
     return rc

@@ -19,13 +19,17 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def _gate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gate", default="off", choices=GATES)
-    p.add_argument("--tau", type=float, default=None, help="margin threshold for --gate gated")
+    p.add_argument("--tau", type=float, default=None,
+                   help="margin threshold for --gate gated (default: the profile's calibrated tau)")
+    p.add_argument("--deep-tau", type=float, default=None,
+                   help="a recheck whose own margin is below this rebuilds the cache in the reference "
+                        "lane (default: the profile's, else tau/10)")
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
     from .engine import Engine, Model
     model = Model.load(a.model, mode=a.mode, profile=a.profile)
-    eng = Engine(model, gate=a.gate, tau=a.tau, profile=a.profile)
+    eng = Engine(model, gate=a.gate, tau=a.tau, deep_tau=a.deep_tau, profile=a.profile)
     rid = eng.submit(a.prompt, max_new_tokens=a.max_new_tokens, stop=a.stop or None, chat=a.chat)
     if a.json:
         [r] = eng.run([rid])
@@ -116,6 +120,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-new-tokens", type=int, default=32)
     t.add_argument("--json", action="store_true")
     t.set_defaults(func=cmd_bench)
+    gb = bsub.add_parser("gate", help="the gate's cost: decode tok/s with the gate off, gated and always, side by side")
+    _common(gb)
+    gb.add_argument("--tau", type=float, default=None, help="default: the profile's calibrated tau")
+    gb.add_argument("--deep-tau", type=float, default=None)
+    gb.add_argument("--concurrency", type=int, default=4)
+    gb.add_argument("--max-new-tokens", type=int, default=64)
+    gb.add_argument("--json", action="store_true")
+    gb.set_defaults(func=cmd_bench)
     return ap
 
 

@@ -6,7 +6,7 @@ token ids and dicts into :class:`Result` objects.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Union
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -14,7 +14,7 @@ from . import _native
 from .models import resolve
 
 MODES = ("native", "row_split", "invariant", "gemm", "gemm_f16")
-GATES = ("off", "gated", "always")
+GATES = ("off", "gated", "always", "shadow")
 
 Chat = List[Dict[str, str]]
 Prompt = Union[str, Chat, Sequence[int]]
@@ -31,6 +31,8 @@ class Result:
     corrected: np.ndarray
     gate: Dict[str, int]
     prompt_tokens: int
+    #: the reference lane's margin on rechecked steps, NaN on steps the gate let through
+    reference_margins: np.ndarray = field(repr=False, default_factory=lambda: np.zeros(0, np.float32))
     logit_hashes: np.ndarray = field(repr=False, default_factory=lambda: np.zeros(0, np.uint64))
     id: int = 0
 
@@ -147,7 +149,12 @@ class Engine:
             if gate == "gated" and not profile:
                 raise ValueError("gate='gated' needs tau= or a profile with a calibrated tau "
                                  "(candle-gate calibrate --gate --out PROFILE)")
-            tau = _profile_tau(profile) if gate == "gated" else 0.0
+            if gate == "gated":
+                tau, profile_deep_tau = _profile_gate(profile)
+                if deep_tau is None:
+                    deep_tau = profile_deep_tau
+            else:
+                tau = 0.0
         if isinstance(tau, bool) or not isinstance(tau, (int, float)):
             raise TypeError(f"tau must be a number, got {type(tau).__name__}")
         for name, v in (("max_num_seqs", max_num_seqs), ("max_tokens_per_step", max_tokens_per_step),
@@ -188,6 +195,16 @@ class Engine:
     def has_work(self) -> bool:
         return self._native.has_work
 
+    @property
+    def tau(self) -> float:
+        """The gate's margin threshold in use (0 when the gate is off)."""
+        return float(self._native.tau)
+
+    @property
+    def deep_tau(self) -> float:
+        """Rechecks whose reference margin is below this rebuild the cache in the reference lane."""
+        return float(self._native.deep_tau)
+
     def gate_stats(self) -> Dict[str, int]:
         return self._native.gate_stats()
 
@@ -221,7 +238,8 @@ class Engine:
         return self.run(ids)
 
 
-def _profile_tau(profile: str) -> float:
+def _profile_gate(profile: str) -> Tuple[float, Optional[float]]:
+    """The profile's calibrated ``(tau, deep_tau)``; deep_tau is None when it has none."""
     import json
     try:
         with open(profile) as f:
@@ -232,9 +250,13 @@ def _profile_tau(profile: str) -> float:
     if not isinstance(g, dict) or "tau" not in g:
         raise _native.CandleGateError(
             f"profile {profile} has no gate tau; run `candle-gate calibrate --gate --out {profile}` or pass tau=")
-    return float(g["tau"])
+    deep = g.get("deep_tau")
+    return float(g["tau"]), None if deep is None else float(deep)
 
 
 # The probe's fallback tau when neither tau nor a profile is given (the calibrated value for
 # the default model's gemm_f16 lane; see README).
 DEFAULT_TAU = 0.1
+# deep_tau when neither deep_tau nor a profile's gives one (the engine's own default,
+# candle_gate::engine::DEEP_TAU_FRACTION).
+DEEP_TAU_FRACTION = 0.1

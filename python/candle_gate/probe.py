@@ -54,7 +54,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
-from .engine import DEFAULT_TAU, GATES, MODES, Engine, Model, Result, _check_chat, _profile_tau
+from .engine import DEEP_TAU_FRACTION, DEFAULT_TAU, GATES, MODES, Engine, Model, Result, _check_chat, _profile_gate
 
 COMPOSITIONS = ("batch2", "batch3", "batch4", "batch5", "batch8", "batch16", "staggered",
                 "mixed_prefill", "reversed", "threads1", "threads2")
@@ -403,14 +403,22 @@ def _quantiles(m: np.ndarray) -> Dict[str, Optional[float]]:
     return {k: float(v) for k, v in zip(keys, q)}
 
 
-def resolve_tau(gate: str, tau: Optional[float], profile: Optional[str]) -> float:
-    if tau is not None:
-        if isinstance(tau, bool) or not isinstance(tau, (int, float)) or math.isnan(tau):
-            raise ValueError(f"tau must be a number, got {tau!r}")
-        return float(tau)
-    if gate == "gated":
-        return _profile_tau(profile) if profile else DEFAULT_TAU
-    return 0.0
+def resolve_gate(gate: str, tau: Optional[float], deep_tau: Optional[float],
+                 profile: Optional[str]) -> "tuple[float, Optional[float]]":
+    """``(tau, deep_tau)`` for the probe's engines: explicit values first, then the profile's
+    calibrated ones, then :data:`DEFAULT_TAU` (deep_tau None: the engine's default)."""
+    for name, v in (("tau", tau), ("deep_tau", deep_tau)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v)):
+            raise ValueError(f"{name} must be a number, got {v!r}")
+    if gate != "gated":
+        return (0.0 if tau is None else float(tau)), deep_tau
+    if tau is None:
+        if profile:
+            tau, profile_deep = _profile_gate(profile)
+            deep_tau = profile_deep if deep_tau is None else deep_tau
+        else:
+            tau = DEFAULT_TAU
+    return float(tau), deep_tau
 
 
 def run_probe(model: Union[None, str, Model] = None, prompts: Optional[Sequence[Any]] = None,
@@ -435,7 +443,7 @@ def run_probe(model: Union[None, str, Model] = None, prompts: Optional[Sequence[
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     names = parse_compositions(compositions)
     prompts = check_prompts(DEFAULT_PROMPTS if prompts is None else prompts)
-    tau_v = resolve_tau(gate, tau, profile)
+    tau_v, deep_tau = resolve_gate(gate, tau, deep_tau, profile)
     if not isinstance(model, Model):
         model = Model.load(model, mode=mode, profile=profile)
     runner = Runner(model, prompts, max_new_tokens, mode, gate, tau_v, profile, row_split_max,
@@ -472,7 +480,9 @@ def run_probe(model: Union[None, str, Model] = None, prompts: Optional[Sequence[
         "prompts": runner.n,
         "max_new_tokens": max_new_tokens,
         "compositions": entries,
-        "gate": None if gate == "off" else {"mode": gate, "tau": tau_v, **runner.gate_totals},
+        "gate": None if gate == "off" else {"mode": gate, "tau": tau_v,
+                                            "deep_tau": tau_v * DEEP_TAU_FRACTION if deep_tau is None else deep_tau,
+                                            **runner.gate_totals},
         "scored_steps": scored_steps,
         "distinct_outputs": distinct,
         "identical_sequences_share": sum(d == 1 for d in distinct) / max(runner.n, 1),
@@ -564,7 +574,7 @@ def main(args) -> int:
     prompts = load_prompts(args.prompts) if getattr(args, "prompts", None) else None
     report = run_probe(model=args.model, prompts=prompts, max_new_tokens=args.max_new_tokens,
                        mode=args.mode, gate=args.gate, tau=args.tau, profile=args.profile,
-                       compositions=args.compositions, progress=True)
+                       compositions=args.compositions, progress=True, deep_tau=args.deep_tau)
     print(format_report(report))
     if getattr(args, "json_out", None):
         write_json(report, args.json_out)

@@ -158,11 +158,7 @@ impl Model {
     #[pyo3(signature = (tokens, lane = "fast", weights = "dense"))]
     fn logits<'py>(&self, py: Python<'py>, tokens: Vec<u32>, lane: &str, weights: &str) -> PyResult<Bound<'py, PyArray1<f32>>> {
         let y = guarded("Model.logits", || {
-            let how = match weights {
-                "dense" => ReferenceWeights::Dense,
-                "blockwise" => ReferenceWeights::Blockwise,
-                _ => return Err(PyValueError::new_err(format!("unknown weights {weights:?}"))),
-            };
+            let how = reference_weights(weights)?;
             let l = &self.inner.llama;
             match lane {
                 "fast" => py.detach(|| l.last_logits(&self.inner.policy, &tokens)).map_err(to_py),
@@ -179,6 +175,14 @@ impl Model {
     }
 }
 
+fn reference_weights(name: &str) -> PyResult<ReferenceWeights> {
+    match name {
+        "dense" => Ok(ReferenceWeights::Dense),
+        "blockwise" => Ok(ReferenceWeights::Blockwise),
+        _ => Err(PyValueError::new_err(format!("unknown weights {name:?}; expected dense or blockwise"))),
+    }
+}
+
 #[pyclass(frozen, module = "candle_gate._native")]
 struct Engine {
     inner: Mutex<RsEngine>,
@@ -191,6 +195,7 @@ fn output_dict<'py>(py: Python<'py>, o: Output) -> PyResult<Bound<'py, PyDict>> 
     d.set_item("token_ids", o.token_ids.into_pyarray(py))?;
     d.set_item("prompt_tokens", o.prompt_tokens.len())?;
     d.set_item("margins", o.margins.into_pyarray(py))?;
+    d.set_item("reference_margins", o.reference_margins.into_pyarray(py))?;
     d.set_item("rechecked", o.rechecked.into_iter().map(|b| b as u8).collect::<Vec<_>>().into_pyarray(py))?;
     d.set_item("corrected", o.corrected.into_iter().map(|b| b as u8).collect::<Vec<_>>().into_pyarray(py))?;
     d.set_item("logit_hashes", o.logit_hashes.into_pyarray(py))?;
@@ -315,6 +320,14 @@ impl Engine {
     #[getter]
     fn gate(&self) -> PyResult<String> {
         Ok(self.lock()?.config().gate.describe())
+    }
+    #[getter]
+    fn tau(&self) -> PyResult<f32> {
+        Ok(self.lock()?.config().gate.tau)
+    }
+    #[getter]
+    fn deep_tau(&self) -> PyResult<f32> {
+        Ok(self.lock()?.config().gate.deep_tau)
     }
 
     fn gate_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {

@@ -26,9 +26,11 @@ pub enum Mode {
     Invariant,
     /// The dequantized dense GEMM at every row count: fast for prefill, not batch invariant.
     Gemm,
-    /// The dense GEMM in half precision (F16 weights and activations, F16 results): the
-    /// CPU stand-in for a bf16/f16 GPU lane, where batch-dependent rounding is large enough to
-    /// flip near-ties. The lane the margin gate is demonstrated on.
+    /// The dense GEMM with half-precision storage: F16 weights and activations, F32
+    /// accumulation, F16 results (what a GPU's tensor-core lane does). On the CPU the F32 GEMM
+    /// runs on f16-rounded operands and its output is rounded to f16, so the GEMM's
+    /// row-count-dependent last bits become whole f16 ulps often enough to flip near-ties: the
+    /// CPU stand-in for a half-precision GPU lane, and the lane the margin gate is shown on.
     GemmF16,
 }
 
@@ -236,11 +238,16 @@ impl GateMatMul {
         self.dense()
     }
 
+    /// The weight in half precision. On the CPU it is kept as F32 holding f16-rounded values
+    /// (every f16 is an exact f32), so the fast F32 GEMM computes exactly the products of the f16
+    /// operands; on GPUs it is a real F16 tensor.
     fn dense_f16(&self) -> Result<&Tensor> {
         if let Some(t) = self.dense_f16.get() {
             return Ok(t);
         }
-        let t = self.weight.dequantize_f16(&self.weight.device())?;
+        let dev = self.weight.device();
+        let t = self.weight.dequantize_f16(&dev)?;
+        let t = if dev.is_cpu() { t.to_dtype(DType::F32)? } else { t };
         Ok(self.dense_f16.get_or_init(|| t))
     }
 
@@ -269,14 +276,18 @@ impl GateMatMul {
             Kernel::Invariant => kernels::cpu::invariant(&self.weight, x, m),
             Kernel::Gemm | Kernel::GemmF16 | Kernel::Candle => {
                 kernels::cpu::check(&self.weight, x, m)?;
-                let xs = Tensor::from_slice(x, (m, k), &Device::Cpu)?;
                 let ys = match kernel {
-                    Kernel::Gemm => xs.matmul(&self.dense()?.t()?)?,
-                    Kernel::GemmF16 => xs.to_dtype(DType::F16)?.matmul(&self.dense_f16()?.t()?)?.to_dtype(DType::F32)?,
-                    _ => self.native.forward(&xs)?,
+                    Kernel::Gemm => Tensor::from_slice(x, (m, k), &Device::Cpu)?.matmul(&self.dense()?.t()?)?,
+                    Kernel::GemmF16 => Tensor::from_vec(round_f16(x), (m, k), &Device::Cpu)?
+                        .matmul(&self.dense_f16()?.t()?)?,
+                    _ => self.native.forward(&Tensor::from_slice(x, (m, k), &Device::Cpu)?)?,
                 };
                 debug_assert_eq!(ys.dims(), &[m, n]);
-                Ok(ys.flatten_all()?.to_vec1::<f32>()?)
+                let mut y = ys.flatten_all()?.to_vec1::<f32>()?;
+                if kernel == Kernel::GemmF16 {
+                    y = round_f16(&y);
+                }
+                Ok(y)
             }
         }
     }
@@ -335,4 +346,9 @@ impl Module for GateMatMul {
         };
         ys.reshape(out_dims)
     }
+}
+
+/// Each value rounded to the nearest f16 (round-to-nearest-even), kept as f32.
+fn round_f16(x: &[f32]) -> Vec<f32> {
+    x.iter().map(|v| half::f16::from_f32(*v).to_f32()).collect()
 }

@@ -30,6 +30,10 @@ pub enum GateMode {
     Off,
     Gated,
     Always,
+    /// Runs the reference step on every step only to record its margin
+    /// (`Output::reference_margins`), then restores the fast lane's K/V and keeps its token:
+    /// outputs are those of `Off`. What `calibrate --gate` measures with.
+    Shadow,
 }
 
 impl GateMode {
@@ -38,6 +42,7 @@ impl GateMode {
             GateMode::Off => "off",
             GateMode::Gated => "gated",
             GateMode::Always => "always",
+            GateMode::Shadow => "shadow",
         }
     }
 }
@@ -49,7 +54,8 @@ impl FromStr for GateMode {
             "off" => Ok(GateMode::Off),
             "gated" => Ok(GateMode::Gated),
             "always" => Ok(GateMode::Always),
-            _ => Err(Error::BadInput(format!("unknown gate mode {s:?}; expected off, gated or always"))),
+            "shadow" => Ok(GateMode::Shadow),
+            _ => Err(Error::BadInput(format!("unknown gate mode {s:?}; expected off, gated, always or shadow"))),
         }
     }
 }
@@ -88,7 +94,7 @@ impl GateConfig {
     }
     pub fn describe(&self) -> String {
         match self.mode {
-            GateMode::Off => "gate=off".into(),
+            GateMode::Off | GateMode::Shadow => "gate=off".into(),
             GateMode::Always => format!("gate=always;deep_tau={}", self.deep_tau),
             GateMode::Gated => format!("gate=gated;tau={};deep_tau={}", self.tau, self.deep_tau),
         }
@@ -180,7 +186,11 @@ pub struct Output {
     pub token_ids: Vec<u32>,
     pub text: String,
     pub margins: Vec<f32>,
+    /// The reference lane's margin on rechecked steps (after a deep recheck, the rebuilt
+    /// lane's); NaN on steps the gate let through.
+    pub reference_margins: Vec<f32>,
     pub rechecked: Vec<bool>,
+    /// Steps whose token the reference lane changed (with `GateMode::Shadow`: would have).
     pub corrected: Vec<bool>,
     pub logit_hashes: Vec<u64>,
     pub finish_reason: FinishReason,
@@ -195,9 +205,14 @@ struct Sequence {
     prefilled: usize,
     output: Vec<u32>,
     margins: Vec<f32>,
+    reference_margins: Vec<f32>,
     rechecked: Vec<bool>,
     corrected: Vec<bool>,
     logit_hashes: Vec<u64>,
+    /// Positions `..reference_exact` of the cache hold the reference lane's K/V computed over
+    /// the reference lane's own prefix (left by the last deep recheck), so the next deep
+    /// recheck only rebuilds from there.
+    reference_exact: usize,
     decoder: StreamDecoder,
     text: String,
     emitted: usize,
@@ -350,9 +365,11 @@ impl Engine {
             prefilled: 0,
             output: Vec::new(),
             margins: Vec::new(),
+            reference_margins: Vec::new(),
             rechecked: Vec::new(),
             corrected: Vec::new(),
             logit_hashes: Vec::new(),
+            reference_exact: 0,
             decoder: StreamDecoder::default(),
             text: String::new(),
             emitted: 0,
@@ -496,19 +513,29 @@ impl Engine {
                 GateMode::Off => false,
                 GateMode::Always => true,
                 GateMode::Gated => margin < self.cfg.gate.tau,
+                GateMode::Shadow => {
+                    let fed = s.fed_at(s.cache.len() - 1);
+                    // On a copy of the cache: the fast lane's K/V must stay as they are.
+                    let ref_logits = model.llama.reference_step(&mut s.cache.clone(), fed, self.reference)?;
+                    let (ref_tok, ref_margin) = argmax_margin(&ref_logits);
+                    s.reference_margins.push(ref_margin);
+                    s.corrected.push(ref_tok != fast_tok);
+                    false
+                }
             };
             if self.cfg.record_logit_hashes {
                 s.logit_hashes.push(hash_bits(&lg));
             }
             if check {
-                let fed = if s.output.is_empty() { *s.req.prompt_tokens.last().unwrap() } else { s.fed_last() };
+                let fed = s.fed_at(s.cache.len() - 1);
                 let mut ref_logits = model.llama.reference_step(&mut s.cache, fed, self.reference)?;
                 if argmax_margin(&ref_logits).1 < self.cfg.gate.deep_tau {
                     ref_logits = s.rebuild_in_reference_lane(&model, self.reference)?;
                     self.stats.deep_rechecks += 1;
                     s.gate.deep_rechecks += 1;
                 }
-                let (ref_tok, _) = argmax_margin(&ref_logits);
+                let (ref_tok, ref_margin) = argmax_margin(&ref_logits);
+                s.reference_margins.push(ref_margin);
                 self.stats.rechecks += 1;
                 s.gate.rechecks += 1;
                 if ref_tok != fast_tok {
@@ -516,9 +543,13 @@ impl Engine {
                     s.gate.corrections += 1;
                 }
                 tok = ref_tok;
+            } else if self.cfg.gate.mode != GateMode::Shadow {
+                s.reference_margins.push(f32::NAN);
             }
             s.rechecked.push(check);
-            s.corrected.push(check && tok != fast_tok);
+            if self.cfg.gate.mode != GateMode::Shadow {
+                s.corrected.push(check && tok != fast_tok);
+            }
             s.margins.push(margin);
             s.output.push(tok);
             s.new_token = true;
@@ -607,6 +638,7 @@ impl Engine {
                 token_ids: s.output,
                 text,
                 margins: s.margins,
+                reference_margins: s.reference_margins,
                 rechecked: s.rechecked,
                 corrected: s.corrected,
                 logit_hashes: s.logit_hashes,
@@ -631,33 +663,42 @@ impl Engine {
 }
 
 impl Sequence {
-    /// Recomputes every position of the cache in the reference lane (prompt, then every token
-    /// fed so far) and returns the logits of the last one.
+    /// Recomputes the cache in the reference lane from `reference_exact` on (the prompt, then
+    /// every token fed so far) and returns the logits of the last position. Positions before
+    /// `reference_exact` already are what this would compute, so the result is bitwise the
+    /// same as rebuilding from position 0.
     fn rebuild_in_reference_lane(&mut self, model: &Model, how: ReferenceWeights) -> Result<Vec<f32>> {
-        let mut fed: Vec<u32> = self.req.prompt_tokens.clone();
-        for i in 0..self.output.len() {
-            fed.push(match &self.req.forced_tokens {
-                Some(f) if i < f.len() => f[i],
-                _ => self.output[i],
-            });
-        }
-        debug_assert_eq!(fed.len(), self.cache.len());
-        let mut cache = model.llama.new_cache();
+        let len = self.cache.len();
+        debug_assert_eq!(len, self.req.prompt_tokens.len() + self.output.len());
+        // The latest position is always recomputed: it is the one whose logits are wanted.
+        let from = self.reference_exact.min(len - 1);
+        let kvd = model.llama.cfg.kv_dim();
+        self.cache.truncate(from, kvd);
         let mut last = Vec::new();
-        for &t in &fed {
-            last = model.llama.reference_append(&mut cache, t, how)?;
+        for i in from..len {
+            let t = self.fed_at(i);
+            last = model.llama.reference_append(&mut self.cache, t, how)?;
         }
-        self.cache = cache;
+        self.reference_exact = len;
         Ok(last)
     }
 
-    /// The token that goes into the model after the latest choice: the forced one when
-    /// teacher forcing, else the choice itself.
-    fn fed_last(&self) -> u32 {
-        let i = self.output.len() - 1;
-        match &self.req.forced_tokens {
-            Some(f) if i < f.len() => f[i],
-            _ => self.output[i],
+    /// The token fed at cache position `i`: the prompt's, then each choice (the forced token
+    /// instead when teacher forcing).
+    fn fed_at(&self, i: usize) -> u32 {
+        let prompt = &self.req.prompt_tokens;
+        if i < prompt.len() {
+            return prompt[i];
         }
+        let j = i - prompt.len();
+        match &self.req.forced_tokens {
+            Some(f) if j < f.len() => f[j],
+            _ => self.output[j],
+        }
+    }
+
+    /// The token that goes into the model after the latest choice.
+    fn fed_last(&self) -> u32 {
+        self.fed_at(self.req.prompt_tokens.len() + self.output.len() - 1)
     }
 }
