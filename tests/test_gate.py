@@ -1,18 +1,26 @@
-"""The margin gate over a fast lane that is not batch invariant (gemm_f16: F16 dense GEMM, the
-CPU stand-in for a half-precision GPU lane). These prompts were *not* used for calibration
-(candle_gate.calibrate.CALIBRATION_PROMPTS is a separate set)."""
+"""The margin gate over a fast lane that is not batch invariant (gemm_f16: f16 operands, F32
+accumulation, f16 results; the CPU stand-in for a half-precision GPU lane). tau and deep_tau are
+the committed profile's, calibrated by ``candle-gate calibrate --gate`` on
+candle_gate.calibrate.CALIBRATION_PROMPTS; the chats here are not in that set."""
+import json
+import os
+
 import numpy as np
 import pytest
 
 import candle_gate
 from candle_gate import Engine
 
+PROFILE = os.path.join(os.path.dirname(__file__), "..", "benches", "profiles", "dev-machine-cpu.json")
+
 # Eight chats decoded as one batch; without the gate two of them leave their batch-1 path.
 TOPICS = ["the ocean", "a lost key", "quantum computers", "the Roman empire", "baking bread",
           "a robot learning to paint", "climate change", "the first day of school"]
 CHATS = [[{"role": "user", "content": f"Explain {t} to a child."}] for t in TOPICS]
 N = 64
-TAU = 0.1
+with open(PROFILE) as f:
+    CALIBRATED = json.load(f)["gate"]
+TAU = CALIBRATED["tau"]
 
 
 @pytest.fixture(scope="module")
@@ -20,9 +28,10 @@ def f16_model():
     return candle_gate.Model.load(mode="gemm_f16")
 
 
-def run(model, gate, tau=0.0):
-    alone = [Engine(model, gate=gate, tau=tau).generate([c], max_new_tokens=N)[0] for c in CHATS]
-    eng = Engine(model, gate=gate, tau=tau)
+def run(model, gate):
+    kw = {"profile": PROFILE} if gate == "gated" else {}
+    alone = [Engine(model, gate=gate, **kw).generate([c], max_new_tokens=N)[0] for c in CHATS]
+    eng = Engine(model, gate=gate, **kw)
     batched = eng.generate(CHATS, max_new_tokens=N)
     return alone, batched, eng.gate_stats()
 
@@ -38,7 +47,7 @@ def test_without_gate_the_fast_lane_flips(f16_model):
 
 
 def test_gated_restores_identical_sequences_with_few_rechecks(f16_model):
-    alone, batched, stats = run(f16_model, "gated", TAU)
+    alone, batched, stats = run(f16_model, "gated")
     assert diverging(alone, batched) == []
     steps = sum(len(r.token_ids) for r in alone + batched)
     rechecks = sum(int(r.rechecked.sum()) for r in alone + batched)
@@ -48,6 +57,44 @@ def test_gated_restores_identical_sequences_with_few_rechecks(f16_model):
         # every low-margin step was rechecked, no high-margin one was
         assert (r.rechecked.astype(bool) == (r.margins < TAU)).all()
         assert isinstance(r.rechecked, np.ndarray) and r.corrected.sum() <= r.rechecked.sum()
+
+
+def test_engine_reads_tau_and_deep_tau_from_the_profile(f16_model):
+    e = Engine(f16_model, gate="gated", profile=PROFILE)
+    assert e.tau == pytest.approx(CALIBRATED["tau"]) and e.deep_tau == pytest.approx(CALIBRATED["deep_tau"])
+    e = Engine(f16_model, gate="gated", profile=PROFILE, tau=0.5)
+    assert e.tau == 0.5 and e.deep_tau == pytest.approx(0.05)
+
+
+def test_shadow_records_the_recheck_and_changes_nothing(f16_model):
+    chat = CHATS[1]
+    off = Engine(f16_model, gate="off", record_logit_hashes=True).generate([chat], max_new_tokens=12)[0]
+    shadow = Engine(f16_model, gate="shadow", record_logit_hashes=True).generate([chat], max_new_tokens=12)[0]
+    always = Engine(f16_model, gate="always", deep_tau=0.0).generate([chat], max_new_tokens=12)[0]
+    assert shadow.token_ids.tolist() == off.token_ids.tolist()
+    assert shadow.logit_hashes.tolist() == off.logit_hashes.tolist()  # the fast lane's K/V were put back
+    assert not shadow.rechecked.any() and np.isfinite(shadow.reference_margins).all()
+    assert np.isnan(off.reference_margins).all() and len(off.reference_margins) == len(off.token_ids)
+    # The first step's recheck sees the same cache (the prompt's prefill) in both runs.
+    assert shadow.reference_margins[0] == always.reference_margins[0]
+    assert shadow.corrected[0] == always.corrected[0]
+
+
+def test_deep_rechecks_are_the_reference_lane_bit_for_bit(f16_model):
+    """With deep_tau above every margin, each step rebuilds the cache in the reference lane
+    (incrementally, from where the last rebuild stopped): the tokens and margins must be those of
+    greedy decoding in the reference lane alone, recomputed here from scratch for every prefix."""
+    prompt = "The three primary colors are"
+    n = 6
+    r = Engine(f16_model, gate="always", deep_tau=1e9).generate([prompt], max_new_tokens=n)[0]
+    assert r.gate["deep_rechecks"] == n
+    ids = f16_model.tokenize(prompt)
+    for i in range(n):
+        ref = f16_model._native.logits(ids, "reference")
+        top2 = np.sort(ref)[-2:]
+        assert int(np.argmax(ref)) == int(r.token_ids[i])
+        assert np.float32(top2[1] - top2[0]) == r.reference_margins[i]
+        ids = ids + [int(r.token_ids[i])]
 
 
 def test_always_checks_every_step(f16_model):

@@ -156,17 +156,20 @@ def test_calibrate_gate_merges_into_an_existing_profile(model, tmp_path):
     out = tmp_path / "profile.json"
     out.write_text(json.dumps({"backend": "cpu", "created": "x", "candle_gate_version": "0",
                                "dtypes": {"q4_1": {"row_split_max": 4, "crossover_rows": 5}}}))
-    g = calibrate.calibrate_gate(model, mode="gemm", prompts=PROMPTS[:2], max_new_tokens=4,
-                                 safety=3.0, reference_samples=1, max_reference_len=16, progress=False)
+    g = calibrate.calibrate_gate(model, mode="gemm_f16", prompts=PROMPTS[:2], max_new_tokens=4,
+                                 safety=3.0, progress=False)
     assert g["tau"] == pytest.approx(3.0 * g["max_margin_shift"])
-    assert g["max_margin_shift"] == max(g["batch_shift"], g["reference_shift"])
-    assert g["calibration_prompts"] == 2 and g["mode"] == "gemm" and g["rule"]
+    assert g["max_margin_shift"] == max(g["batch_shift"], g["reference_shift"]) > 0
+    assert g["deep_tau"] == pytest.approx(3.0 * g["recheck_shift"])
+    assert set(g["by_composition"]) == set(calibrate.GATE_COMPOSITIONS)
+    assert g["calibration_prompts"] == 2 and g["mode"] == "gemm_f16" and g["rule"]
     calibrate.merge_gate(str(out), g)
     prof = json.loads(out.read_text())
     assert prof["dtypes"]["q4_1"]["row_split_max"] == 4 and prof["gate"]["tau"] == g["tau"]
     # the engine reads tau back from the profile
-    e = candle_gate.Engine(model, mode="gemm", gate="gated", profile=str(out))
+    e = candle_gate.Engine(model, mode="gemm_f16", gate="gated", profile=str(out))
     assert "gated" in e._native.gate
+    assert (e.tau, e.deep_tau) == (pytest.approx(g["tau"]), pytest.approx(g["deep_tau"]))
     fresh = tmp_path / "new.json"
     calibrate.merge_gate(str(fresh), g)
     p2 = json.loads(fresh.read_text())

@@ -105,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     _gate_args(p)
     p.add_argument("--prompts", default=None, help="JSON list of prompts (strings or chats) or a text file, one per line")
+    p.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--json", dest="json_out", default=None, help="write the report here")
     p.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")

@@ -572,6 +572,11 @@ def write_json(obj: Any, path: str) -> None:
 
 def main(args) -> int:
     prompts = load_prompts(args.prompts) if getattr(args, "prompts", None) else None
+    k = getattr(args, "num_prompts", None)
+    if k is not None:
+        if k <= 0:
+            raise ValueError(f"--num-prompts must be positive, got {k}")
+        prompts = (DEFAULT_PROMPTS if prompts is None else prompts)[:k]
     report = run_probe(model=args.model, prompts=prompts, max_new_tokens=args.max_new_tokens,
                        mode=args.mode, gate=args.gate, tau=args.tau, profile=args.profile,
                        compositions=args.compositions, progress=True, deep_tau=args.deep_tau)
