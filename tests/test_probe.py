@@ -64,7 +64,8 @@ def test_gate_numbers_are_summed_over_engines(model):
                         compositions=["batch2"], progress=False)
     g = r["gate"]
     assert list(g)[:len(probe.GATE_KEYS)] == list(probe.GATE_KEYS)  # then extra counters, if any
-    assert all(isinstance(g[k], int) for k in g if k not in ("mode", "tau"))
+    assert all(isinstance(g[k], int) for k in g if k not in ("mode", "tau", "deep_tau"))
+    assert isinstance(g["deep_tau"], float)
     assert g["mode"] == "always"
     # baseline (2 engines) + batch2 (1 engine), each request's steps all rechecked
     assert g["steps"] == g["rechecks"] == 2 * r["scored_steps"]

@@ -40,7 +40,7 @@ the number of distinct token sequences over the baseline and all free-running co
 close the near-ties come).
 ``gate`` sums ``gate_stats`` over every free-running engine (baseline included), or is null when
 the gate is off: ``mode``, ``tau``, ``steps``, ``rechecks``, ``corrections``, then any further
-counter the engine reports (``deep_rechecks``).
+counter the engine reports (``deep_rechecks``) and the ``deep_tau`` in use.
 """
 from __future__ import annotations
 
@@ -480,9 +480,8 @@ def run_probe(model: Union[None, str, Model] = None, prompts: Optional[Sequence[
         "prompts": runner.n,
         "max_new_tokens": max_new_tokens,
         "compositions": entries,
-        "gate": None if gate == "off" else {"mode": gate, "tau": tau_v,
-                                            "deep_tau": tau_v * DEEP_TAU_FRACTION if deep_tau is None else deep_tau,
-                                            **runner.gate_totals},
+        "gate": None if gate == "off" else {"mode": gate, "tau": tau_v, **runner.gate_totals,
+                                            "deep_tau": tau_v * DEEP_TAU_FRACTION if deep_tau is None else deep_tau},
         "scored_steps": scored_steps,
         "distinct_outputs": distinct,
         "identical_sequences_share": sum(d == 1 for d in distinct) / max(runner.n, 1),

@@ -160,6 +160,43 @@ fn gemm_bits_depend_on_row_count() {
     assert!(!changed.is_empty(), "gemm row 0 never changed with the row count");
 }
 
+/// gemm_f16 is "f16 operands, F32 accumulation, f16 results": checked against the same product
+/// computed independently in f64 from the f16-rounded operands (the weight dequantized by
+/// Candle, rounded by `half`). Each output must be an f16 value within one f16 ulp of it (plus
+/// F32 accumulation error where the sum cancels),
+/// and its bits must (sometimes) depend on the row count: the lane the gate is shown on.
+#[test]
+fn gemm_f16_is_f16_operands_f32_accumulation_f16_results() {
+    use half::f16;
+    let r16 = |v: f32| f16::from_f32(v).to_f32();
+    let (n, k) = (1536, 576);
+    let w = weight(GgmlDType::Q4_1, n, k, 41);
+    let wd: Vec<f32> = w.dense_f32().unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let x = pseudo_random(16 * k, 42);
+    let alone = w.run_cpu(Kernel::GemmF16, &x[..k], 1).unwrap();
+    let mut changed = 0;
+    for m in [1, 2, 3, 4, 8, 16] {
+        let y = w.run_cpu(Kernel::GemmF16, &x[..m * k], m).unwrap();
+        for r in 0..m {
+            for j in 0..n {
+                let prods = (0..k).map(|i| r16(x[r * k + i]) as f64 * r16(wd[j * k + i]) as f64);
+                let (exact, mag) = prods.fold((0f64, 0f64), |(s, a), p| (s + p, a + p.abs()));
+                let got = y[r * n + j];
+                assert_eq!(got, r16(got), "m={m} [{r},{j}]: {got} is not an f16 value");
+                let h = f16::from_f32(exact as f32);
+                let ulp = (f16::from_bits(h.to_bits() + 1).to_f32() - h.to_f32()).abs();
+                // one f16 rounding, plus F32 accumulation error where the sum cancels
+                let tol = ulp as f64 + 1e-5 * mag;
+                assert!(((got as f64) - exact).abs() <= tol, "m={m} [{r},{j}]: {got} vs exact {exact} (tol {tol})");
+            }
+        }
+        if !bits_equal(&y[..n], &alone) {
+            changed += 1;
+        }
+    }
+    assert!(changed > 0, "gemm_f16 row 0 never changed with the row count");
+}
+
 #[test]
 fn bad_inputs_are_clear_errors() {
     let w = weight(GgmlDType::Q4_1, 64, 64, 1);
