@@ -58,6 +58,19 @@ def test_stop_strings(model):
     assert r.finish_reason == "stop" and "\n" not in r.text and r.text.startswith(" Paris")
 
 
+def test_stop_string_spanning_tokens_cuts_at_its_first_occurrence(model):
+    prompt = "Once upon a time, in a small village by the sea,"
+    [full] = model.generate([prompt], max_new_tokens=24)
+    # a stop string that starts inside one token and ends inside a later one
+    pieces = [model.detokenize(full.token_ids[:i]) for i in range(len(full.token_ids) + 1)]
+    start = len(pieces[3]) + 1
+    stop = full.text[start:len(pieces[6]) - 1]
+    assert len(stop) >= 3
+    [r] = model.generate([prompt], max_new_tokens=24, stop=["never-appears-xyz", stop])
+    assert r.finish_reason == "stop"
+    assert r.text == full.text[:full.text.index(stop)]
+
+
 def test_cli_json_and_chat():
     r = run_cli("generate", "What is 2+2?", "--chat", "--json", "--max-new-tokens", "48")
     assert r.returncode == 0, r.stderr

@@ -556,7 +556,7 @@ impl Engine {
             let fed_tok = s.fed_last();
             let delta = s.decoder.push(&model.tokenizer, fed_tok);
             s.text.push_str(&delta);
-            Self::check_stop(&model, s);
+            Self::check_stop(&model, s, delta.len());
         }
         for s in self.running.iter_mut() {
             Self::emit_text(&mut self.events, s);
@@ -565,12 +565,21 @@ impl Engine {
         Ok(rows)
     }
 
-    fn check_stop(model: &Model, s: &mut Sequence) {
+    /// `new_bytes`: how much text this step appended. No stop string occurred in the text
+    /// before it, so a new occurrence must end in those bytes: only the tail is searched, which
+    /// keeps long outputs linear.
+    fn check_stop(model: &Model, s: &mut Sequence, new_bytes: usize) {
         let fed = s.fed_last();
         let ctx = model.llama.cfg.context_length;
+        let longest = s.req.stop.iter().map(|st| st.len()).max().unwrap_or(0);
+        let mut from = s.text.len().saturating_sub(new_bytes + longest.saturating_sub(1));
+        while !s.text.is_char_boundary(from) {
+            from -= 1;
+        }
+        let tail = &s.text[from..];
         if model.tokenizer.stop_ids.contains(&fed) {
             s.finish = Some(FinishReason::Eos);
-        } else if let Some(pos) = s.req.stop.iter().filter_map(|st| s.text.find(st.as_str())).min() {
+        } else if let Some(pos) = s.req.stop.iter().filter_map(|st| tail.find(st.as_str())).min().map(|p| from + p) {
             s.text.truncate(pos);
             s.finish = Some(FinishReason::StopString);
         } else if s.output.len() >= s.req.max_new_tokens {
