@@ -683,11 +683,8 @@ impl Sequence {
         let from = self.reference_exact.min(len - 1);
         let kvd = model.llama.cfg.kv_dim();
         self.cache.truncate(from, kvd);
-        let mut last = Vec::new();
-        for i in from..len {
-            let t = self.fed_at(i);
-            last = model.llama.reference_append(&mut self.cache, t, how)?;
-        }
+        let fed: Vec<u32> = (from..len).map(|i| self.fed_at(i)).collect();
+        let last = model.llama.reference_extend(&mut self.cache, &fed, how)?;
         self.reference_exact = len;
         Ok(last)
     }

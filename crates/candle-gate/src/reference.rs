@@ -52,34 +52,51 @@ fn tensor_slice<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
     }
 }
 
-/// `y = W x` for one row with dequantized weights: each output one 8-lane `dot` over k.
-pub fn matvec(w: &GateMatMul, how: ReferenceWeights, x: &[f32]) -> Result<Vec<f32>> {
+/// `y = W x` for `m` rows (`xs` row-major, `m × k`; returns `m × n`) with dequantized weights.
+/// Every output is one 8-lane [`dot`] of a weight row and an input row, so a row's result does
+/// not depend on `m`: rebuilding many positions in one call reads the weights once and gives
+/// the same bits as one position at a time.
+pub fn matmul_rows(w: &GateMatMul, how: ReferenceWeights, xs: &[f32], m: usize) -> Result<Vec<f32>> {
     let (n, k) = w.dims();
-    if x.len() != k {
-        return Err(Error::BadInput(format!("reference matvec: input {} != k {k}", x.len())));
+    if xs.len() != m * k {
+        return Err(Error::BadInput(format!("reference matmul: input {} != {m} x k {k}", xs.len())));
     }
-    let mut y = vec![0f32; n];
+    // Output-major blocks, so each block of weight rows is read (or dequantized) once for all m.
+    let mut yt = vec![0f32; n * m];
+    let block = |ys: &mut [f32], wd: &[f32]| {
+        for (i, yo) in ys.chunks_mut(m).enumerate() {
+            let wr = &wd[i * k..(i + 1) * k];
+            for (r, y) in yo.iter_mut().enumerate() {
+                *y = dot(wr, &xs[r * k..(r + 1) * k]);
+            }
+        }
+    };
     match how {
         ReferenceWeights::Dense => {
             let dense = w.dense_f32()?;
             tensor_slice(dense, |wd| {
-                y.par_chunks_mut(ROWS_PER_BLOCK).enumerate().for_each(|(b, ys)| {
-                    for (i, yo) in ys.iter_mut().enumerate() {
-                        let j = b * ROWS_PER_BLOCK + i;
-                        *yo = dot(&wd[j * k..(j + 1) * k], x);
-                    }
+                yt.par_chunks_mut(ROWS_PER_BLOCK * m).enumerate().for_each(|(b, ys)| {
+                    let r0 = b * ROWS_PER_BLOCK;
+                    block(ys, &wd[r0 * k..(r0 + ys.len() / m) * k]);
                 })
             })?;
         }
         ReferenceWeights::Blockwise => {
-            y.par_chunks_mut(ROWS_PER_BLOCK).enumerate().try_for_each(|(b, ys)| -> Result<()> {
+            yt.par_chunks_mut(ROWS_PER_BLOCK * m).enumerate().try_for_each(|(b, ys)| -> Result<()> {
                 let r0 = b * ROWS_PER_BLOCK;
-                let wd = dequantize_rows(w.weight(), r0..r0 + ys.len())?;
-                for (i, yo) in ys.iter_mut().enumerate() {
-                    *yo = dot(&wd[i * k..(i + 1) * k], x);
-                }
+                let wd = dequantize_rows(w.weight(), r0..r0 + ys.len() / m)?;
+                block(ys, &wd);
                 Ok(())
             })?;
+        }
+    }
+    if m == 1 {
+        return Ok(yt);
+    }
+    let mut y = vec![0f32; m * n];
+    for j in 0..n {
+        for r in 0..m {
+            y[r * n + j] = yt[j * m + r];
         }
     }
     Ok(y)
@@ -88,54 +105,85 @@ pub fn matvec(w: &GateMatMul, how: ReferenceWeights, x: &[f32]) -> Result<Vec<f3
 impl Llama {
     /// Appends `token` at the next position computed entirely in the reference lane.
     pub fn reference_append(&self, cache: &mut KvCache, token: u32, how: ReferenceWeights) -> Result<Vec<f32>> {
-        cache.push_empty(self.cfg.kv_dim());
-        self.reference_step(cache, token, how)
+        self.reference_extend(cache, &[token], how)
     }
 
-    /// Reference-lane logits after each of `tokens`, from an empty cache (for checks).
-    pub fn reference_logits(&self, tokens: &[u32], how: ReferenceWeights) -> Result<Vec<f32>> {
-        let mut cache = self.new_cache();
-        let mut last = Vec::new();
-        for &t in tokens {
-            last = self.reference_append(&mut cache, t, how)?;
+    /// Appends `tokens` computed entirely in the reference lane, all positions in one pass over
+    /// the weights; returns the logits after the last. Bitwise the same as appending them one
+    /// at a time.
+    pub fn reference_extend(&self, cache: &mut KvCache, tokens: &[u32], how: ReferenceWeights) -> Result<Vec<f32>> {
+        if tokens.is_empty() {
+            return Err(Error::BadInput("reference lane: no tokens".into()));
         }
-        Ok(last)
+        let first = cache.len();
+        for _ in tokens {
+            cache.push_empty(self.cfg.kv_dim());
+        }
+        self.reference_rows(cache, first, tokens, how)
+    }
+
+    /// Reference-lane logits after the last of `tokens`, from an empty cache (for checks).
+    pub fn reference_logits(&self, tokens: &[u32], how: ReferenceWeights) -> Result<Vec<f32>> {
+        self.reference_extend(&mut self.new_cache(), tokens, how)
     }
 
     /// Recomputes position `cache.len() - 1`'s step in the reference lane: the cache must
     /// already hold that position (written by the fast lane); its K/V are replaced in every
     /// layer, and the reference logits are returned.
     pub fn reference_step(&self, cache: &mut KvCache, token: u32, how: ReferenceWeights) -> Result<Vec<f32>> {
-        let cfg = &self.cfg;
         if cache.is_empty() {
             return Err(Error::BadInput("reference step on an empty cache".into()));
         }
         let pos = cache.len() - 1;
+        self.reference_rows(cache, pos, &[token], how)
+    }
+
+    /// Positions `first..first + tokens.len()` (already in the cache) recomputed in the
+    /// reference lane, K/V written in every layer; the logits of the last. Each row's
+    /// arithmetic depends only on its token, its position and the cache before it.
+    fn reference_rows(&self, cache: &mut KvCache, first: usize, tokens: &[u32], how: ReferenceWeights) -> Result<Vec<f32>> {
+        let cfg = &self.cfg;
+        let m = tokens.len();
+        debug_assert!(first + m <= cache.len());
         let (h, hd, kvd) = (cfg.hidden, cfg.head_dim, cfg.kv_dim());
-        let mut x = self.embed_rows(&[token])?;
-        let (c, s) = rope_tables(&cfg.inv_freq, pos);
-        let mut xn = vec![0f32; h];
-        let mut attn = vec![0f32; h];
+        let mut x = self.embed_rows(tokens)?;
+        let ropes: Vec<_> = (0..m).map(|r| rope_tables(&cfg.inv_freq, first + r)).collect();
+        let mut xn = vec![0f32; m * h];
+        let mut attn = vec![0f32; m * h];
+        let norm_rows = |x: &[f32], w: &[f32], out: &mut [f32]| {
+            for (xr, or) in x.chunks_exact(h).zip(out.chunks_exact_mut(h)) {
+                rms_norm(xr, w, cfg.rms_eps, or);
+            }
+        };
         for (li, layer) in self.layers.iter().enumerate() {
-            rms_norm(&x, &layer.attn_norm, cfg.rms_eps, &mut xn);
-            let mut q = matvec(&layer.wq, how, &xn)?;
-            let mut k = matvec(&layer.wk, how, &xn)?;
-            let v = matvec(&layer.wv, how, &xn)?;
-            q.chunks_exact_mut(hd).for_each(|hh| rope(hh, &c, &s));
-            k.chunks_exact_mut(hd).for_each(|hh| rope(hh, &c, &s));
-            cache.k[li][pos * kvd..(pos + 1) * kvd].copy_from_slice(&k);
-            cache.v[li][pos * kvd..(pos + 1) * kvd].copy_from_slice(&v);
-            attend(cfg, &q, &cache.k[li], &cache.v[li], pos + 1, &mut attn);
-            let o = matvec(&layer.wo, how, &attn)?;
+            norm_rows(&x, &layer.attn_norm, &mut xn);
+            let mut q = matmul_rows(&layer.wq, how, &xn, m)?;
+            let mut k = matmul_rows(&layer.wk, how, &xn, m)?;
+            let v = matmul_rows(&layer.wv, how, &xn, m)?;
+            let qd = q.len() / m;
+            for r in 0..m {
+                let (c, s) = &ropes[r];
+                q[r * qd..(r + 1) * qd].chunks_exact_mut(hd).for_each(|hh| rope(hh, c, s));
+                k[r * kvd..(r + 1) * kvd].chunks_exact_mut(hd).for_each(|hh| rope(hh, c, s));
+                let pos = first + r;
+                cache.k[li][pos * kvd..(pos + 1) * kvd].copy_from_slice(&k[r * kvd..(r + 1) * kvd]);
+                cache.v[li][pos * kvd..(pos + 1) * kvd].copy_from_slice(&v[r * kvd..(r + 1) * kvd]);
+            }
+            for r in 0..m {
+                attend(cfg, &q[r * qd..(r + 1) * qd], &cache.k[li], &cache.v[li], first + r + 1, &mut attn[r * h..(r + 1) * h]);
+            }
+            let o = matmul_rows(&layer.wo, how, &attn, m)?;
             x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
-            rms_norm(&x, &layer.ffn_norm, cfg.rms_eps, &mut xn);
-            let g = matvec(&layer.w_gate, how, &xn)?;
-            let mut u = matvec(&layer.w_up, how, &xn)?;
+            norm_rows(&x, &layer.ffn_norm, &mut xn);
+            let g = matmul_rows(&layer.w_gate, how, &xn, m)?;
+            let mut u = matmul_rows(&layer.w_up, how, &xn, m)?;
             u.iter_mut().zip(&g).for_each(|(u, &g)| *u *= silu(g));
-            let d = matvec(&layer.w_down, how, &u)?;
+            let d = matmul_rows(&layer.w_down, how, &u, m)?;
             x.iter_mut().zip(&d).for_each(|(a, b)| *a += b);
         }
-        rms_norm(&x.clone(), &self.out_norm, cfg.rms_eps, &mut x);
-        matvec(&self.lm_head, how, &x)
+        let last = x[(m - 1) * h..].to_vec();
+        let mut xl = vec![0f32; h];
+        rms_norm(&last, &self.out_norm, cfg.rms_eps, &mut xl);
+        matmul_rows(&self.lm_head, how, &xl, 1)
     }
 }

@@ -159,3 +159,39 @@ fn bad_forward_input_is_an_error_not_a_panic() {
     let e = m.llama.forward(&p, &mut [SeqRows { cache: &mut c, tokens: &[], want_logits: true }]).unwrap_err();
     assert!(e.to_string().contains("no tokens"), "{e}");
 }
+
+/// The reference lane gives a position the same bits whether it is computed alone or together
+/// with others in one pass (the deep recheck rebuilds many positions at once), with dense or
+/// blockwise weights, and a recheck (`reference_step` over a cache the reference lane wrote)
+/// reproduces that position exactly.
+#[test]
+fn reference_lane_rows_are_independent_of_how_many_share_a_pass() {
+    use candle_gate::reference::ReferenceWeights::{Blockwise, Dense};
+    let (m, _) = model(Mode::Invariant);
+    let toks = m.tokenizer.encode("Water boils at 100 degrees Celsius because").unwrap();
+    assert!(toks.len() >= 6);
+    let kvd = m.llama.cfg.kv_dim();
+    let mut one = m.llama.new_cache();
+    let mut per_position = vec![];
+    for &t in &toks {
+        per_position.push(bits(&m.llama.reference_append(&mut one, t, Dense).unwrap()));
+    }
+    for how in [Dense, Blockwise] {
+        // first half one at a time, the rest in one pass
+        let mut c = m.llama.new_cache();
+        let half = toks.len() / 2;
+        for &t in &toks[..half] {
+            m.llama.reference_append(&mut c, t, how).unwrap();
+        }
+        let last = m.llama.reference_extend(&mut c, &toks[half..], how).unwrap();
+        assert_eq!(bits(&last), *per_position.last().unwrap(), "{how:?}");
+        for l in 0..m.llama.cfg.n_layer {
+            assert_eq!(bits(&c.k[l]), bits(&one.k[l]), "{how:?} layer {l} K");
+            assert_eq!(bits(&c.v[l]), bits(&one.v[l]), "{how:?} layer {l} V");
+        }
+        // a recheck of position 3 over the reference lane's own prefix
+        let mut c4 = c.clone();
+        c4.truncate(4, kvd);
+        assert_eq!(bits(&m.llama.reference_step(&mut c4, toks[3], how).unwrap()), per_position[3]);
+    }
+}
