@@ -1,6 +1,7 @@
 """Probe, bench and calibrate on the default model (small sizes: the file runs in about a minute
 on 2 cores)."""
 import json
+import os
 import subprocess
 import sys
 
@@ -130,12 +131,22 @@ def test_load_prompts_text_and_json(tmp_path):
     assert probe.load_prompts(str(j)) == ["a", chat]
     with pytest.raises(ValueError, match="unknown composition"):
         probe.parse_compositions("batch2,nope")
+    with pytest.raises(ValueError, match="needs tau"):
+        probe.resolve_gate("gated", None, None, None)
+    with pytest.raises(ValueError, match="deep_tau"):
+        probe.resolve_gate("gated", 0.1, float("nan"), None)
+    assert probe.resolve_gate("gated", 0.1, None, None) == (0.1, None)
 
 
 def test_default_prompt_sets_are_disjoint_and_module_is_callable():
     key = lambda p: json.dumps(p, sort_keys=True)
     assert len(probe.DEFAULT_PROMPTS) >= 20 and len(calibrate.CALIBRATION_PROMPTS) >= 12
     assert not {key(p) for p in probe.DEFAULT_PROMPTS} & {key(p) for p in calibrate.CALIBRATION_PROMPTS}
+    # the held-out chats the gate is judged on were not used for calibration either
+    with open(os.path.join(os.path.dirname(__file__), "..", "benches", "prompts", "heldout_chats.json")) as f:
+        heldout = json.load(f)
+    assert len(heldout) >= 24
+    assert not {key(p) for p in heldout} & {key(p) for p in calibrate.CALIBRATION_PROMPTS}
     assert sum(isinstance(p, list) for p in probe.DEFAULT_PROMPTS) >= 3
     # importing the submodule replaces the package's probe() function; it stays callable
     assert callable(candle_gate.probe)

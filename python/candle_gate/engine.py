@@ -254,9 +254,6 @@ def _profile_gate(profile: str) -> Tuple[float, Optional[float]]:
     return float(g["tau"]), None if deep is None else float(deep)
 
 
-# The probe's fallback tau when neither tau nor a profile is given (the calibrated value for
-# the default model's gemm_f16 lane; see README).
-DEFAULT_TAU = 0.1
 # deep_tau when neither deep_tau nor a profile's gives one (the engine's own default,
 # candle_gate::engine::DEEP_TAU_FRACTION).
 DEEP_TAU_FRACTION = 0.1

@@ -54,7 +54,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
-from .engine import DEEP_TAU_FRACTION, DEFAULT_TAU, GATES, MODES, Engine, Model, Result, _check_chat, _profile_gate
+from .engine import DEEP_TAU_FRACTION, GATES, MODES, Engine, Model, Result, _check_chat, _profile_gate
 
 COMPOSITIONS = ("batch2", "batch3", "batch4", "batch5", "batch8", "batch16", "staggered",
                 "mixed_prefill", "reversed", "threads1", "threads2")
@@ -406,18 +406,19 @@ def _quantiles(m: np.ndarray) -> Dict[str, Optional[float]]:
 def resolve_gate(gate: str, tau: Optional[float], deep_tau: Optional[float],
                  profile: Optional[str]) -> "tuple[float, Optional[float]]":
     """``(tau, deep_tau)`` for the probe's engines: explicit values first, then the profile's
-    calibrated ones, then :data:`DEFAULT_TAU` (deep_tau None: the engine's default)."""
+    calibrated ones (deep_tau None: the engine's default, tau/10). Gated with neither is an
+    error, as for :class:`Engine`."""
     for name, v in (("tau", tau), ("deep_tau", deep_tau)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v)):
             raise ValueError(f"{name} must be a number, got {v!r}")
     if gate != "gated":
         return (0.0 if tau is None else float(tau)), deep_tau
     if tau is None:
-        if profile:
-            tau, profile_deep = _profile_gate(profile)
-            deep_tau = profile_deep if deep_tau is None else deep_tau
-        else:
-            tau = DEFAULT_TAU
+        if not profile:
+            raise ValueError("gate='gated' needs tau= or a profile with a calibrated tau "
+                             "(candle-gate calibrate --gate --out PROFILE)")
+        tau, profile_deep = _profile_gate(profile)
+        deep_tau = profile_deep if deep_tau is None else deep_tau
     return float(tau), deep_tau
 
 
