@@ -63,7 +63,7 @@ def test_engine_reads_tau_and_deep_tau_from_the_profile(f16_model):
     e = Engine(f16_model, gate="gated", profile=PROFILE)
     assert e.tau == pytest.approx(CALIBRATED["tau"]) and e.deep_tau == pytest.approx(CALIBRATED["deep_tau"])
     e = Engine(f16_model, gate="gated", profile=PROFILE, tau=0.5)
-    assert e.tau == 0.5 and e.deep_tau == pytest.approx(0.05)
+    assert e.tau == 0.5 and e.deep_tau == pytest.approx(0.25)
 
 
 def test_shadow_records_the_recheck_and_changes_nothing(f16_model):

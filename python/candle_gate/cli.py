@@ -23,7 +23,7 @@ def _gate_args(p: argparse.ArgumentParser) -> None:
                    help="margin threshold for --gate gated (default: the profile's calibrated tau)")
     p.add_argument("--deep-tau", type=float, default=None,
                    help="a recheck whose own margin is below this rebuilds the cache in the reference "
-                        "lane (default: the profile's, else tau/10)")
+                        "lane (default: the profile's, else tau/2)")
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

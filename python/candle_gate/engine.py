@@ -253,7 +253,3 @@ def _profile_gate(profile: str) -> Tuple[float, Optional[float]]:
     deep = g.get("deep_tau")
     return float(g["tau"]), None if deep is None else float(deep)
 
-
-# deep_tau when neither deep_tau nor a profile's gives one (the engine's own default,
-# candle_gate::engine::DEEP_TAU_FRACTION).
-DEEP_TAU_FRACTION = 0.1

@@ -54,7 +54,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
-from .engine import DEEP_TAU_FRACTION, GATES, MODES, Engine, Model, Result, _check_chat, _profile_gate
+from .engine import GATES, MODES, Engine, Model, Result, _check_chat, _profile_gate
 
 COMPOSITIONS = ("batch2", "batch3", "batch4", "batch5", "batch8", "batch16", "staggered",
                 "mixed_prefill", "reversed", "threads1", "threads2")
@@ -251,6 +251,7 @@ class Runner:
             filler = filler + filler
         self.filler = filler[:FILLER_TOKENS]
         self.gate_totals = {"steps": 0, "rechecks": 0, "corrections": 0}
+        self.deep_tau_used: Optional[float] = None
 
     @property
     def n(self) -> int:
@@ -258,10 +259,12 @@ class Runner:
 
     def engine(self, n_seqs: int, threads: Optional[int] = None, budget: int = MAX_TOKENS_PER_STEP) -> Engine:
         extra = {} if self.deep_tau is None else {"deep_tau": self.deep_tau}
-        return Engine(self.model, mode=self.mode, profile=self.profile, gate=self.gate, tau=self.tau,
-                      max_num_seqs=max(16, n_seqs + 1), max_tokens_per_step=budget,
-                      prefill_chunk=PREFILL_CHUNK, threads=threads, record_logit_hashes=True,
-                      row_split_max=self.row_split_max, **extra)
+        eng = Engine(self.model, mode=self.mode, profile=self.profile, gate=self.gate, tau=self.tau,
+                     max_num_seqs=max(16, n_seqs + 1), max_tokens_per_step=budget,
+                     prefill_chunk=PREFILL_CHUNK, threads=threads, record_logit_hashes=True,
+                     row_split_max=self.row_split_max, **extra)
+        self.deep_tau_used = eng.deep_tau
+        return eng
 
     def _submit(self, eng: Engine, i: int, forced: Optional[Sequence[np.ndarray]]) -> int:
         if forced is None:
@@ -406,7 +409,7 @@ def _quantiles(m: np.ndarray) -> Dict[str, Optional[float]]:
 def resolve_gate(gate: str, tau: Optional[float], deep_tau: Optional[float],
                  profile: Optional[str]) -> "tuple[float, Optional[float]]":
     """``(tau, deep_tau)`` for the probe's engines: explicit values first, then the profile's
-    calibrated ones (deep_tau None: the engine's default, tau/10). Gated with neither is an
+    calibrated ones (deep_tau None: the engine's default, tau/2). Gated with neither is an
     error, as for :class:`Engine`."""
     for name, v in (("tau", tau), ("deep_tau", deep_tau)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v)):
@@ -482,7 +485,7 @@ def run_probe(model: Union[None, str, Model] = None, prompts: Optional[Sequence[
         "max_new_tokens": max_new_tokens,
         "compositions": entries,
         "gate": None if gate == "off" else {"mode": gate, "tau": tau_v, **runner.gate_totals,
-                                            "deep_tau": tau_v * DEEP_TAU_FRACTION if deep_tau is None else deep_tau},
+                                            "deep_tau": runner.deep_tau_used},
         "scored_steps": scored_steps,
         "distinct_outputs": distinct,
         "identical_sequences_share": sum(d == 1 for d in distinct) / max(runner.n, 1),
