@@ -257,3 +257,26 @@ fn q4_1_invariant_equals_candle_qmatmul_at_every_row_count() {
         }
     }
 }
+
+/// The reference lane's matmul: a row's result is the same bits whatever other rows share the
+/// call, and the same with a dense FP32 copy of the weight or block-by-block dequantization.
+#[test]
+fn reference_matmul_rows_are_independent_and_dense_equals_blockwise() {
+    use candle_gate::reference::{matmul_rows, ReferenceWeights};
+    for d in SUPPORTED {
+        for (n, k) in shapes(d).into_iter().take(4) {
+            let w = weight(d, n, k, 51);
+            let x = pseudo_random(7 * k, 52);
+            let single: Vec<Vec<f32>> =
+                (0..7).map(|r| matmul_rows(&w, ReferenceWeights::Dense, &x[r * k..(r + 1) * k], 1).unwrap()).collect();
+            for m in [2, 3, 7] {
+                for how in [ReferenceWeights::Dense, ReferenceWeights::Blockwise] {
+                    let y = matmul_rows(&w, how, &x[..m * k], m).unwrap();
+                    for r in 0..m {
+                        assert!(bits_equal(&y[r * n..(r + 1) * n], &single[r]), "{d:?} [{n},{k}] m={m} row {r} {how:?}");
+                    }
+                }
+            }
+        }
+    }
+}
