@@ -9,7 +9,7 @@ use rayon::prelude::*;
 use crate::dispatch::GateMatMul;
 use crate::error::{Error, Result};
 use crate::kernels::cpu::dequantize_rows;
-use crate::llama::{attend, dot, rms_norm, rope, rope_tables, silu, KvCache, Llama};
+use crate::llama::{attend, dot, dot4, rms_norm, rope, rope_tables, silu, KvCache, Llama};
 
 /// Output rows dequantized at a time when no dense copy is kept: 64 rows of k=4096 is 1 MiB.
 const ROWS_PER_BLOCK: usize = 64;
@@ -63,12 +63,20 @@ pub fn matmul_rows(w: &GateMatMul, how: ReferenceWeights, xs: &[f32], m: usize) 
     }
     // Output-major blocks, so each block of weight rows is read (or dequantized) once for all m.
     let mut yt = vec![0f32; n * m];
+    // ys[i * m + r] = dot(weight row i, input row r), four pairs at a time through `dot4`.
     let block = |ys: &mut [f32], wd: &[f32]| {
-        for (i, yo) in ys.chunks_mut(m).enumerate() {
-            let wr = &wd[i * k..(i + 1) * k];
-            for (r, y) in yo.iter_mut().enumerate() {
-                *y = dot(wr, &xs[r * k..(r + 1) * k]);
-            }
+        let pair = |p: usize| (&wd[(p / m) * k..(p / m + 1) * k], &xs[(p % m) * k..(p % m + 1) * k]);
+        let full = ys.len() - ys.len() % 4;
+        for p in (0..full).step_by(4) {
+            let (w0, x0) = pair(p);
+            let (w1, x1) = pair(p + 1);
+            let (w2, x2) = pair(p + 2);
+            let (w3, x3) = pair(p + 3);
+            ys[p..p + 4].copy_from_slice(&dot4([w0, w1, w2, w3], [x0, x1, x2, x3]));
+        }
+        for p in full..ys.len() {
+            let (w, x) = pair(p);
+            ys[p] = dot(w, x);
         }
     };
     match how {
