@@ -152,6 +152,20 @@ def test_default_prompt_sets_are_disjoint_and_module_is_callable():
     assert callable(candle_gate.probe)
 
 
+def test_bench_gate_json():
+    r = run_cli("bench", "gate", "--mode", "gemm_f16", "--tau", "0.5", "--concurrency", "2",
+                "--max-new-tokens", "4", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["mode"] == "gemm_f16" and out["tau"] == 0.5 and out["deep_tau"] == 0.25
+    assert set(out["tok_per_s"]) == {"off", "gated", "always"}
+    assert all(v > 0 for v in out["tok_per_s"].values())
+    assert out["added_ms_gated"] == pytest.approx(out["ms_per_token"]["gated"] - out["ms_per_token"]["off"])
+    assert 0 <= out["recheck_rate"] <= 1
+    r = run_cli("bench", "gate", "--mode", "gemm_f16")
+    assert r.returncode == 2 and "needs tau" in r.stderr
+
+
 def test_bench_throughput_json(tmp_path):
     r = run_cli("bench", "throughput", "--concurrency", "1,2", "--max-new-tokens", "4", "--json")
     assert r.returncode == 0, r.stderr
