@@ -5,6 +5,7 @@ token ids and dicts into :class:`Result` objects.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -145,18 +146,9 @@ class Engine:
             raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
         if gate not in GATES:
             raise ValueError(f"unknown gate {gate!r}; expected one of {', '.join(GATES)}")
-        if tau is None:
-            if gate == "gated" and not profile:
-                raise ValueError("gate='gated' needs tau= or a profile with a calibrated tau "
-                                 "(candle-gate calibrate --gate --out PROFILE)")
-            if gate == "gated":
-                tau, profile_deep_tau = _profile_gate(profile)
-                if deep_tau is None:
-                    deep_tau = profile_deep_tau
-            else:
-                tau = 0.0
-        if isinstance(tau, bool) or not isinstance(tau, (int, float)):
+        if tau is not None and (isinstance(tau, bool) or not isinstance(tau, (int, float))):
             raise TypeError(f"tau must be a number, got {type(tau).__name__}")
+        tau, deep_tau = resolve_gate(gate, tau, deep_tau, profile)
         for name, v in (("max_num_seqs", max_num_seqs), ("max_tokens_per_step", max_tokens_per_step),
                         ("prefill_chunk", prefill_chunk), ("kv_budget_tokens", kv_budget_tokens)):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -253,3 +245,20 @@ def _profile_gate(profile: str) -> Tuple[float, Optional[float]]:
     deep = g.get("deep_tau")
     return float(g["tau"]), None if deep is None else float(deep)
 
+
+def resolve_gate(gate: str, tau: Optional[float], deep_tau: Optional[float],
+                 profile: Optional[str]) -> Tuple[float, Optional[float]]:
+    """``(tau, deep_tau)`` for an engine: explicit values first, then the profile's calibrated
+    ones (deep_tau None: the engine's default, tau/2). Gated with neither is an error."""
+    for name, v in (("tau", tau), ("deep_tau", deep_tau)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v)):
+            raise ValueError(f"{name} must be a number, got {v!r}")
+    if gate != "gated":
+        return (0.0 if tau is None else float(tau)), deep_tau
+    if tau is None:
+        if not profile:
+            raise ValueError("gate='gated' needs tau= or a profile with a calibrated tau "
+                             "(candle-gate calibrate --gate --out PROFILE)")
+        tau, profile_deep = _profile_gate(profile)
+        deep_tau = profile_deep if deep_tau is None else deep_tau
+    return float(tau), deep_tau

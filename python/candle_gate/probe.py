@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 import os
 import sys
 import time
@@ -54,7 +53,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
-from .engine import GATES, MODES, Engine, Model, Result, _check_chat, _profile_gate
+from .engine import GATES, MODES, Engine, Model, Result, _check_chat, resolve_gate
 
 COMPOSITIONS = ("batch2", "batch3", "batch4", "batch5", "batch8", "batch16", "staggered",
                 "mixed_prefill", "reversed", "threads1", "threads2")
@@ -404,25 +403,6 @@ def _quantiles(m: np.ndarray) -> Dict[str, Optional[float]]:
         return dict.fromkeys(keys)
     q = np.percentile(m.astype(np.float64), [0, 1, 10, 50])
     return {k: float(v) for k, v in zip(keys, q)}
-
-
-def resolve_gate(gate: str, tau: Optional[float], deep_tau: Optional[float],
-                 profile: Optional[str]) -> "tuple[float, Optional[float]]":
-    """``(tau, deep_tau)`` for the probe's engines: explicit values first, then the profile's
-    calibrated ones (deep_tau None: the engine's default, tau/2). Gated with neither is an
-    error, as for :class:`Engine`."""
-    for name, v in (("tau", tau), ("deep_tau", deep_tau)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v)):
-            raise ValueError(f"{name} must be a number, got {v!r}")
-    if gate != "gated":
-        return (0.0 if tau is None else float(tau)), deep_tau
-    if tau is None:
-        if not profile:
-            raise ValueError("gate='gated' needs tau= or a profile with a calibrated tau "
-                             "(candle-gate calibrate --gate --out PROFILE)")
-        tau, profile_deep = _profile_gate(profile)
-        deep_tau = profile_deep if deep_tau is None else deep_tau
-    return float(tau), deep_tau
 
 
 def run_probe(model: Union[None, str, Model] = None, prompts: Optional[Sequence[Any]] = None,

@@ -511,24 +511,16 @@ impl Engine {
             let (fast_tok, margin) = argmax_margin(&lg);
             let mut tok = fast_tok;
             let check = match self.cfg.gate.mode {
-                GateMode::Off => false,
+                GateMode::Off | GateMode::Shadow => false,
                 GateMode::Always => true,
                 GateMode::Gated => margin < self.cfg.gate.tau,
-                GateMode::Shadow => {
-                    let fed = s.fed_at(s.cache.len() - 1);
-                    // On a copy of the cache: the fast lane's K/V must stay as they are.
-                    let ref_logits = model.llama.reference_step(&mut s.cache.clone(), fed, self.reference)?;
-                    let (ref_tok, ref_margin) = argmax_margin(&ref_logits);
-                    s.reference_margins.push(ref_margin);
-                    s.corrected.push(ref_tok != fast_tok);
-                    false
-                }
             };
             if self.cfg.record_logit_hashes {
                 s.logit_hashes.push(hash_bits(&lg));
             }
-            if check {
-                let fed = s.fed_at(s.cache.len() - 1);
+            let fed = s.fed_at(s.cache.len() - 1);
+            // (reference token, its margin) where the reference lane ran this step.
+            let reference = if check {
                 let mut ref_logits = model.llama.reference_step(&mut s.cache, fed, self.reference)?;
                 if argmax_margin(&ref_logits).1 < self.cfg.gate.deep_tau {
                     ref_logits = s.rebuild_in_reference_lane(&model, self.reference)?;
@@ -536,7 +528,6 @@ impl Engine {
                     s.gate.deep_rechecks += 1;
                 }
                 let (ref_tok, ref_margin) = argmax_margin(&ref_logits);
-                s.reference_margins.push(ref_margin);
                 self.stats.rechecks += 1;
                 s.gate.rechecks += 1;
                 if ref_tok != fast_tok {
@@ -544,13 +535,16 @@ impl Engine {
                     s.gate.corrections += 1;
                 }
                 tok = ref_tok;
-            } else if self.cfg.gate.mode != GateMode::Shadow {
-                s.reference_margins.push(f32::NAN);
-            }
+                Some((ref_tok, ref_margin))
+            } else if self.cfg.gate.mode == GateMode::Shadow {
+                // On a copy of the cache: the fast lane's K/V must stay as they are.
+                Some(argmax_margin(&model.llama.reference_step(&mut s.cache.clone(), fed, self.reference)?))
+            } else {
+                None
+            };
             s.rechecked.push(check);
-            if self.cfg.gate.mode != GateMode::Shadow {
-                s.corrected.push(check && tok != fast_tok);
-            }
+            s.reference_margins.push(reference.map_or(f32::NAN, |(_, m)| m));
+            s.corrected.push(reference.is_some_and(|(t, _)| t != fast_tok));
             s.margins.push(margin);
             s.output.push(tok);
             s.new_token = true;

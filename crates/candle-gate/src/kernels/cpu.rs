@@ -59,7 +59,6 @@ fn blocks_of<T>(bytes: &[u8]) -> Result<&[T]> {
     Ok(unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const T, bytes.len() / size) })
 }
 
-
 fn quantize_rows<T: GgmlType>(x: &[f32], m: usize, k: usize) -> Vec<T::VecDotType> {
     let kb = k / T::BLCK_SIZE;
     let mut q = vec![T::VecDotType::zeros(); m * kb];
