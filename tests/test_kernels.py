@@ -18,12 +18,19 @@ def test_invariant_is_bitwise_gemv_and_gemm_is_close(dtype, n, kb, m, seed):
     gemv, inv, gemm = out["gemv_row_split"], out["invariant"], out["gemm"]
     assert gemv.shape == (m * n,)
     assert inv.view(np.uint32).tolist() == gemv.view(np.uint32).tolist()
-    # Each row alone through the invariant kernel gives the same bits as inside the batch.
-    row = np.random.default_rng(seed).integers(0, m)
-    single = _native.kernel_outputs(dtype, n, k, m, seed)["invariant"]
-    assert single[row * n:(row + 1) * n].view(np.uint32).tolist() == inv[row * n:(row + 1) * n].view(np.uint32).tolist()
+    # Row 0 alone, and the first rows alone as a smaller batch, get the same bits as inside
+    # the batch (the inputs of a smaller m are a prefix of these).
+    alone = _native.kernel_outputs(dtype, n, k, 1, seed)["invariant"]
+    assert alone.view(np.uint32).tolist() == inv[:n].view(np.uint32).tolist()
+    m2 = int(np.random.default_rng(seed).integers(1, m + 1))
+    prefix = _native.kernel_outputs(dtype, n, k, m2, seed)["invariant"]
+    assert prefix.view(np.uint32).tolist() == inv[:m2 * n].view(np.uint32).tolist()
     scale = max(float(np.abs(gemv).max()), 1e-3)
     assert float(np.abs(gemm - gemv).max()) <= 0.05 * scale + 0.05 * np.sqrt(k)
+    # split_k_f16 is the dense product at half precision: within f16 rounding of gemm
+    split = out["split_k_f16"]
+    assert (split == split.astype(np.float16).astype(np.float32)).all()
+    assert float(np.abs(split - gemm).max()) <= 2e-3 * float(np.abs(gemm).max()) + 1e-2 * np.sqrt(k)
 
 
 @pytest.mark.parametrize("args,needle", [

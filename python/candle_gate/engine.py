@@ -14,8 +14,8 @@ import numpy as np
 from . import _native
 from .models import resolve
 
-MODES = ("native", "row_split", "invariant", "gemm", "gemm_f16")
-GATES = ("off", "gated", "always", "shadow")
+MODES = tuple(_native.MODES)  # the Rust enums own the names
+GATES = tuple(_native.GATES)
 
 Chat = List[Dict[str, str]]
 Prompt = Union[str, Chat, Sequence[int]]

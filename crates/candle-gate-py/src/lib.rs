@@ -435,7 +435,7 @@ fn kernel_outputs<'py>(py: Python<'py>, dtype: &str, n: usize, k: usize, m: usiz
         let g = candle_gate::GateMatMul::from_arc(Arc::new(q), Arc::new(Policy::default())).map_err(to_py)?;
         let x = &x[..m * k];
         let mut outs = vec![];
-        for kern in [Kernel::GemvRowSplit, Kernel::Invariant, Kernel::Gemm, Kernel::Candle] {
+        for kern in [Kernel::GemvRowSplit, Kernel::Invariant, Kernel::Gemm, Kernel::SplitKF16, Kernel::Candle] {
             outs.push((kern.name(), g.run_cpu(kern, x, m).map_err(to_py)?));
         }
         Ok(outs)
@@ -447,12 +447,24 @@ fn kernel_outputs<'py>(py: Python<'py>, dtype: &str, n: usize, k: usize, m: usiz
     Ok(d)
 }
 
+/// What this host and build contribute to the bits in `mode` (hashed into fingerprints): the
+/// compile target, plus the run-time dispatch of Candle's kernels for modes that use them.
+#[pyfunction]
+#[pyo3(signature = (mode = "invariant"))]
+fn host_signature(mode: &str) -> PyResult<String> {
+    Ok(candle_gate::host::signature(Mode::from_str(mode).map_err(to_py)?))
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("CandleGateError", m.py().get_type::<CandleGateError>())?;
     m.add("__version__", candle_gate::VERSION)?;
     m.add("CUDA_AVAILABLE", candle_gate::kernels::cuda::AVAILABLE)?;
     m.add("METAL_AVAILABLE", candle_gate::kernels::metal::AVAILABLE)?;
+    // Rust owns the names; Python's MODES / GATES are these.
+    m.add("MODES", candle_gate::Mode::ALL.map(|x| x.name()).to_vec())?;
+    m.add("GATES", candle_gate::GateMode::ALL.map(|x| x.name()).to_vec())?;
+    m.add_function(wrap_pyfunction!(host_signature, m)?)?;
     m.add_class::<Model>()?;
     m.add_function(wrap_pyfunction!(calibrate_kernels, m)?)?;
     m.add_function(wrap_pyfunction!(kernel_outputs, m)?)?;

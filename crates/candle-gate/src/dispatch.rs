@@ -32,10 +32,16 @@ pub enum Mode {
     /// row-count-dependent last bits become whole f16 ulps often enough to flip near-ties: the
     /// CPU stand-in for a half-precision GPU lane, and the lane the margin gate is shown on.
     GemmF16,
+    /// Half-precision GEMM with split-K chosen by the row count (`kernels::cpu_split_k`): f16
+    /// operands, f32 fused accumulation in k chunks whose number follows the row count, f16
+    /// results, all in code fixed at compile time. Its bits depend on the row count by
+    /// construction and on nothing about the host: the machine-independent non-invariant lane
+    /// the margin gate is tested, calibrated and measured on.
+    SplitKF16,
 }
 
 impl Mode {
-    pub const ALL: [Mode; 5] = [Mode::Native, Mode::RowSplit, Mode::Invariant, Mode::Gemm, Mode::GemmF16];
+    pub const ALL: [Mode; 6] = [Mode::Native, Mode::RowSplit, Mode::Invariant, Mode::Gemm, Mode::GemmF16, Mode::SplitKF16];
     pub fn name(self) -> &'static str {
         match self {
             Mode::Native => "native",
@@ -43,6 +49,7 @@ impl Mode {
             Mode::Invariant => "invariant",
             Mode::Gemm => "gemm",
             Mode::GemmF16 => "gemm_f16",
+            Mode::SplitKF16 => "split_k_f16",
         }
     }
 }
@@ -54,9 +61,8 @@ impl FromStr for Mode {
             .into_iter()
             .find(|m| m.name() == s)
             .ok_or_else(|| {
-                Error::BadInput(format!(
-                    "unknown mode {s:?}; expected one of native, row_split, invariant, gemm, gemm_f16"
-                ))
+                let names: Vec<&str> = Mode::ALL.iter().map(|m| m.name()).collect();
+                Error::BadInput(format!("unknown mode {s:?}; expected one of {}", names.join(", ")))
             })
     }
 }
@@ -68,6 +74,7 @@ pub enum Kernel {
     Invariant,
     Gemm,
     GemmF16,
+    SplitKF16,
     Candle,
 }
 
@@ -78,6 +85,7 @@ impl Kernel {
             Kernel::Invariant => "invariant",
             Kernel::Gemm => "gemm",
             Kernel::GemmF16 => "gemm_f16",
+            Kernel::SplitKF16 => "split_k_f16",
             Kernel::Candle => "candle",
         }
     }
@@ -162,6 +170,7 @@ impl Policy {
             Mode::Native => Kernel::Candle,
             Mode::Gemm => Kernel::Gemm,
             Mode::GemmF16 => Kernel::GemmF16,
+            Mode::SplitKF16 => Kernel::SplitKF16,
             Mode::Invariant => Kernel::Invariant,
             Mode::RowSplit if rows <= self.row_split_max(backend, dtype) => Kernel::GemvRowSplit,
             Mode::RowSplit => Kernel::Gemm,
@@ -184,6 +193,7 @@ pub struct GateMatMul {
     native: QMatMul,
     dense: OnceLock<Tensor>,
     dense_f16: OnceLock<Tensor>,
+    half: OnceLock<Vec<half::f16>>,
     policy: Arc<Policy>,
 }
 
@@ -208,7 +218,7 @@ impl GateMatMul {
             )));
         }
         let native = QMatMul::from_arc(weight.clone())?;
-        Ok(GateMatMul { weight, native, dense: OnceLock::new(), dense_f16: OnceLock::new(), policy })
+        Ok(GateMatMul { weight, native, dense: OnceLock::new(), dense_f16: OnceLock::new(), half: OnceLock::new(), policy })
     }
 
     pub fn with_policy(&self, policy: Arc<Policy>) -> Self {
@@ -217,6 +227,7 @@ impl GateMatMul {
             native: self.native.clone(),
             dense: OnceLock::new(),
             dense_f16: OnceLock::new(),
+            half: OnceLock::new(),
             policy,
         }
     }
@@ -251,6 +262,17 @@ impl GateMatMul {
         Ok(self.dense_f16.get_or_init(|| t))
     }
 
+    /// The weight dequantized and rounded to f16, row-major `[n, k]`, for the split-K lane.
+    fn half(&self) -> Result<&[half::f16]> {
+        if let Some(h) = self.half.get() {
+            return Ok(h);
+        }
+        // Not through `dense()`: that would keep an f32 copy alive beside the f16 one.
+        let wd = self.weight.dequantize(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?;
+        let h = wd.into_iter().map(half::f16::from_f32).collect();
+        Ok(self.half.get_or_init(|| h))
+    }
+
     fn dense(&self) -> Result<&Tensor> {
         if let Some(t) = self.dense.get() {
             return Ok(t);
@@ -274,6 +296,10 @@ impl GateMatMul {
         match kernel {
             Kernel::GemvRowSplit => kernels::cpu::gemv_rows(&self.weight, x, m),
             Kernel::Invariant => kernels::cpu::invariant(&self.weight, x, m),
+            Kernel::SplitKF16 => {
+                kernels::cpu::check(&self.weight, x, m)?;
+                Ok(kernels::cpu_split_k::matmul(self.half()?, x, m, k, n))
+            }
             Kernel::Gemm | Kernel::GemmF16 | Kernel::Candle => {
                 kernels::cpu::check(&self.weight, x, m)?;
                 let ys = match kernel {
@@ -337,7 +363,9 @@ impl Module for GateMatMul {
                     Kernel::GemvRowSplit | Kernel::Invariant => row_split(&xs2)?,
                     Kernel::Candle => self.native.forward(&xs2)?,
                     Kernel::Gemm => xs2.matmul(&self.dense().map_err(candle_core::Error::wrap)?.t()?)?,
-                    Kernel::GemmF16 => xs2
+                    // On a GPU the half-precision GEMM library picks its own split-K from the
+                    // row count: that is the lane split_k_f16 stands in for on the CPU.
+                    Kernel::GemmF16 | Kernel::SplitKF16 => xs2
                         .to_dtype(DType::F16)?
                         .matmul(&self.dense_f16().map_err(candle_core::Error::wrap)?.t()?)?
                         .to_dtype(xs.dtype())?,

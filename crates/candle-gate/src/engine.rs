@@ -37,6 +37,7 @@ pub enum GateMode {
 }
 
 impl GateMode {
+    pub const ALL: [GateMode; 4] = [GateMode::Off, GateMode::Gated, GateMode::Always, GateMode::Shadow];
     pub fn name(self) -> &'static str {
         match self {
             GateMode::Off => "off",
@@ -50,13 +51,9 @@ impl GateMode {
 impl FromStr for GateMode {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "off" => Ok(GateMode::Off),
-            "gated" => Ok(GateMode::Gated),
-            "always" => Ok(GateMode::Always),
-            "shadow" => Ok(GateMode::Shadow),
-            _ => Err(Error::BadInput(format!("unknown gate mode {s:?}; expected off, gated, always or shadow"))),
-        }
+        GateMode::ALL.into_iter().find(|g| g.name() == s).ok_or_else(|| {
+            Error::BadInput(format!("unknown gate mode {s:?}; expected off, gated, always or shadow"))
+        })
     }
 }
 
@@ -261,6 +258,8 @@ pub struct Engine {
     stats: GateStats,
     shut_down: bool,
     model_sha: String,
+    /// What this host and build contribute to the bits in the policy's mode (`host::signature`).
+    host: String,
 }
 
 impl Engine {
@@ -286,6 +285,7 @@ impl Engine {
         };
         let reference = ReferenceWeights::for_budget(&model.llama, cfg.reference_dense_max_bytes);
         let model_sha = model.sha256()?;
+        let policy_mode = policy.mode;
         Ok(Engine {
             model,
             policy,
@@ -301,6 +301,7 @@ impl Engine {
             stats: GateStats::default(),
             shut_down: false,
             model_sha,
+            host: crate::host::signature(policy_mode),
         })
     }
 
@@ -631,7 +632,7 @@ impl Engine {
 
     fn retire(&mut self, s: Sequence) {
         let reason = s.finish.unwrap_or(FinishReason::Cancelled);
-        let fp = fingerprint(&self.model_sha, &self.policy.describe(), &self.cfg.gate.describe(), &s.output);
+        let fp = fingerprint(&self.model_sha, &self.policy.describe(), &self.cfg.gate.describe(), &self.host, &s.output);
         self.events.push(Event::Finished { id: s.id, reason });
         let text = s.text;
         self.finished.insert(

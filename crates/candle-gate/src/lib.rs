@@ -8,10 +8,12 @@
 //! * [`engine::Engine`]: continuous batching with a margin gate and a reference lane.
 //! * [`profile`]: measured crossover profiles.
 
+pub mod detmath;
 pub mod dispatch;
 pub mod engine;
 pub mod error;
 pub mod gguf;
+pub mod host;
 pub mod kernels;
 pub mod llama;
 pub mod model;

@@ -210,16 +210,16 @@ pub(crate) fn rope_tables(inv_freq: &[f32], pos: usize) -> (Vec<f32>, Vec<f32>) 
     let mut c = Vec::with_capacity(inv_freq.len());
     let mut s = Vec::with_capacity(inv_freq.len());
     for &f in inv_freq {
-        let t = pos as f32 * f;
-        c.push(t.cos());
-        s.push(t.sin());
+        let (sin, cos) = crate::detmath::sin_cos_f64((pos as f32 * f) as f64);
+        c.push(cos as f32);
+        s.push(sin as f32);
     }
     (c, s)
 }
 
 #[inline]
 pub(crate) fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
+    x / (1.0 + crate::detmath::exp_f32(-x))
 }
 
 /// Causal attention of one query row (all heads) over `len` cached positions; fixed order.
@@ -239,7 +239,7 @@ pub(crate) fn attend(cfg: &LlamaConfig, q: &[f32], k: &[f32], v: &[f32], len: us
         }
         let mut sum = 0f32;
         for s in scores.iter_mut() {
-            *s = (*s - max).exp();
+            *s = crate::detmath::exp_f32(*s - max);
             sum += *s;
         }
         let oh = &mut out[h * hd..(h + 1) * hd];
@@ -298,7 +298,7 @@ impl Llama {
         let rms_eps = f.opt_f32(&a("attention.layer_norm_rms_epsilon"))?.unwrap_or(1e-5);
         let context_length = f.get_usize(&a("context_length"))?;
         let mut inv_freq: Vec<f32> = (0..head_dim / 2)
-            .map(|i| 1.0 / rope_base.powf(2.0 * i as f32 / head_dim as f32))
+            .map(|i| 1.0 / crate::detmath::powf(rope_base, 2.0 * i as f32 / head_dim as f32))
             .collect();
         if let Some(factor) = f.opt_f32(&a("rope.scaling.factor"))? {
             let kind = f.get_str(&a("rope.scaling.type")).unwrap_or_else(|_| "linear".into());
@@ -386,6 +386,18 @@ impl Llama {
     /// One step over a varlen batch. Returns, per sequence, the logits of its last row when it
     /// asked for them.
     pub fn forward(&self, policy: &Policy, batch: &mut [SeqRows<'_>]) -> Result<Vec<Option<Vec<f32>>>> {
+        self.forward_traced(policy, batch, None)
+    }
+
+    /// [`Llama::forward`], also recording the residual stream (every row of the step) after
+    /// each layer into `trace`, so that a bit difference can be traced to the first layer
+    /// whose output it shows in.
+    pub fn forward_traced(
+        &self,
+        policy: &Policy,
+        batch: &mut [SeqRows<'_>],
+        mut trace: Option<&mut Vec<Vec<f32>>>,
+    ) -> Result<Vec<Option<Vec<f32>>>> {
         let cfg = &self.cfg;
         let (h, hd, kvd) = (cfg.hidden, cfg.head_dim, cfg.kv_dim());
         let mut row_seq = Vec::new();
@@ -459,6 +471,9 @@ impl Llama {
             u.iter_mut().zip(&g).for_each(|(u, &g)| *u *= silu(g));
             let d = layer.w_down.forward_rows(policy, &u, r)?;
             x.iter_mut().zip(&d).for_each(|(a, b)| *a += b);
+            if let Some(t) = trace.as_deref_mut() {
+                t.push(x.clone());
+            }
         }
         for s in batch.iter_mut() {
             let n = s.tokens.len();

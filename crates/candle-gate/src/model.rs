@@ -41,12 +41,12 @@ impl Model {
 }
 
 /// Hash of what decides a result's tokens: model file, candle-gate version, kernel policy
-/// (and gate settings), and the tokens themselves. Two results with equal token ids but
+/// (and gate settings), the host and build (`host::signature`), and the tokens themselves. Two results with equal token ids but
 /// different fingerprints ran on different stacks; equal stacks with different tokens hit a
 /// near-tie.
-pub fn fingerprint(model_sha256: &str, policy: &str, gate: &str, tokens: &[u32]) -> String {
+pub fn fingerprint(model_sha256: &str, policy: &str, gate: &str, host: &str, tokens: &[u32]) -> String {
     let mut h = Sha256::new();
-    h.update(b"candle-gate fingerprint v1\0");
+    h.update(b"candle-gate fingerprint v2\0");
     h.update(model_sha256.as_bytes());
     h.update(b"\0");
     h.update(env!("CARGO_PKG_VERSION").as_bytes());
@@ -54,6 +54,8 @@ pub fn fingerprint(model_sha256: &str, policy: &str, gate: &str, tokens: &[u32])
     h.update(policy.as_bytes());
     h.update(b"\0");
     h.update(gate.as_bytes());
+    h.update(b"\0");
+    h.update(host.as_bytes());
     h.update(b"\0");
     for t in tokens {
         h.update(t.to_le_bytes());

@@ -120,6 +120,18 @@ impl Llama {
     /// the weights; returns the logits after the last. Bitwise the same as appending them one
     /// at a time.
     pub fn reference_extend(&self, cache: &mut KvCache, tokens: &[u32], how: ReferenceWeights) -> Result<Vec<f32>> {
+        self.reference_extend_traced(cache, tokens, how, None)
+    }
+
+    /// [`Llama::reference_extend`], recording the residual stream after each layer into
+    /// `trace` (as [`Llama::forward_traced`] does).
+    pub fn reference_extend_traced(
+        &self,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        how: ReferenceWeights,
+        trace: Option<&mut Vec<Vec<f32>>>,
+    ) -> Result<Vec<f32>> {
         if tokens.is_empty() {
             return Err(Error::BadInput("reference lane: no tokens".into()));
         }
@@ -127,7 +139,7 @@ impl Llama {
         for _ in tokens {
             cache.push_empty(self.cfg.kv_dim());
         }
-        self.reference_rows(cache, first, tokens, how)
+        self.reference_rows(cache, first, tokens, how, trace)
     }
 
     /// Reference-lane logits after the last of `tokens`, from an empty cache (for checks).
@@ -143,13 +155,20 @@ impl Llama {
             return Err(Error::BadInput("reference step on an empty cache".into()));
         }
         let pos = cache.len() - 1;
-        self.reference_rows(cache, pos, &[token], how)
+        self.reference_rows(cache, pos, &[token], how, None)
     }
 
     /// Positions `first..first + tokens.len()` (already in the cache) recomputed in the
     /// reference lane, K/V written in every layer; the logits of the last. Each row's
     /// arithmetic depends only on its token, its position and the cache before it.
-    fn reference_rows(&self, cache: &mut KvCache, first: usize, tokens: &[u32], how: ReferenceWeights) -> Result<Vec<f32>> {
+    fn reference_rows(
+        &self,
+        cache: &mut KvCache,
+        first: usize,
+        tokens: &[u32],
+        how: ReferenceWeights,
+        mut trace: Option<&mut Vec<Vec<f32>>>,
+    ) -> Result<Vec<f32>> {
         let cfg = &self.cfg;
         let m = tokens.len();
         debug_assert!(first + m <= cache.len());
@@ -188,6 +207,9 @@ impl Llama {
             u.iter_mut().zip(&g).for_each(|(u, &g)| *u *= silu(g));
             let d = matmul_rows(&layer.w_down, how, &u, m)?;
             x.iter_mut().zip(&d).for_each(|(a, b)| *a += b);
+            if let Some(t) = trace.as_deref_mut() {
+                t.push(x.clone());
+            }
         }
         let last = x[(m - 1) * h..].to_vec();
         let mut xl = vec![0f32; h];

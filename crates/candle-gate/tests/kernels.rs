@@ -138,63 +138,95 @@ fn gemm_agrees_within_tolerance_but_not_bitwise() {
     assert!(differs > 0, "gemm was bitwise equal to gemv everywhere: the problem would not exist");
 }
 
-/// The problem is real on this CPU: the dense GEMM gives a row different bits depending on how
-/// many other rows share the call.
+/// The invariant kernel gives row 0 the same bits at every row count. (How the dense GEMM's bits
+/// move with the row count depends on the host: the `gemm` crate picks its micro-kernel and k
+/// blocking at run time. It is printed, not asserted; the tests that need a lane whose bits
+/// follow the row count use `split_k_f16`, where that is a property of our code.)
 #[test]
-fn gemm_bits_depend_on_row_count() {
+fn invariant_row_bits_do_not_depend_on_row_count() {
     let (n, k) = (1536, 576);
     let w = weight(GgmlDType::Q4_1, n, k, 31);
     let x = pseudo_random(64 * k, 32);
-    let alone = w.run_cpu(Kernel::Gemm, &x[..k], 1).unwrap();
-    let mut changed = vec![];
+    let gemm_alone = w.run_cpu(Kernel::Gemm, &x[..k], 1).unwrap();
+    let inv1 = w.run_cpu(Kernel::Invariant, &x[..k], 1).unwrap();
+    let mut gemm_changed = vec![];
     for m in [2, 3, 4, 5, 8, 16, 32, 64] {
-        let y = w.run_cpu(Kernel::Gemm, &x[..m * k], m).unwrap();
-        if !bits_equal(&y[..n], &alone) {
-            changed.push(m);
+        if !bits_equal(&w.run_cpu(Kernel::Gemm, &x[..m * k], m).unwrap()[..n], &gemm_alone) {
+            gemm_changed.push(m);
         }
         let inv = w.run_cpu(Kernel::Invariant, &x[..m * k], m).unwrap();
-        let inv1 = w.run_cpu(Kernel::Invariant, &x[..k], 1).unwrap();
         assert!(bits_equal(&inv[..n], &inv1), "invariant row 0 changed at m={m}");
     }
-    eprintln!("gemm row 0 changed bits at row counts {changed:?}");
-    assert!(!changed.is_empty(), "gemm row 0 never changed with the row count");
+    eprintln!("on this host, gemm row 0 changed bits at row counts {gemm_changed:?}");
 }
 
-/// gemm_f16 is "f16 operands, F32 accumulation, f16 results": checked against the same product
-/// computed independently in f64 from the f16-rounded operands (the weight dequantized by
-/// Candle, rounded by `half`). Each output must be an f16 value within one f16 ulp of it (plus
-/// F32 accumulation error where the sum cancels),
-/// and its bits must (sometimes) depend on the row count: the lane the gate is shown on.
+/// The exact f64 product of f16-rounded operands (the weight dequantized by Candle, both rounded
+/// by `half`), with the sum of |products| for the accumulation bound.
+fn f16_products(x: &[f32], wd: &[f32], k: usize, r: usize, j: usize) -> (f64, f64) {
+    let r16 = |v: f32| half::f16::from_f32(v).to_f32() as f64;
+    (0..k).map(|i| r16(x[r * k + i]) * r16(wd[j * k + i])).fold((0f64, 0f64), |(s, a), p| (s + p, a + p.abs()))
+}
+
+/// `got` is an f16 value within one f16 ulp (plus F32 accumulation error where the sum cancels)
+/// of the exact product.
+fn assert_f16_result(got: f32, exact: f64, mag: f64, what: &str) {
+    use half::f16;
+    assert_eq!(got, f16::from_f32(got).to_f32(), "{what}: {got} is not an f16 value");
+    let h = f16::from_f32(exact as f32);
+    let ulp = (f16::from_bits(h.to_bits() + 1).to_f32() - h.to_f32()).abs();
+    let tol = ulp as f64 + 1e-5 * mag;
+    assert!(((got as f64) - exact).abs() <= tol, "{what}: {got} vs exact {exact} (tol {tol})");
+}
+
+/// gemm_f16 is "f16 operands, F32 accumulation, f16 results". (Whether its bits move with the
+/// row count is the host's business, as for `gemm`.)
 #[test]
 fn gemm_f16_is_f16_operands_f32_accumulation_f16_results() {
-    use half::f16;
-    let r16 = |v: f32| f16::from_f32(v).to_f32();
     let (n, k) = (1536, 576);
     let w = weight(GgmlDType::Q4_1, n, k, 41);
     let wd: Vec<f32> = w.dense_f32().unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
     let x = pseudo_random(16 * k, 42);
-    let alone = w.run_cpu(Kernel::GemmF16, &x[..k], 1).unwrap();
-    let mut changed = 0;
     for m in [1, 2, 3, 4, 8, 16] {
         let y = w.run_cpu(Kernel::GemmF16, &x[..m * k], m).unwrap();
         for r in 0..m {
             for j in 0..n {
-                let prods = (0..k).map(|i| r16(x[r * k + i]) as f64 * r16(wd[j * k + i]) as f64);
-                let (exact, mag) = prods.fold((0f64, 0f64), |(s, a), p| (s + p, a + p.abs()));
-                let got = y[r * n + j];
-                assert_eq!(got, r16(got), "m={m} [{r},{j}]: {got} is not an f16 value");
-                let h = f16::from_f32(exact as f32);
-                let ulp = (f16::from_bits(h.to_bits() + 1).to_f32() - h.to_f32()).abs();
-                // one f16 rounding, plus F32 accumulation error where the sum cancels
-                let tol = ulp as f64 + 1e-5 * mag;
-                assert!(((got as f64) - exact).abs() <= tol, "m={m} [{r},{j}]: {got} vs exact {exact} (tol {tol})");
+                let (exact, mag) = f16_products(&x, &wd, k, r, j);
+                assert_f16_result(y[r * n + j], exact, mag, &format!("gemm_f16 m={m} [{r},{j}]"));
             }
         }
-        if !bits_equal(&y[..n], &alone) {
-            changed += 1;
+    }
+}
+
+/// split_k_f16: a row among 2, 5, 8 and 17 rows gets different bits than alone (each row count
+/// splits k differently), every value within the f16 rounding bound of the exact product of its
+/// f16 operands, over dtypes and shapes (odd n for the column tails, k not a multiple of 8).
+/// A chunking difference moves an output only when it crosses an f16 rounding boundary (about
+/// one output in two thousand here), so the differences are counted over every row of the call.
+#[test]
+fn split_k_f16_bits_follow_the_row_count_and_agree_with_f64() {
+    for (d, n, k) in [(GgmlDType::Q4_1, 4096, 576), (GgmlDType::Q8_0, 577, 1536), (GgmlDType::Q6K, 131, 768), (GgmlDType::F32, 37, 100)] {
+        let w = weight(d, n, k, 61);
+        let wd: Vec<f32> = w.dense_f32().unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let x = pseudo_random(17 * k, 62);
+        let alone: Vec<f32> = (0..17).flat_map(|r| w.run_cpu(Kernel::SplitKF16, &x[r * k..(r + 1) * k], 1).unwrap()).collect();
+        let mut moved = vec![];
+        for m in [2, 5, 8, 17] {
+            let y = w.run_cpu(Kernel::SplitKF16, &x[..m * k], m).unwrap();
+            for r in 0..m {
+                for j in 0..n {
+                    let (exact, mag) = f16_products(&x, &wd, k, r, j);
+                    assert_f16_result(y[r * n + j], exact, mag, &format!("split_k_f16 {d:?} m={m} [{r},{j}]"));
+                }
+            }
+            moved.push(y.iter().zip(&alone).filter(|(a, b)| a.to_bits() != b.to_bits()).count());
+            // The same call again gives the same bits.
+            assert!(bits_equal(&y, &w.run_cpu(Kernel::SplitKF16, &x[..m * k], m).unwrap()));
+        }
+        eprintln!("split_k_f16 {d:?} [{n},{k}]: outputs that differ from alone at m = 2, 5, 8, 17: {moved:?}");
+        if n * 2 >= 4096 {
+            assert!(moved.iter().all(|&c| c > 0), "{d:?} [{n},{k}]: some row count gave every row its alone bits: {moved:?}");
         }
     }
-    assert!(changed > 0, "gemm_f16 row 0 never changed with the row count");
 }
 
 #[test]

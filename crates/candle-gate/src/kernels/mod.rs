@@ -3,6 +3,7 @@
 
 pub mod cpu;
 mod cpu_q4_1;
+pub mod cpu_split_k;
 
 #[cfg(feature = "cuda")]
 pub mod cuda;

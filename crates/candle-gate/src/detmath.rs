@@ -1,0 +1,168 @@
+//! Transcendental functions computed by our own code, so that their bits are a property of
+//! this crate and the compile target, not of the host: glibc picks `expf`, `sinf`, `powf`, ...
+//! variants at load time from the CPU's features (ifunc) and changes them between releases.
+//!
+//! Each works in f64 with plain multiplies and adds in a fixed order (Rust never contracts
+//! them into FMAs), far more precisely than the f32 result needs, then rounds once.
+
+const LN2_HI: f64 = 6.931_471_803_691_238_2e-1; // ln 2 with trailing zero bits: k * LN2_HI is exact for the k here
+const LN2_LO: f64 = 1.908_214_929_270_587_7e-10; // ln 2 - LN2_HI
+const INV_LN2: f64 = std::f64::consts::LOG2_E;
+
+/// 2^k as an f64, for -1022 <= k <= 1023.
+fn pow2(k: i64) -> f64 {
+    f64::from_bits(((k + 1023) as u64) << 52)
+}
+
+/// e^x in f64 (relative error ~1e-15), x within [-745, 709]; saturates outside.
+pub fn exp_f64(x: f64) -> f64 {
+    if x.is_nan() {
+        return x;
+    }
+    if x > 709.0 {
+        return f64::INFINITY;
+    }
+    if x < -745.0 {
+        return 0.0;
+    }
+    let k = (x * INV_LN2).round();
+    let r = (x - k * LN2_HI) - k * LN2_LO; // |r| <= ln2/2
+    // Taylor series to r^13: remainder < 0.35^14/14! ~ 5e-18.
+    let mut p = 1.0 / 6_227_020_800.0;
+    for d in [479_001_600.0, 39_916_800.0, 3_628_800.0, 362_880.0, 40_320.0, 5_040.0, 720.0, 120.0, 24.0, 6.0, 2.0, 1.0, 1.0] {
+        p = p * r + 1.0 / d;
+    }
+    let k = k as i64;
+    // Split the scale so subnormal results (k < -1022) stay exact until the final rounding.
+    if k < -1000 {
+        p * pow2(k + 200) * pow2(-200)
+    } else if k > 1000 {
+        p * pow2(k - 100) * pow2(100)
+    } else {
+        p * pow2(k)
+    }
+}
+
+/// e^x rounded to f32: softmax and SiLU use this, never the platform's `expf`.
+#[inline]
+pub fn exp_f32(x: f32) -> f32 {
+    exp_f64(x as f64) as f32
+}
+
+/// Natural log in f64 for finite x > 0 (relative error ~1e-16).
+pub fn ln_f64(x: f64) -> f64 {
+    assert!(x > 0.0 && x.is_finite(), "ln_f64 needs a finite positive argument, got {x}");
+    let (mut m, mut e) = (x, 0i64);
+    if m < f64::MIN_POSITIVE {
+        m *= pow2(54);
+        e -= 54;
+    }
+    let bits = m.to_bits();
+    e += ((bits >> 52) & 0x7ff) as i64 - 1023;
+    m = f64::from_bits((bits & ((1u64 << 52) - 1)) | (1023u64 << 52)); // [1, 2)
+    if m > std::f64::consts::SQRT_2 {
+        m *= 0.5;
+        e += 1;
+    }
+    // ln m = 2 atanh(s), s = (m-1)/(m+1), |s| <= 0.172: the series to s^27 leaves < 1e-20.
+    let s = (m - 1.0) / (m + 1.0);
+    let s2 = s * s;
+    let mut p = 1.0 / 27.0;
+    let mut d = 25.0;
+    while d >= 1.0 {
+        p = p * s2 + 1.0 / d;
+        d -= 2.0;
+    }
+    let ef = e as f64;
+    (ef * LN2_HI + 2.0 * s * p) + ef * LN2_LO
+}
+
+/// base^e for base > 0, rounded to f32 (RoPE frequencies).
+pub fn powf(base: f32, e: f32) -> f32 {
+    exp_f64(e as f64 * ln_f64(base as f64)) as f32
+}
+
+/// (sin t, cos t) for |t| < 2^20 (RoPE angles are position × frequency).
+pub fn sin_cos_f64(t: f64) -> (f64, f64) {
+    assert!(t.is_finite() && t.abs() < 1_048_576.0, "sin_cos_f64 argument {t} out of range");
+    // Cody-Waite reduction by pi/2 in three parts; n * PIO2_1 and n * PIO2_2 are exact here.
+    const PIO2_1: f64 = 1.570_796_326_734_125_6; // first 33 bits of pi/2
+    const PIO2_2: f64 = 6.077_100_506_303_966e-11; // next 33 bits
+    const PIO2_3: f64 = 2.022_266_248_795_950_6e-21; // the rest
+    let n = (t * std::f64::consts::FRAC_2_PI).round();
+    let r = ((t - n * PIO2_1) - n * PIO2_2) - n * PIO2_3; // |r| <= pi/4 (+ a hair)
+    let r2 = r * r;
+    // Taylor series to r^17 (sin) and r^18 (cos): remainders < 1e-19. FACT[i] = i!.
+    const FACT: [f64; 19] = [
+        1.0, 1.0, 2.0, 6.0, 24.0, 120.0, 720.0, 5_040.0, 40_320.0, 362_880.0, 3_628_800.0, 39_916_800.0,
+        479_001_600.0, 6_227_020_800.0, 87_178_291_200.0, 1_307_674_368_000.0, 20_922_789_888_000.0,
+        355_687_428_096_000.0, 6_402_373_705_728_000.0,
+    ];
+    let sign = |j: usize| if j % 2 == 0 { 1.0 } else { -1.0 };
+    let mut s = 1.0 / FACT[17];
+    for j in (0..8).rev() {
+        s = s * r2 + sign(j) / FACT[2 * j + 1];
+    }
+    let mut c = -1.0 / FACT[18];
+    for j in (0..9).rev() {
+        c = c * r2 + sign(j) / FACT[2 * j];
+    }
+    let (sin_r, cos_r) = (r * s, c);
+    match (n as i64).rem_euclid(4) {
+        0 => (sin_r, cos_r),
+        1 => (cos_r, -sin_r),
+        2 => (-sin_r, -cos_r),
+        _ => (-cos_r, sin_r),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ulps(a: f32, b: f32) -> u32 {
+        (a.to_bits() as i64 - b.to_bits() as i64).unsigned_abs() as u32
+    }
+
+    #[test]
+    fn exp_matches_libm_within_one_ulp() {
+        let mut worst = 0;
+        let mut x = -104.0f32;
+        while x < 89.0 {
+            let (a, b) = (exp_f32(x), (x as f64).exp() as f32);
+            worst = worst.max(ulps(a, b));
+            x += 0.0137;
+        }
+        assert!(worst <= 1, "exp_f32 off by {worst} ulps");
+        assert_eq!(exp_f32(0.0), 1.0);
+        assert_eq!(exp_f32(f32::NEG_INFINITY), 0.0);
+        assert_eq!(exp_f32(100.0), f32::INFINITY);
+        assert!(exp_f32(f32::NAN).is_nan());
+        assert!(exp_f32(-100.0) > 0.0); // subnormal, not flushed
+    }
+
+    #[test]
+    fn ln_and_pow_match_libm() {
+        for &x in &[1e-300, 1e-10, 0.5, 1.0, 1.5, 2.0, 10.0, 1e4, 1e6, 1e300] {
+            let (a, b) = (ln_f64(x), x.ln());
+            assert!((a - b).abs() <= 4e-16 * b.abs().max(1.0), "ln {x}: {a} vs {b}");
+        }
+        for base in [10000.0f32, 500000.0, 1e6] {
+            for i in 0..64 {
+                let e = i as f32 / 64.0;
+                assert!(ulps(powf(base, e), (base as f64).powf(e as f64) as f32) <= 1, "{base}^{e}");
+            }
+        }
+    }
+
+    #[test]
+    fn sin_cos_match_libm() {
+        let mut t = -9000.0f64;
+        while t < 9000.0 {
+            let (s, c) = sin_cos_f64(t);
+            assert!((s - t.sin()).abs() < 1e-14 && (c - t.cos()).abs() < 1e-14, "t={t}");
+            t += 0.731;
+        }
+        assert_eq!(sin_cos_f64(0.0), (0.0, 1.0));
+    }
+}

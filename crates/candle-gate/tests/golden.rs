@@ -1,0 +1,144 @@
+//! Bits across machines: greedy decoding of a few prompts on the default model, 16 steps each,
+//! in `invariant` mode and in the reference lane, must reproduce the committed hashes of every
+//! step's logits and of every layer's output. The hashes were produced on the development
+//! machine (see the file's `produced_on`); any x86-64 host running the same build target must
+//! reproduce them, whatever its CPU generation, core count or glibc.
+//!
+//! On a mismatch the test names the first differing step and, inside it, the first layer whose
+//! output differs. `CANDLE_GATE_BLESS_GOLDEN=1` rewrites the file (only after a deliberate
+//! change of the arithmetic; say why in the commit).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use candle_gate::llama::{argmax_margin, SeqRows};
+use candle_gate::reference::ReferenceWeights;
+use candle_gate::*;
+use serde::{Deserialize, Serialize};
+
+const STEPS: usize = 16;
+const PROMPTS: [&str; 3] = [
+    "The capital of France is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "<|im_start|>user\nExplain why the sky is blue.<|im_end|>\n<|im_start|>assistant\n",
+];
+
+#[derive(Serialize, Deserialize, PartialEq, Debug, Clone)]
+struct Step {
+    token: u32,
+    logits: String,
+    layers: Vec<String>,
+}
+
+#[derive(Serialize, Deserialize, Debug)]
+struct Run {
+    lane: String,
+    prompt: String,
+    steps: Vec<Step>,
+}
+
+#[derive(Serialize, Deserialize, Debug)]
+struct Golden {
+    model_sha256: String,
+    compile_target: String,
+    produced_on: String,
+    runs: Vec<Run>,
+}
+
+fn hash(v: &[f32]) -> String {
+    let mut h = 0xcbf29ce484222325u64;
+    for x in v {
+        for b in x.to_bits().to_le_bytes() {
+            h ^= b as u64;
+            h = h.wrapping_mul(0x100000001b3);
+        }
+    }
+    format!("{h:016x}")
+}
+
+fn step_of(logits: &[f32], trace: &[Vec<f32>]) -> Step {
+    Step { token: argmax_margin(logits).0, logits: hash(logits), layers: trace.iter().map(|x| hash(x)).collect() }
+}
+
+/// Greedy decoding in the fast lane: the prompt in one forward, then one token per forward.
+fn fast_lane(m: &Model, p: &Policy, prompt: &[u32]) -> Vec<Step> {
+    let mut cache = m.llama.new_cache();
+    let mut feed = prompt.to_vec();
+    (0..STEPS)
+        .map(|_| {
+            let mut trace = vec![];
+            let out = m.llama.forward_traced(p, &mut [SeqRows { cache: &mut cache, tokens: &feed, want_logits: true }], Some(&mut trace));
+            let step = step_of(out.unwrap()[0].as_ref().unwrap(), &trace);
+            feed = vec![step.token];
+            step
+        })
+        .collect()
+}
+
+/// Greedy decoding in the reference lane, the same way.
+fn reference_lane(m: &Model, prompt: &[u32]) -> Vec<Step> {
+    let mut cache = m.llama.new_cache();
+    let mut feed = prompt.to_vec();
+    (0..STEPS)
+        .map(|_| {
+            let mut trace = vec![];
+            let logits = m.llama.reference_extend_traced(&mut cache, &feed, ReferenceWeights::Dense, Some(&mut trace)).unwrap();
+            let step = step_of(&logits, &trace);
+            feed = vec![step.token];
+            step
+        })
+        .collect()
+}
+
+fn first_difference(want: &Run, got: &Run) -> Option<String> {
+    for (i, (w, g)) in want.steps.iter().zip(&got.steps).enumerate() {
+        if w == g {
+            continue;
+        }
+        let layer = w.layers.iter().zip(&g.layers).position(|(a, b)| a != b);
+        let at = match layer {
+            Some(l) => format!("first differing layer output: layer {l} of {}", w.layers.len()),
+            None => "every layer output equal: the final norm or the output matrix differs".into(),
+        };
+        return Some(format!(
+            "{} lane, prompt {:?}, step {i}: logits hash {} != golden {} (token {} vs {}); {at}",
+            got.lane, got.prompt, g.logits, w.logits, g.token, w.token
+        ));
+    }
+    None
+}
+
+#[test]
+fn invariant_and_reference_lanes_reproduce_the_golden_hashes() {
+    let path = registry::resolve(registry::DEFAULT_MODEL).expect("run `candle-gate fetch` first");
+    let policy = Arc::new(Policy::new(Mode::Invariant));
+    let m = Model::load(&path, policy.clone()).unwrap();
+    let mut runs = vec![];
+    for prompt in PROMPTS {
+        let ids = m.tokenizer.encode(prompt).unwrap();
+        runs.push(Run { lane: "invariant".into(), prompt: prompt.into(), steps: fast_lane(&m, &policy, &ids) });
+        runs.push(Run { lane: "reference".into(), prompt: prompt.into(), steps: reference_lane(&m, &ids) });
+    }
+    let file = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden/smollm2-135m-instruct-q4_1.json");
+    if std::env::var("CANDLE_GATE_BLESS_GOLDEN").as_deref() == Ok("1") {
+        let cpu = std::fs::read_to_string("/proc/cpuinfo")
+            .ok()
+            .and_then(|s| s.lines().find(|l| l.starts_with("model name")).map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string()))
+            .unwrap_or_else(|| "unknown CPU".into());
+        let g = Golden { model_sha256: m.sha256().unwrap(), compile_target: host::compile_target(), produced_on: cpu, runs };
+        std::fs::create_dir_all(file.parent().unwrap()).unwrap();
+        std::fs::write(&file, serde_json::to_string_pretty(&g).unwrap() + "\n").unwrap();
+        eprintln!("wrote {}", file.display());
+        return;
+    }
+    let golden: Golden = serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    assert_eq!(golden.model_sha256, m.sha256().unwrap(), "the golden hashes are for another model file");
+    assert_eq!(
+        golden.compile_target,
+        host::compile_target(),
+        "the golden hashes were produced by a build for another target; the bits are promised per compile target"
+    );
+    let diffs: Vec<String> = golden.runs.iter().zip(&runs).filter_map(|(w, g)| first_difference(w, g)).collect();
+    assert!(diffs.is_empty(), "this host does not reproduce the golden bits (produced on {}):\n{}", golden.produced_on, diffs.join("\n"));
+    assert_eq!(golden.runs.len(), runs.len());
+}
