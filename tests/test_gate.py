@@ -1,5 +1,7 @@
-"""The margin gate over a fast lane that is not batch invariant (gemm_f16: f16 operands, F32
-accumulation, f16 results; the CPU stand-in for a half-precision GPU lane). tau and deep_tau are
+"""The margin gate over a fast lane that is not batch invariant (split_k_f16: f16 operands, F32
+accumulation split over k by the row count, f16 results; the CPU stand-in for a half-precision
+GPU lane, whose bits follow the row count by construction and are the same on every host).
+tau and deep_tau are
 the committed profile's, calibrated by ``candle-gate calibrate --gate`` on
 candle_gate.calibrate.CALIBRATION_PROMPTS; the chats here are not in that set."""
 import json
@@ -13,7 +15,8 @@ from candle_gate import Engine
 
 PROFILE = os.path.join(os.path.dirname(__file__), "..", "benches", "profiles", "dev-machine-cpu.json")
 
-# Eight chats decoded as one batch; without the gate two of them leave their batch-1 path.
+# Eight chats decoded as one batch; without the gate two of them leave their batch-1 path (the
+# same two on every host: the lane's bits are a function of the values and the row count).
 TOPICS = ["the ocean", "a lost key", "quantum computers", "the Roman empire", "baking bread",
           "a robot learning to paint", "climate change", "the first day of school"]
 CHATS = [[{"role": "user", "content": f"Explain {t} to a child."}] for t in TOPICS]
@@ -25,7 +28,7 @@ TAU = CALIBRATED["tau"]
 
 @pytest.fixture(scope="module")
 def f16_model():
-    return candle_gate.Model.load(mode="gemm_f16")
+    return candle_gate.Model.load(mode="split_k_f16")
 
 
 def run(model, gate):
@@ -42,7 +45,7 @@ def diverging(alone, batched):
 
 def test_without_gate_the_fast_lane_flips(f16_model):
     alone, batched, stats = run(f16_model, "off")
-    assert diverging(alone, batched), "gemm_f16 gave identical sequences batched and alone: the gate test would prove nothing"
+    assert diverging(alone, batched), "split_k_f16 gave identical sequences batched and alone: the gate test would prove nothing"
     assert stats["rechecks"] == 0
 
 

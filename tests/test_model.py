@@ -207,3 +207,16 @@ def test_model_download_is_atomic_and_verified(tmp_path, monkeypatch):
     assert not (tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf").exists()
     p = models.fetch(quiet=True)
     assert models._sha256(p) == models.KNOWN_MODELS[models.DEFAULT_MODEL].sha256
+
+
+def test_host_signature_names_what_decides_the_bits():
+    from candle_gate import _native
+    inv = _native.host_signature("invariant")
+    # Our kernels and math are compiled for a fixed target: that is all that enters...
+    assert inv.startswith("target=") and "gemm[" not in inv and "candle_q[" not in inv
+    assert _native.host_signature("split_k_f16") == inv
+    # ...while modes over Candle's run-time dispatched kernels also carry what this host picked.
+    assert _native.host_signature("gemm").startswith(inv + ";gemm[")
+    assert "candle_q[" in _native.host_signature("native")
+    with pytest.raises(ValueError, match="unknown mode"):
+        _native.host_signature("fastest")

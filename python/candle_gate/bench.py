@@ -99,7 +99,7 @@ def throughput(model: Union[None, str, Model] = None, mode: str = "invariant",
     return {"mode": mode, "gate": gate, "results": results}
 
 
-def gate_cost(model: Union[None, str, Model] = None, mode: str = "gemm_f16", concurrency: int = 4,
+def gate_cost(model: Union[None, str, Model] = None, mode: str = "split_k_f16", concurrency: int = 4,
               max_new_tokens: int = 64, tau: Optional[float] = None, deep_tau: Optional[float] = None,
               profile: Optional[str] = None, repeats: int = 2) -> Dict[str, Any]:
     """Off / gated / always side by side (see the module docstring)."""

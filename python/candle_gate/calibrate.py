@@ -3,7 +3,7 @@
 Gate calibration (DESIGN.md §2 "Gate": tau is calibrated from measured discrepancy, not guessed).
 The calibration prompts (``CALIBRATION_PROMPTS``, disjoint from the probe's default prompts and
 from the prompts the tests judge determinism on, or ``--prompts``) are decoded alone in ``mode``
-(default ``gemm_f16``, a lane whose numbers depend on the batch) and then, teacher-forced to those
+(default ``split_k_f16``, a lane whose numbers depend on the batch by construction) and then, teacher-forced to those
 tokens, under the compositions batch4, batch8 and mixed_prefill (see :mod:`candle_gate.probe`).
 Every run uses ``gate="shadow"``: each step also runs the reference step over the cache the fast
 lane wrote (exactly what a recheck computes), records its margin and puts the fast lane's K/V
@@ -126,7 +126,7 @@ def _max(x: np.ndarray) -> float:
     return float(x.max()) if len(x) else 0.0
 
 
-def calibrate_gate(model: Union[None, str, Model] = None, mode: str = "gemm_f16",
+def calibrate_gate(model: Union[None, str, Model] = None, mode: str = "split_k_f16",
                    prompts: Optional[Sequence[Any]] = None, max_new_tokens: int = 64,
                    safety: float = 2.0, quick: bool = False, profile: Optional[str] = None,
                    progress: bool = True) -> Dict[str, Any]:

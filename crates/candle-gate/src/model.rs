@@ -62,3 +62,21 @@ pub fn fingerprint(model_sha256: &str, policy: &str, gate: &str, host: &str, tok
     }
     format!("{:x}", h.finalize())[..32].to_string()
 }
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn fingerprint_covers_every_input() {
+        let base = super::fingerprint("sha", "mode=invariant", "off", "target=x86_64:avx2", &[1, 2]);
+        assert_eq!(base.len(), 32);
+        for other in [
+            super::fingerprint("sha2", "mode=invariant", "off", "target=x86_64:avx2", &[1, 2]),
+            super::fingerprint("sha", "mode=gemm", "off", "target=x86_64:avx2", &[1, 2]),
+            super::fingerprint("sha", "mode=invariant", "gated", "target=x86_64:avx2", &[1, 2]),
+            super::fingerprint("sha", "mode=invariant", "off", "target=x86_64:avx2;gemm[fma]", &[1, 2]),
+            super::fingerprint("sha", "mode=invariant", "off", "target=x86_64:avx2", &[1, 3]),
+        ] {
+            assert_ne!(base, other);
+        }
+    }
+}

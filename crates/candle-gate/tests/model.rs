@@ -101,9 +101,20 @@ fn batched_forward_is_bitwise_equal_to_alone_invariant() {
 
 #[test]
 fn native_cpu_path_is_also_exact_for_q4_1() {
-    // Candle's own CPU dispatch for Q4_1/Q8_0 on AVX2 already computes each element the same
-    // way at every row count; the test pins that down so a Candle upgrade that changes it shows.
+    // Candle's generic CPU quantized matmul computes each element the same way at every row
+    // count; the test pins that down so a Candle upgrade that changes it shows. Candle switches
+    // to run-time dispatched repacked kernels only for Q4K, Q6K (m > 1) and Q8_0 (on VNNI hosts)
+    // with k a multiple of 256: no weight of the default model qualifies, so the generic path
+    // runs on every host. That premise is checked here, not assumed.
     let (m, p) = model(Mode::Native);
+    use candle_core::quantized::GgmlDType as D;
+    for w in m.llama.layers.iter().flat_map(|l| l.linears()).chain([&m.llama.lm_head]) {
+        let (d, k) = (w.weight().dtype(), w.dims().1);
+        assert!(
+            !(matches!(d, D::Q4K | D::Q6K | D::Q8_0) && k % 256 == 0),
+            "{w:?} could take Candle's host-dispatched repacked path"
+        );
+    }
     let sc = scripts(&m);
     let alone: Vec<_> = sc.iter().map(|s| run_alone(&m, &p, s)).collect();
     assert_eq!(run_together(&m, &p, &sc), alone);
