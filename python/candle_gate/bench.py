@@ -5,7 +5,7 @@ For each concurrency c a fresh engine gets c requests with distinct prompts. The
 stepped until every request has produced its first token (the prefill, not timed); then the
 rest of the run is timed, and tok/s = tokens generated in that phase / its wall time.
 Requests that stop early (EOS) simply contribute fewer tokens. A short warm-up run comes first.
-Timings are ratios taken side by side in one run (DESIGN.md §5): compare modes and
+Timings are ratios taken side by side in one run (docs/DESIGN.md §5): compare modes and
 concurrencies within one invocation, not across machines.
 
 The gate benchmark runs the same requests (concurrency c) with the gate off, gated and always,

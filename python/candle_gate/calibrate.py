@@ -1,6 +1,6 @@
 """``candle-gate calibrate``: kernel crossovers (``--kernels``) and the gate's tau (``--gate``).
 
-Gate calibration (DESIGN.md §2 "Gate": tau is calibrated from measured discrepancy, not guessed).
+Gate calibration (docs/DESIGN.md §2 "Gate": tau is calibrated from measured discrepancy, not guessed).
 The calibration prompts (``CALIBRATION_PROMPTS``, disjoint from the probe's default prompts and
 from the prompts the tests judge determinism on, or ``--prompts``) are decoded alone in ``mode``
 (default ``split_k_f16``, a lane whose numbers depend on the batch by construction) and then, teacher-forced to those

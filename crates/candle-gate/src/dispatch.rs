@@ -129,7 +129,7 @@ pub fn dtype_from_name(s: &str) -> Result<GgmlDType> {
 }
 
 /// Default for every backend and dtype until a measured profile says otherwise: the crossover
-/// measured on an M2 (DESIGN.md §1) lay between 4 and 5 rows.
+/// measured on an M2 (docs/DESIGN.md §1) lay between 4 and 5 rows.
 pub const DEFAULT_ROW_SPLIT_MAX: usize = 4;
 
 /// Kernel policy: mode plus per-(backend, dtype) row-split thresholds.

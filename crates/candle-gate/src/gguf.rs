@@ -62,6 +62,14 @@ impl GgufFile {
         self.content.tensor_infos.contains_key(name)
     }
 
+    /// A tensor's shape (Candle's order: rows first) without reading its data.
+    pub fn tensor_dims(&self, name: &str) -> Result<Vec<usize>> {
+        match self.content.tensor_infos.get(name) {
+            Some(info) => Ok(info.shape.dims().to_vec()),
+            None => model_err(&self.path, format!("missing tensor `{name}`")),
+        }
+    }
+
     pub fn tensor(&mut self, name: &str) -> Result<QTensor> {
         if !self.has_tensor(name) {
             return model_err(&self.path, format!("missing tensor `{name}`"));

@@ -17,6 +17,7 @@ pub mod host;
 pub mod kernels;
 pub mod llama;
 pub mod model;
+pub mod ops;
 pub mod profile;
 pub mod reference;
 pub mod registry;

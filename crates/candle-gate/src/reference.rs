@@ -9,7 +9,8 @@ use rayon::prelude::*;
 use crate::dispatch::GateMatMul;
 use crate::error::{Error, Result};
 use crate::kernels::cpu::dequantize_rows;
-use crate::llama::{attend, dot, dot4, rms_norm, rope, rope_tables, silu, KvCache, Llama};
+use crate::llama::{KvCache, Lane, Llama, Rows};
+use crate::ops::{dot, dot4};
 
 /// Output rows dequantized at a time when no dense copy is kept: 64 rows of k=4096 is 1 MiB.
 const ROWS_PER_BLOCK: usize = 64;
@@ -110,6 +111,13 @@ pub fn matmul_rows(w: &GateMatMul, how: ReferenceWeights, xs: &[f32], m: usize) 
     Ok(y)
 }
 
+/// The reference lane: every linear layer through [`matmul_rows`].
+impl Lane for ReferenceWeights {
+    fn matmul(&self, w: &GateMatMul, x: &[f32], m: usize) -> Result<Vec<f32>> {
+        matmul_rows(w, *self, x, m)
+    }
+}
+
 impl Llama {
     /// Appends `token` at the next position computed entirely in the reference lane.
     pub fn reference_append(&self, cache: &mut KvCache, token: u32, how: ReferenceWeights) -> Result<Vec<f32>> {
@@ -124,7 +132,7 @@ impl Llama {
     }
 
     /// [`Llama::reference_extend`], recording the residual stream after each layer into
-    /// `trace` (as [`Llama::forward_traced`] does).
+    /// `trace` (as [`Llama::forward_traced`] does). On an error the cache is left as it was.
     pub fn reference_extend_traced(
         &self,
         cache: &mut KvCache,
@@ -139,7 +147,11 @@ impl Llama {
         for _ in tokens {
             cache.push_empty(self.cfg.kv_dim());
         }
-        self.reference_rows(cache, first, tokens, how, trace)
+        let out = self.reference_rows(cache, first, tokens, how, trace);
+        if out.is_err() {
+            cache.truncate(first, self.cfg.kv_dim());
+        }
+        out
     }
 
     /// Reference-lane logits after the last of `tokens`, from an empty cache (for checks).
@@ -161,59 +173,17 @@ impl Llama {
     /// Positions `first..first + tokens.len()` (already in the cache) recomputed in the
     /// reference lane, K/V written in every layer; the logits of the last. Each row's
     /// arithmetic depends only on its token, its position and the cache before it.
-    fn reference_rows(
+    pub(crate) fn reference_rows(
         &self,
         cache: &mut KvCache,
         first: usize,
         tokens: &[u32],
         how: ReferenceWeights,
-        mut trace: Option<&mut Vec<Vec<f32>>>,
+        trace: Option<&mut Vec<Vec<f32>>>,
     ) -> Result<Vec<f32>> {
-        let cfg = &self.cfg;
         let m = tokens.len();
         debug_assert!(first + m <= cache.len());
-        let (h, hd, kvd) = (cfg.hidden, cfg.head_dim, cfg.kv_dim());
-        let mut x = self.embed_rows(tokens)?;
-        let ropes: Vec<_> = (0..m).map(|r| rope_tables(&cfg.inv_freq, first + r)).collect();
-        let mut xn = vec![0f32; m * h];
-        let mut attn = vec![0f32; m * h];
-        let norm_rows = |x: &[f32], w: &[f32], out: &mut [f32]| {
-            for (xr, or) in x.chunks_exact(h).zip(out.chunks_exact_mut(h)) {
-                rms_norm(xr, w, cfg.rms_eps, or);
-            }
-        };
-        for (li, layer) in self.layers.iter().enumerate() {
-            norm_rows(&x, &layer.attn_norm, &mut xn);
-            let mut q = matmul_rows(&layer.wq, how, &xn, m)?;
-            let mut k = matmul_rows(&layer.wk, how, &xn, m)?;
-            let v = matmul_rows(&layer.wv, how, &xn, m)?;
-            let qd = q.len() / m;
-            for r in 0..m {
-                let (c, s) = &ropes[r];
-                q[r * qd..(r + 1) * qd].chunks_exact_mut(hd).for_each(|hh| rope(hh, c, s));
-                k[r * kvd..(r + 1) * kvd].chunks_exact_mut(hd).for_each(|hh| rope(hh, c, s));
-                let pos = first + r;
-                cache.k[li][pos * kvd..(pos + 1) * kvd].copy_from_slice(&k[r * kvd..(r + 1) * kvd]);
-                cache.v[li][pos * kvd..(pos + 1) * kvd].copy_from_slice(&v[r * kvd..(r + 1) * kvd]);
-            }
-            for r in 0..m {
-                attend(cfg, &q[r * qd..(r + 1) * qd], &cache.k[li], &cache.v[li], first + r + 1, &mut attn[r * h..(r + 1) * h]);
-            }
-            let o = matmul_rows(&layer.wo, how, &attn, m)?;
-            x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
-            norm_rows(&x, &layer.ffn_norm, &mut xn);
-            let g = matmul_rows(&layer.w_gate, how, &xn, m)?;
-            let mut u = matmul_rows(&layer.w_up, how, &xn, m)?;
-            u.iter_mut().zip(&g).for_each(|(u, &g)| *u *= silu(g));
-            let d = matmul_rows(&layer.w_down, how, &u, m)?;
-            x.iter_mut().zip(&d).for_each(|(a, b)| *a += b);
-            if let Some(t) = trace.as_deref_mut() {
-                t.push(x.clone());
-            }
-        }
-        let last = x[(m - 1) * h..].to_vec();
-        let mut xl = vec![0f32; h];
-        rms_norm(&last, &self.out_norm, cfg.rms_eps, &mut xl);
-        matmul_rows(&self.lm_head, how, &xl, 1)
+        let rows = Rows { seq: vec![0; m], pos: (first..first + m).collect(), tokens: tokens.to_vec() };
+        self.run_layers(&how, &mut [cache], &rows, &[m - 1], trace)
     }
 }

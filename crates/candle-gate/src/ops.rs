@@ -1,0 +1,181 @@
+//! The per-row math of the forward, shared by both lanes: dot products with a fixed reduction
+//! order, RMSNorm, RoPE, SiLU, attention of one query row, and the greedy choice. Each result
+//! depends only on its own row (and its own sequence's cache), never on what else is in the
+//! step; transcendental functions come from [`crate::detmath`], not the platform's libm.
+
+use crate::llama::LlamaConfig;
+
+/// Dot product with eight fixed lanes: vectorizes, and its order depends only on the length.
+#[inline]
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let ca = a.chunks_exact(8);
+    let cb = b.chunks_exact(8);
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    let mut tail = 0f32;
+    for (x, y) in ra.iter().zip(rb) {
+        tail += x * y;
+    }
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+}
+
+/// Four independent [`dot`]s, each with exactly `dot`'s arithmetic (so the same bits), run
+/// side by side: one `dot` is bound by the latency of its accumulator chain, four interleaved
+/// keep the vector units busy. All slices must have the same length.
+#[inline]
+pub fn dot4(a: [&[f32]; 4], b: [&[f32]; 4]) -> [f32; 4] {
+    let len = a[0].len();
+    assert!(a.iter().chain(&b).all(|s| s.len() == len), "dot4: slices of different lengths");
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx"))]
+    {
+        // SAFETY: AVX is enabled at compile time; every load reads 8 floats inside `..body`.
+        unsafe { dot4_avx(a, b, len) }
+    }
+    #[cfg(not(all(target_arch = "x86_64", target_feature = "avx")))]
+    {
+        [dot(a[0], b[0]), dot(a[1], b[1]), dot(a[2], b[2]), dot(a[3], b[3])]
+    }
+}
+
+/// `dot`'s eight lanes as one AVX register per pair: lane i adds x[i] * y[i] (a multiply, then
+/// an add: no FMA, as in `dot`), then the same reduction order and tail.
+#[cfg(all(target_arch = "x86_64", target_feature = "avx"))]
+unsafe fn dot4_avx(a: [&[f32]; 4], b: [&[f32]; 4], len: usize) -> [f32; 4] {
+    use std::arch::x86_64::*;
+    let body = len - len % 8;
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let mut j = 0;
+    while j < body {
+        for t in 0..4 {
+            let x = _mm256_loadu_ps(a[t].as_ptr().add(j));
+            let y = _mm256_loadu_ps(b[t].as_ptr().add(j));
+            acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(x, y));
+        }
+        j += 8;
+    }
+    let mut out = [0f32; 4];
+    for t in 0..4 {
+        let mut c = [0f32; 8];
+        _mm256_storeu_ps(c.as_mut_ptr(), acc[t]);
+        let mut tail = 0f32;
+        for (x, y) in a[t][body..].iter().zip(&b[t][body..]) {
+            tail += x * y;
+        }
+        out[t] = ((c[0] + c[4]) + (c[1] + c[5])) + ((c[2] + c[6]) + (c[3] + c[7])) + tail;
+    }
+    out
+}
+
+pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let ss = dot(x, x) / x.len() as f32;
+    let scale = 1.0 / (ss + eps).sqrt();
+    for ((o, &xi), &wi) in out.iter_mut().zip(x).zip(w) {
+        *o = xi * scale * wi;
+    }
+}
+
+/// Interleaved-pair RoPE (GGUF llama layout) on one head.
+#[inline]
+pub fn rope(head: &mut [f32], cos: &[f32], sin: &[f32]) {
+    for i in 0..cos.len() {
+        let (a, b) = (head[2 * i], head[2 * i + 1]);
+        head[2 * i] = a * cos[i] - b * sin[i];
+        head[2 * i + 1] = a * sin[i] + b * cos[i];
+    }
+}
+
+pub fn rope_tables(inv_freq: &[f32], pos: usize) -> (Vec<f32>, Vec<f32>) {
+    let mut c = Vec::with_capacity(inv_freq.len());
+    let mut s = Vec::with_capacity(inv_freq.len());
+    for &f in inv_freq {
+        let (sin, cos) = crate::detmath::sin_cos_f64((pos as f32 * f) as f64);
+        c.push(cos as f32);
+        s.push(sin as f32);
+    }
+    (c, s)
+}
+
+#[inline]
+pub fn silu(x: f32) -> f32 {
+    x / (1.0 + crate::detmath::exp_f32(-x))
+}
+
+/// Causal attention of one query row (all heads) over `len` cached positions; fixed order.
+pub fn attend(cfg: &LlamaConfig, q: &[f32], k: &[f32], v: &[f32], len: usize, out: &mut [f32]) {
+    let hd = cfg.head_dim;
+    let kvd = cfg.kv_dim();
+    let group = cfg.n_head / cfg.n_kv_head;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let mut scores = vec![0f32; len];
+    for h in 0..cfg.n_head {
+        let kvh = h / group;
+        let qh = &q[h * hd..(h + 1) * hd];
+        let mut max = f32::NEG_INFINITY;
+        for (t, s) in scores.iter_mut().enumerate() {
+            *s = dot(qh, &k[t * kvd + kvh * hd..t * kvd + (kvh + 1) * hd]) * scale;
+            max = max.max(*s);
+        }
+        let mut sum = 0f32;
+        for s in scores.iter_mut() {
+            *s = crate::detmath::exp_f32(*s - max);
+            sum += *s;
+        }
+        let oh = &mut out[h * hd..(h + 1) * hd];
+        oh.fill(0.0);
+        for (t, &p) in scores.iter().enumerate() {
+            let vt = &v[t * kvd + kvh * hd..t * kvd + (kvh + 1) * hd];
+            for (o, &x) in oh.iter_mut().zip(vt) {
+                *o += p * x;
+            }
+        }
+        let inv = 1.0 / sum;
+        for o in oh.iter_mut() {
+            *o *= inv;
+        }
+    }
+}
+
+/// Greedy choice with its margin: (argmax, top1 − top2). Ties go to the lower id.
+pub fn argmax_margin(logits: &[f32]) -> (u32, f32) {
+    let (mut best, mut b1, mut b2) = (0usize, f32::NEG_INFINITY, f32::NEG_INFINITY);
+    for (i, &v) in logits.iter().enumerate() {
+        if v > b1 {
+            b2 = b1;
+            b1 = v;
+            best = i;
+        } else if v > b2 {
+            b2 = v;
+        }
+    }
+    (best as u32, b1 - b2)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dot4_is_four_dots_bit_for_bit() {
+        let mut s = 0x243F6A8885A308D3u64;
+        let mut next = move || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+        };
+        for len in [0, 1, 7, 8, 9, 31, 64, 577] {
+            let v: Vec<Vec<f32>> = (0..8).map(|_| (0..len).map(|_| next()).collect()).collect();
+            let a = [&v[0][..], &v[1][..], &v[2][..], &v[3][..]];
+            let b = [&v[4][..], &v[5][..], &v[6][..], &v[7][..]];
+            let got = dot4(a, b);
+            for t in 0..4 {
+                assert_eq!(got[t].to_bits(), dot(a[t], b[t]).to_bits(), "len {len} lane {t}");
+            }
+        }
+    }
+}
