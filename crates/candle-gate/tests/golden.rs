@@ -1,5 +1,6 @@
 //! Bits across machines: greedy decoding of a few prompts on the default model, 16 steps each,
-//! in `invariant` mode and in the reference lane, must reproduce the committed hashes of every
+//! in `invariant` mode, in the reference lane and in `split_k_f16` (batch dependent, but not host
+//! dependent), must reproduce the committed hashes of every
 //! step's logits and of every layer's output. The hashes were produced on the development
 //! machine (see the file's `produced_on`); any x86-64 host running the same build target must
 //! reproduce them, whatever its CPU generation, core count or glibc.
@@ -109,15 +110,17 @@ fn first_difference(want: &Run, got: &Run) -> Option<String> {
 }
 
 #[test]
-fn invariant_and_reference_lanes_reproduce_the_golden_hashes() {
+fn invariant_reference_and_split_k_lanes_reproduce_the_golden_hashes() {
     let path = registry::resolve(registry::DEFAULT_MODEL).expect("run `candle-gate fetch` first");
     let policy = Arc::new(Policy::new(Mode::Invariant));
     let m = Model::load(&path, policy.clone()).unwrap();
+    let split_k = Policy::new(Mode::SplitKF16);
     let mut runs = vec![];
     for prompt in PROMPTS {
         let ids = m.tokenizer.encode(prompt).unwrap();
         runs.push(Run { lane: "invariant".into(), prompt: prompt.into(), steps: fast_lane(&m, &policy, &ids) });
         runs.push(Run { lane: "reference".into(), prompt: prompt.into(), steps: reference_lane(&m, &ids) });
+        runs.push(Run { lane: "split_k_f16".into(), prompt: prompt.into(), steps: fast_lane(&m, &split_k, &ids) });
     }
     let file = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden/smollm2-135m-instruct-q4_1.json");
     if std::env::var("CANDLE_GATE_BLESS_GOLDEN").as_deref() == Ok("1") {
@@ -141,4 +144,18 @@ fn invariant_and_reference_lanes_reproduce_the_golden_hashes() {
     let diffs: Vec<String> = golden.runs.iter().zip(&runs).filter_map(|(w, g)| first_difference(w, g)).collect();
     assert!(diffs.is_empty(), "this host does not reproduce the golden bits (produced on {}):\n{}", golden.produced_on, diffs.join("\n"));
     assert_eq!(golden.runs.len(), runs.len());
+}
+
+/// The mismatch report names the first differing step and the first differing layer in it.
+#[test]
+fn a_mismatch_names_the_step_and_the_layer() {
+    let step = |logits: &str, layers: &[&str]| Step { token: 1, logits: logits.into(), layers: layers.iter().map(|s| s.to_string()).collect() };
+    let run = |steps| Run { lane: "invariant".into(), prompt: "p".into(), steps };
+    let want = run(vec![step("a", &["1", "2", "3"]), step("b", &["4", "5", "6"])]);
+    let got = run(vec![step("a", &["1", "2", "3"]), step("x", &["4", "9", "9"])]);
+    let msg = first_difference(&want, &got).unwrap();
+    assert!(msg.contains("step 1") && msg.contains("layer 1 of 3"), "{msg}");
+    let head_only = run(vec![step("a", &["1", "2", "3"]), step("x", &["4", "5", "6"])]);
+    assert!(first_difference(&want, &head_only).unwrap().contains("output matrix"));
+    assert!(first_difference(&want, &want).is_none());
 }
