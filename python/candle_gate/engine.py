@@ -36,6 +36,8 @@ class Result:
     reference_margins: np.ndarray = field(repr=False, default_factory=lambda: np.zeros(0, np.float32))
     logit_hashes: np.ndarray = field(repr=False, default_factory=lambda: np.zeros(0, np.uint64))
     id: int = 0
+    #: why the engine failed this request alone (``finish_reason == "error"``), else None
+    error: Optional[str] = None
 
     @classmethod
     def _from(cls, d: Dict[str, Any]) -> "Result":

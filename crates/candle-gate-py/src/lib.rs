@@ -201,6 +201,7 @@ fn output_dict<'py>(py: Python<'py>, o: Output) -> PyResult<Bound<'py, PyDict>> 
     d.set_item("logit_hashes", o.logit_hashes.into_pyarray(py))?;
     d.set_item("finish_reason", o.finish_reason.name())?;
     d.set_item("fingerprint", o.fingerprint)?;
+    d.set_item("error", o.error)?;
     let g = PyDict::new(py);
     g.set_item("steps", o.gate.steps)?;
     g.set_item("rechecks", o.gate.rechecks)?;

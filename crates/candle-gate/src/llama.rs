@@ -265,12 +265,35 @@ impl KvCache {
         self.len = self.len.min(len);
     }
 
+    /// A copy of one position's K/V in every layer, to put back with [`KvCache::restore_position`].
+    pub fn save_position(&self, pos: usize, kv_dim: usize) -> SavedPosition {
+        let r = pos * kv_dim..(pos + 1) * kv_dim;
+        SavedPosition {
+            pos,
+            k: self.k.iter().map(|l| l[r.clone()].to_vec()).collect(),
+            v: self.v.iter().map(|l| l[r.clone()].to_vec()).collect(),
+        }
+    }
+
+    pub fn restore_position(&mut self, saved: SavedPosition) {
+        for (l, (k, v)) in saved.k.iter().zip(&saved.v).enumerate() {
+            self.write(l, saved.pos, k, v);
+        }
+    }
+
     /// Writes one position's K and V in one layer; the position must exist.
     fn write(&mut self, layer: usize, pos: usize, k: &[f32], v: &[f32]) {
         let kvd = k.len();
         self.k[layer][pos * kvd..(pos + 1) * kvd].copy_from_slice(k);
         self.v[layer][pos * kvd..(pos + 1) * kvd].copy_from_slice(v);
     }
+}
+
+/// One position's K/V in every layer, saved by [`KvCache::save_position`].
+pub struct SavedPosition {
+    pos: usize,
+    k: Vec<Vec<f32>>,
+    v: Vec<Vec<f32>>,
 }
 
 /// One sequence's share of a forward step: `tokens` go at positions `cache.len()..`.
@@ -415,6 +438,16 @@ impl Llama {
         batch: &mut [SeqRows<'_>],
         trace: Option<&mut Vec<Vec<f32>>>,
     ) -> Result<Vec<Option<Vec<f32>>>> {
+        self.forward_in(policy, batch, trace)
+    }
+
+    /// [`Llama::forward_traced`] in any lane.
+    pub fn forward_in(
+        &self,
+        lane: &dyn Lane,
+        batch: &mut [SeqRows<'_>],
+        trace: Option<&mut Vec<Vec<f32>>>,
+    ) -> Result<Vec<Option<Vec<f32>>>> {
         let cfg = &self.cfg;
         let mut rows = Rows { seq: Vec::new(), pos: Vec::new(), tokens: Vec::new() };
         let mut logit_rows = Vec::new();
@@ -444,7 +477,7 @@ impl Llama {
         for &seq in &rows.seq {
             caches[seq].push_empty(cfg.kv_dim());
         }
-        let logits = match self.run_layers(policy, &mut caches, &rows, &logit_rows, trace) {
+        let logits = match self.run_layers(lane, &mut caches, &rows, &logit_rows, trace) {
             Ok(l) => l,
             Err(e) => {
                 for (c, &len) in caches.iter_mut().zip(&before) {

@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use candle_gate::engine::{FinishReason, InjectedFault};
 use candle_gate::llama::{KvCache, SeqRows};
 use candle_gate::*;
 
@@ -206,5 +207,54 @@ fn reference_lane_rows_are_independent_of_how_many_share_a_pass() {
         let mut c4 = c.clone();
         c4.truncate(4, kvd);
         assert_eq!(bits(&m.llama.reference_step(&mut c4, toks[3], how).unwrap()), per_position[3]);
+    }
+}
+
+/// A step whose forward fails halfway through its layers (after K/V were written) leaves every
+/// sequence and cache as it was: the engine goes on, and every request's output is bitwise the
+/// one of a run without the failure. A failure in one request's gate finishes that request
+/// with `Error` and changes nothing for the others.
+#[test]
+fn a_failing_step_harms_no_other_request() {
+    let (m, p) = model(Mode::Invariant);
+    let m = Arc::new(m);
+    let prompts = ["The capital of France is", "Once upon a time", "def fibonacci(n):"];
+    let run = |fault: Option<InjectedFault>| -> (Vec<Output>, usize) {
+        let gate = GateConfig::new(GateMode::Always, 0.0).unwrap();
+        let cfg = EngineConfig { record_logit_hashes: true, inject_fault: fault, gate, prefill_chunk: 4, ..Default::default() };
+        let mut e = Engine::new(m.clone(), p.clone(), cfg).unwrap();
+        let ids: Vec<_> = prompts
+            .iter()
+            .map(|s| e.submit(Request { prompt_tokens: m.tokenizer.encode(s).unwrap(), max_new_tokens: 8, ..Default::default() }).unwrap())
+            .collect();
+        let mut failed_steps = 0;
+        while ids.iter().any(|id| !e.is_finished(*id)) {
+            if let Err(err) = e.step() {
+                assert!(err.to_string().contains("injected fault"), "{err}");
+                failed_steps += 1;
+            }
+        }
+        (ids.iter().map(|id| e.take_output(*id).unwrap()).collect(), failed_steps)
+    };
+    let (clean, _) = run(None);
+    let same = |a: &Output, b: &Output| a.token_ids == b.token_ids && a.logit_hashes == b.logit_hashes && a.text == b.text;
+    // Step 2 still prefills (chunks of 4), step 5 decodes every request.
+    for step in [2, 5] {
+        let (out, failed) = run(Some(InjectedFault::Forward { step }));
+        assert_eq!(failed, 1);
+        for (a, b) in clean.iter().zip(&out) {
+            assert!(same(a, b), "after a failed forward at step {step}, request {} changed", a.id);
+        }
+    }
+    let (out, failed) = run(Some(InjectedFault::Gate { step: 6, id: 2 }));
+    assert_eq!(failed, 0);
+    for (a, b) in clean.iter().zip(&out) {
+        if b.id == 2 {
+            assert_eq!(b.finish_reason, FinishReason::Error);
+            assert!(b.error.as_deref().unwrap().contains("injected fault"));
+            assert!(b.token_ids.len() < a.token_ids.len() && a.token_ids.starts_with(&b.token_ids));
+        } else {
+            assert!(same(a, b), "a failure in request 2's gate changed request {}", a.id);
+        }
     }
 }

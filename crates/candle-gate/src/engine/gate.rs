@@ -1,0 +1,92 @@
+//! The margin gate: decides each step's token from the fast lane's logits, rechecks low-margin
+//! steps in the reference lane (repairing the K/V of that position), rebuilds the cache in the
+//! reference lane when the recheck is itself a near-tie, and returns one record per step.
+
+use crate::error::Result;
+use crate::llama::{argmax_margin, KvCache};
+use crate::model::Model;
+use crate::reference::ReferenceWeights;
+
+use super::sequence::{Sequence, StepRecord};
+use super::{GateConfig, GateMode};
+
+pub(crate) struct Gate {
+    pub cfg: GateConfig,
+    pub reference: ReferenceWeights,
+    pub record_logit_hashes: bool,
+}
+
+fn hash_bits(logits: &[f32]) -> u64 {
+    // FNV-1a over the exact bits: equal iff (with overwhelming probability) bitwise equal.
+    let mut h = 0xcbf29ce484222325u64;
+    for v in logits {
+        for b in v.to_bits().to_le_bytes() {
+            h ^= b as u64;
+            h = h.wrapping_mul(0x100000001b3);
+        }
+    }
+    h
+}
+
+impl Gate {
+    /// The step's record for `s`, whose latest position (just written by the fast lane) is the
+    /// last of `cache`. An error leaves that position's K/V undefined: the caller fails the
+    /// sequence, and only it.
+    pub fn decide(&self, model: &Model, s: &mut Sequence, cache: &mut KvCache, logits: &[f32]) -> Result<StepRecord> {
+        let (fast_token, margin) = argmax_margin(logits);
+        let rechecked = match self.cfg.mode {
+            GateMode::Off | GateMode::Shadow => false,
+            GateMode::Always => true,
+            GateMode::Gated => margin < self.cfg.tau,
+        };
+        let mut record = StepRecord {
+            token: fast_token,
+            margin,
+            reference_margin: f32::NAN,
+            rechecked,
+            corrected: false,
+            deep: false,
+            logit_hash: self.record_logit_hashes.then(|| hash_bits(logits)),
+        };
+        let pos = cache.len() - 1;
+        let fed = s.fed_at(pos);
+        let kvd = model.llama.cfg.kv_dim();
+        if rechecked {
+            let mut ref_logits = model.llama.reference_step(cache, fed, self.reference)?;
+            if argmax_margin(&ref_logits).1 < self.cfg.deep_tau {
+                ref_logits = rebuild_in_reference_lane(model, s, cache, self.reference)?;
+                record.deep = true;
+            }
+            let (ref_token, ref_margin) = argmax_margin(&ref_logits);
+            record.token = ref_token;
+            record.reference_margin = ref_margin;
+            record.corrected = ref_token != fast_token;
+        } else if self.cfg.mode == GateMode::Shadow {
+            // The fast lane's K/V must stay as they are: save the one position the recheck
+            // overwrites and put it back.
+            let saved = cache.save_position(pos, kvd);
+            let ref_logits = model.llama.reference_step(cache, fed, self.reference);
+            cache.restore_position(saved);
+            let (ref_token, ref_margin) = argmax_margin(&ref_logits?);
+            record.reference_margin = ref_margin;
+            record.corrected = ref_token != fast_token;
+        }
+        Ok(record)
+    }
+}
+
+/// Recomputes the cache in the reference lane from `reference_exact` on (the prompt, then every
+/// token fed so far) and returns the logits of the last position. Positions before
+/// `reference_exact` already are what this would compute, so the result is bitwise the same as
+/// rebuilding from position 0.
+fn rebuild_in_reference_lane(model: &Model, s: &mut Sequence, cache: &mut KvCache, how: ReferenceWeights) -> Result<Vec<f32>> {
+    let len = cache.len();
+    debug_assert_eq!(len, s.req.prompt_tokens.len() + s.steps.len());
+    // The latest position is always recomputed: it is the one whose logits are wanted.
+    let from = s.reference_exact.min(len - 1);
+    cache.truncate(from, model.llama.cfg.kv_dim());
+    let fed: Vec<u32> = (from..len).map(|i| s.fed_at(i)).collect();
+    let last = model.llama.reference_extend(cache, &fed, how)?;
+    s.reference_exact = len;
+    Ok(last)
+}

@@ -1,0 +1,507 @@
+//! Continuous batching, in rooms: the [`scheduler`] owns the sequences and plans each step,
+//! the [`runner`] owns their KV caches and turns the plan into rows for one forward, the
+//! [`gate`] decides each token (rechecking in the reference lane), and the [`output`] stage
+//! turns tokens into text, stop decisions and stream events. [`Engine::step`] reads as
+//! schedule → run → gate → output. Requests join and leave at step boundaries; each step packs
+//! every running sequence's decode row plus whole prefill chunks under a token budget.
+
+mod gate;
+mod output;
+mod runner;
+mod scheduler;
+mod sequence;
+
+use std::collections::HashMap;
+use std::str::FromStr;
+use std::sync::Arc;
+
+use serde::Serialize;
+
+use crate::dispatch::Policy;
+use crate::error::{Error, Result};
+use crate::model::{fingerprint, Model};
+use crate::reference::ReferenceWeights;
+
+use gate::Gate;
+use runner::Runner;
+use scheduler::Scheduler;
+use sequence::{Sequence, StepRecord};
+
+pub type RequestId = u64;
+
+/// Upper bound on `max_new_tokens` accepted at submit: a bigger value is a bug, not a plan.
+pub const MAX_NEW_TOKENS_LIMIT: usize = 1 << 20;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GateMode {
+    Off,
+    Gated,
+    Always,
+    /// Runs the reference step on every step only to record its margin
+    /// (`Output::reference_margins`), then restores the fast lane's K/V and keeps its token:
+    /// outputs are those of `Off`. What `calibrate --gate` measures with.
+    Shadow,
+}
+
+impl GateMode {
+    pub const ALL: [GateMode; 4] = [GateMode::Off, GateMode::Gated, GateMode::Always, GateMode::Shadow];
+    pub fn name(self) -> &'static str {
+        match self {
+            GateMode::Off => "off",
+            GateMode::Gated => "gated",
+            GateMode::Always => "always",
+            GateMode::Shadow => "shadow",
+        }
+    }
+}
+
+impl FromStr for GateMode {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        GateMode::ALL.into_iter().find(|g| g.name() == s).ok_or_else(|| {
+            Error::BadInput(format!("unknown gate mode {s:?}; expected off, gated, always or shadow"))
+        })
+    }
+}
+
+/// The margin gate. A step whose fast-lane margin is below `tau` is recomputed in the reference
+/// lane over the sequence's cache. That removes the step's own batch noise but not the noise
+/// already in the cache (K/V written by earlier fast-lane steps); when the reference margin is
+/// itself below `deep_tau`, that noise could still decide the token, so the whole sequence's
+/// cache is rebuilt in the reference lane first ("deep recheck"): the token then depends on
+/// nothing but the token history.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GateConfig {
+    pub mode: GateMode,
+    pub tau: f32,
+    pub deep_tau: f32,
+}
+
+/// `deep_tau` when not given: half of tau. On the default model's split_k_f16 lane the
+/// recheck's margin moved about half as much as the fast lane's across batch compositions
+/// (`calibrate --gate`: recheck_shift 0.025 vs batch_shift 0.047); calibrate it for your lane.
+pub const DEEP_TAU_FRACTION: f32 = 0.5;
+
+impl GateConfig {
+    pub fn new(mode: GateMode, tau: f32) -> Result<Self> {
+        Self::with_deep(mode, tau, tau * DEEP_TAU_FRACTION)
+    }
+    pub fn with_deep(mode: GateMode, tau: f32, deep_tau: f32) -> Result<Self> {
+        for (name, v) in [("tau", tau), ("deep_tau", deep_tau)] {
+            if !v.is_finite() || v < 0.0 {
+                return Err(Error::BadInput(format!("{name} must be a finite number >= 0, got {v}")));
+            }
+        }
+        Ok(GateConfig { mode, tau, deep_tau })
+    }
+    pub fn off() -> Self {
+        GateConfig { mode: GateMode::Off, tau: 0.0, deep_tau: 0.0 }
+    }
+    pub fn describe(&self) -> String {
+        match self.mode {
+            GateMode::Off | GateMode::Shadow => "gate=off".into(),
+            GateMode::Always => format!("gate=always;deep_tau={}", self.deep_tau),
+            GateMode::Gated => format!("gate=gated;tau={};deep_tau={}", self.tau, self.deep_tau),
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    pub max_num_seqs: usize,
+    pub max_tokens_per_step: usize,
+    pub prefill_chunk: usize,
+    /// KV memory budget in tokens (over all sequences).
+    pub kv_budget_tokens: usize,
+    pub gate: GateConfig,
+    /// FP32 copies of the weights for the reference lane are kept only under this many bytes.
+    pub reference_dense_max_bytes: usize,
+    /// Worker threads for this engine's steps (None: the global pool).
+    pub threads: Option<usize>,
+    /// Keep a hash of every step's logits bits (the probe counts mismatches with them).
+    pub record_logit_hashes: bool,
+    /// Fault injection for tests of the engine's failure handling; `None` in real use.
+    #[doc(hidden)]
+    pub inject_fault: Option<InjectedFault>,
+}
+
+/// A failure the engine raises on purpose, to test that a failing step harms nothing else.
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum InjectedFault {
+    /// The forward of the engine's `step`-th step (counting from 1) fails halfway through.
+    Forward { step: u64 },
+    /// The gate fails for request `id` on the engine's `step`-th step.
+    Gate { step: u64, id: RequestId },
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            max_num_seqs: 16,
+            max_tokens_per_step: 256,
+            prefill_chunk: 64,
+            kv_budget_tokens: 65536,
+            gate: GateConfig::off(),
+            reference_dense_max_bytes: 2 << 30,
+            threads: None,
+            record_logit_hashes: false,
+            inject_fault: None,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct Request {
+    pub prompt_tokens: Vec<u32>,
+    pub max_new_tokens: usize,
+    pub stop: Vec<String>,
+    /// Teacher forcing: feed these tokens instead of the chosen ones (the choice is still
+    /// recorded), to count step flips against another run's tokens.
+    pub forced_tokens: Option<Vec<u32>>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    Eos,
+    StopString,
+    Length,
+    Cancelled,
+    ContextFull,
+    /// The engine failed for this request alone (`Output::error` says why); others go on.
+    Error,
+}
+
+impl FinishReason {
+    pub fn name(self) -> &'static str {
+        match self {
+            FinishReason::Eos => "eos",
+            FinishReason::StopString => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Cancelled => "cancelled",
+            FinishReason::ContextFull => "context_full",
+            FinishReason::Error => "error",
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub enum Event {
+    Token { id: RequestId, token: u32, text: String },
+    Finished { id: RequestId, reason: FinishReason },
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct GateStats {
+    pub steps: u64,
+    pub rechecks: u64,
+    pub corrections: u64,
+    pub deep_rechecks: u64,
+}
+
+impl GateStats {
+    fn add(&mut self, r: &StepRecord) {
+        self.steps += 1;
+        self.rechecks += r.rechecked as u64;
+        self.corrections += (r.rechecked && r.corrected) as u64;
+        self.deep_rechecks += r.deep as u64;
+    }
+}
+
+/// A finished request.
+#[derive(Clone, Debug)]
+pub struct Output {
+    pub id: RequestId,
+    pub prompt_tokens: Vec<u32>,
+    pub token_ids: Vec<u32>,
+    pub text: String,
+    pub margins: Vec<f32>,
+    /// The reference lane's margin on rechecked steps (after a deep recheck, the rebuilt
+    /// lane's); NaN on steps the gate let through.
+    pub reference_margins: Vec<f32>,
+    pub rechecked: Vec<bool>,
+    /// Steps whose token the reference lane changed (with `GateMode::Shadow`: would have).
+    pub corrected: Vec<bool>,
+    pub logit_hashes: Vec<u64>,
+    pub finish_reason: FinishReason,
+    pub fingerprint: String,
+    pub gate: GateStats,
+    /// What failed, when `finish_reason` is `Error`.
+    pub error: Option<String>,
+}
+
+pub struct Engine {
+    model: Arc<Model>,
+    policy: Arc<Policy>,
+    cfg: EngineConfig,
+    scheduler: Scheduler,
+    runner: Runner,
+    gate: Gate,
+    pool: Option<rayon::ThreadPool>,
+    finished: HashMap<RequestId, Output>,
+    events: Vec<Event>,
+    next_id: RequestId,
+    steps_run: u64,
+    stats: GateStats,
+    shut_down: bool,
+    model_sha: String,
+    /// What this host and build contribute to the bits in the policy's mode (`host::signature`).
+    host: String,
+}
+
+impl Engine {
+    pub fn new(model: Arc<Model>, policy: Arc<Policy>, cfg: EngineConfig) -> Result<Self> {
+        if cfg.max_num_seqs == 0 {
+            return Err(Error::BadInput("max_num_seqs must be at least 1".into()));
+        }
+        if cfg.prefill_chunk == 0 || cfg.max_tokens_per_step < cfg.prefill_chunk {
+            return Err(Error::BadInput(format!(
+                "need 1 <= prefill_chunk ({}) <= max_tokens_per_step ({})",
+                cfg.prefill_chunk, cfg.max_tokens_per_step
+            )));
+        }
+        let pool = match cfg.threads {
+            Some(0) => return Err(Error::BadInput("threads must be at least 1".into())),
+            Some(n) => Some(
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(n)
+                    .build()
+                    .map_err(|e| Error::Engine(e.to_string()))?,
+            ),
+            None => None,
+        };
+        let gate = Gate {
+            cfg: cfg.gate,
+            reference: ReferenceWeights::for_budget(&model.llama, cfg.reference_dense_max_bytes),
+            record_logit_hashes: cfg.record_logit_hashes,
+        };
+        Ok(Engine {
+            model_sha: model.sha256()?,
+            host: crate::host::signature(policy.mode),
+            scheduler: Scheduler::new(&cfg),
+            runner: Runner::default(),
+            gate,
+            model,
+            policy,
+            cfg,
+            pool,
+            finished: HashMap::new(),
+            events: Vec::new(),
+            next_id: 1,
+            steps_run: 0,
+            stats: GateStats::default(),
+            shut_down: false,
+        })
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+    pub fn policy(&self) -> &Arc<Policy> {
+        &self.policy
+    }
+    pub fn model(&self) -> &Arc<Model> {
+        &self.model
+    }
+    pub fn gate_stats(&self) -> GateStats {
+        self.stats.clone()
+    }
+
+    /// Validates and queues a request. Everything that can make a request fail is checked
+    /// here, so a bad request never reaches a step that other requests share.
+    pub fn submit(&mut self, req: Request) -> Result<RequestId> {
+        if self.shut_down {
+            return Err(Error::Engine("the engine has been shut down".into()));
+        }
+        let reserve = self.validate(&req)?;
+        let id = self.next_id;
+        self.next_id += 1;
+        self.scheduler.waiting.push_back(Sequence::new(id, req, reserve));
+        Ok(id)
+    }
+
+    /// Checks a request against the model and the budgets; the KV tokens it reserves.
+    fn validate(&self, req: &Request) -> Result<usize> {
+        let ctx = self.model.llama.cfg.context_length;
+        let vocab = self.model.llama.cfg.vocab as u32;
+        if req.prompt_tokens.is_empty() {
+            return Err(Error::BadInput("empty prompt".into()));
+        }
+        if let Some(t) = req.prompt_tokens.iter().find(|&&t| t >= vocab) {
+            return Err(Error::BadInput(format!("prompt token id {t} is outside the vocabulary of {vocab}")));
+        }
+        if req.max_new_tokens == 0 || req.max_new_tokens > MAX_NEW_TOKENS_LIMIT {
+            return Err(Error::BadInput(format!(
+                "max_new_tokens must be between 1 and {MAX_NEW_TOKENS_LIMIT}, got {}",
+                req.max_new_tokens
+            )));
+        }
+        if req.prompt_tokens.len() >= ctx {
+            return Err(Error::BadInput(format!(
+                "the prompt has {} tokens but the context holds {ctx} (including at least one new token)",
+                req.prompt_tokens.len()
+            )));
+        }
+        if req.stop.iter().any(|s| s.is_empty()) {
+            return Err(Error::BadInput("stop strings must not be empty".into()));
+        }
+        if let Some(f) = &req.forced_tokens {
+            if let Some(t) = f.iter().find(|&&t| t >= vocab) {
+                return Err(Error::BadInput(format!("forced token id {t} is outside the vocabulary")));
+            }
+        }
+        let reserve = (req.prompt_tokens.len() + req.max_new_tokens).min(ctx);
+        if reserve > self.cfg.kv_budget_tokens {
+            return Err(Error::BadInput(format!(
+                "the request needs {reserve} tokens of KV cache (prompt + max_new_tokens) but the whole budget is {}",
+                self.cfg.kv_budget_tokens
+            )));
+        }
+        Ok(reserve)
+    }
+
+    pub fn cancel(&mut self, id: RequestId) -> Result<()> {
+        if let Some(mut s) = self.scheduler.take_waiting(id) {
+            s.finish = Some(FinishReason::Cancelled);
+            self.retire(s);
+            return Ok(());
+        }
+        if let Some(s) = self.scheduler.running.iter_mut().find(|s| s.id == id) {
+            s.finish = Some(FinishReason::Cancelled);
+            self.retire_finished();
+            return Ok(());
+        }
+        if self.finished.contains_key(&id) {
+            return Ok(());
+        }
+        Err(Error::BadInput(format!("unknown request id {id}")))
+    }
+
+    pub fn shutdown(&mut self) {
+        self.shut_down = true;
+    }
+    pub fn is_shut_down(&self) -> bool {
+        self.shut_down
+    }
+
+    pub fn has_work(&self) -> bool {
+        self.scheduler.has_work()
+    }
+    pub fn num_waiting(&self) -> usize {
+        self.scheduler.waiting.len()
+    }
+    pub fn num_running(&self) -> usize {
+        self.scheduler.running.len()
+    }
+
+    pub fn drain_events(&mut self) -> Vec<Event> {
+        std::mem::take(&mut self.events)
+    }
+
+    pub fn take_output(&mut self, id: RequestId) -> Option<Output> {
+        self.finished.remove(&id)
+    }
+    pub fn is_finished(&self, id: RequestId) -> bool {
+        self.finished.contains_key(&id)
+    }
+
+    /// One forward over every active row. Returns the number of rows it ran. An error leaves
+    /// every sequence and cache as they were before the step; a failure that concerns one
+    /// sequence (its recheck) finishes that sequence with `FinishReason::Error` and no other.
+    pub fn step(&mut self) -> Result<usize> {
+        match self.pool.take() {
+            Some(pool) => {
+                let r = pool.install(|| self.step_inner());
+                self.pool = Some(pool);
+                r
+            }
+            None => self.step_inner(),
+        }
+    }
+
+    fn step_inner(&mut self) -> Result<usize> {
+        let (admitted, plan) = self.scheduler.schedule();
+        for id in admitted {
+            self.runner.open(id, &self.model);
+        }
+        if plan.is_empty() {
+            return Ok(0);
+        }
+        self.steps_run += 1;
+        let fail_midway = self.cfg.inject_fault == Some(InjectedFault::Forward { step: self.steps_run });
+        let model = self.model.clone();
+        let (rows, logits) = self.runner.run(&model, &self.policy, &mut self.scheduler.running, &plan, fail_midway)?;
+        for (i, lg) in logits {
+            let s = &mut self.scheduler.running[i];
+            let fault = self.cfg.inject_fault == Some(InjectedFault::Gate { step: self.steps_run, id: s.id });
+            let decided = match fault {
+                true => Err(Error::Engine(format!("injected fault in the gate of step {}", self.steps_run))),
+                false => self.gate.decide(&model, s, self.runner.cache_mut(s.id), &lg),
+            };
+            match decided {
+                Ok(record) => {
+                    self.stats.add(&record);
+                    s.steps.push(record);
+                    output::after_token(&model, s);
+                }
+                Err(e) => {
+                    s.error = Some(e);
+                    s.finish = Some(FinishReason::Error);
+                }
+            }
+        }
+        for s in self.scheduler.running.iter_mut() {
+            output::emit(&mut self.events, s);
+        }
+        self.retire_finished();
+        Ok(rows)
+    }
+
+    fn retire_finished(&mut self) {
+        for s in self.scheduler.take_finished() {
+            self.retire(s);
+        }
+    }
+
+    fn retire(&mut self, s: Sequence) {
+        self.runner.close(s.id);
+        let reason = s.finish.unwrap_or(FinishReason::Cancelled);
+        let token_ids = s.output();
+        let fp = fingerprint(&self.model_sha, &self.policy.describe(), &self.cfg.gate.describe(), &self.host, &token_ids);
+        self.events.push(Event::Finished { id: s.id, reason });
+        let gate = s.gate_stats();
+        let steps = &s.steps;
+        self.finished.insert(
+            s.id,
+            Output {
+                id: s.id,
+                token_ids,
+                margins: steps.iter().map(|r| r.margin).collect(),
+                reference_margins: steps.iter().map(|r| r.reference_margin).collect(),
+                rechecked: steps.iter().map(|r| r.rechecked).collect(),
+                corrected: steps.iter().map(|r| r.corrected).collect(),
+                logit_hashes: steps.iter().filter_map(|r| r.logit_hash).collect(),
+                finish_reason: reason,
+                fingerprint: fp,
+                gate,
+                error: s.error.map(|e| e.to_string()),
+                text: s.text.text,
+                prompt_tokens: s.req.prompt_tokens,
+            },
+        );
+    }
+
+    /// Runs until every submitted request is done; outputs in submission order.
+    pub fn run_to_completion(&mut self, ids: &[RequestId]) -> Result<Vec<Output>> {
+        while ids.iter().any(|id| !self.finished.contains_key(id)) {
+            if self.step()? == 0 && !self.has_work() {
+                break;
+            }
+        }
+        ids.iter()
+            .map(|id| self.take_output(*id).ok_or_else(|| Error::Engine(format!("request {id} did not finish"))))
+            .collect()
+    }
+}

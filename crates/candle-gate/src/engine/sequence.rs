@@ -1,0 +1,102 @@
+//! One request's state while it is in the engine. Values that can be derived (its output
+//! tokens, how many positions its cache holds, the token fed next) are methods, not fields.
+
+use crate::error::Error;
+
+use super::output::TextState;
+use super::{FinishReason, GateStats, Request, RequestId};
+
+/// What one decode step decided for a sequence: the gate's record.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct StepRecord {
+    pub token: u32,
+    /// The fast lane's top1 − top2 margin.
+    pub margin: f32,
+    /// The reference lane's margin where it ran (the rebuilt lane's after a deep recheck);
+    /// NaN where the gate let the step through.
+    pub reference_margin: f32,
+    pub rechecked: bool,
+    /// The reference lane changed the token (with `GateMode::Shadow`: would have).
+    pub corrected: bool,
+    pub deep: bool,
+    pub logit_hash: Option<u64>,
+}
+
+pub(crate) struct Sequence {
+    pub id: RequestId,
+    pub req: Request,
+    /// Prompt tokens already through the model.
+    pub prefilled: usize,
+    pub steps: Vec<StepRecord>,
+    /// Positions `..reference_exact` of the cache hold the reference lane's K/V computed over
+    /// the reference lane's own prefix (left by the last deep recheck), so the next deep
+    /// recheck only rebuilds from there.
+    pub reference_exact: usize,
+    pub text: TextState,
+    pub finish: Option<FinishReason>,
+    /// Why the sequence failed, when `finish` is `Error`.
+    pub error: Option<Error>,
+    /// KV tokens reserved for it at admission (prompt + max_new_tokens, capped by the context).
+    pub reserved_tokens: usize,
+}
+
+impl Sequence {
+    pub fn new(id: RequestId, req: Request, reserved_tokens: usize) -> Self {
+        Sequence {
+            id,
+            req,
+            prefilled: 0,
+            steps: Vec::new(),
+            reference_exact: 0,
+            text: TextState::default(),
+            finish: None,
+            error: None,
+            reserved_tokens,
+        }
+    }
+
+    pub fn in_prefill(&self) -> bool {
+        self.prefilled < self.req.prompt_tokens.len()
+    }
+
+    /// The prompt's next chunk: from `prefilled` to the next multiple of `chunk`.
+    pub fn next_chunk(&self, chunk: usize) -> std::ops::Range<usize> {
+        let end = ((self.prefilled / chunk) + 1) * chunk;
+        self.prefilled..end.min(self.req.prompt_tokens.len())
+    }
+
+    pub fn output(&self) -> Vec<u32> {
+        self.steps.iter().map(|s| s.token).collect()
+    }
+
+    /// Positions its KV cache holds: the prompt so far, then every choice but the latest
+    /// (which is fed on the next step).
+    pub fn cached(&self) -> usize {
+        self.prefilled + self.steps.len().saturating_sub(1)
+    }
+
+    /// The token fed at cache position `i`: the prompt's, then each choice (the forced token
+    /// instead when teacher forcing).
+    pub fn fed_at(&self, i: usize) -> u32 {
+        let prompt = &self.req.prompt_tokens;
+        if i < prompt.len() {
+            return prompt[i];
+        }
+        let j = i - prompt.len();
+        match &self.req.forced_tokens {
+            Some(f) if j < f.len() => f[j],
+            _ => self.steps[j].token,
+        }
+    }
+
+    /// The token that goes into the model after the latest choice.
+    pub fn fed_last(&self) -> u32 {
+        self.fed_at(self.req.prompt_tokens.len() + self.steps.len() - 1)
+    }
+
+    pub fn gate_stats(&self) -> GateStats {
+        let mut g = GateStats::default();
+        self.steps.iter().for_each(|r| g.add(r));
+        g
+    }
+}
