@@ -2,13 +2,91 @@
 //! steps in the reference lane (repairing the K/V of that position), rebuilds the cache in the
 //! reference lane when the recheck is itself a near-tie, and returns one record per step.
 
-use crate::error::Result;
+use std::str::FromStr;
+
+use serde::Serialize;
+
+use crate::error::{Error, Result};
 use crate::llama::{argmax_margin, KvCache};
 use crate::model::Model;
 use crate::reference::ReferenceWeights;
 
 use super::sequence::{Sequence, StepRecord};
-use super::{GateConfig, GateMode};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GateMode {
+    Off,
+    Gated,
+    Always,
+    /// Runs the reference step on every step only to record its margin
+    /// (`Output::reference_margins`), then restores the fast lane's K/V and keeps its token:
+    /// outputs are those of `Off`. What `calibrate --gate` measures with.
+    Shadow,
+}
+
+impl GateMode {
+    pub const ALL: [GateMode; 4] = [GateMode::Off, GateMode::Gated, GateMode::Always, GateMode::Shadow];
+    pub fn name(self) -> &'static str {
+        match self {
+            GateMode::Off => "off",
+            GateMode::Gated => "gated",
+            GateMode::Always => "always",
+            GateMode::Shadow => "shadow",
+        }
+    }
+}
+
+impl FromStr for GateMode {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        GateMode::ALL.into_iter().find(|g| g.name() == s).ok_or_else(|| {
+            Error::BadInput(format!("unknown gate mode {s:?}; expected off, gated, always or shadow"))
+        })
+    }
+}
+
+/// The margin gate. A step whose fast-lane margin is below `tau` is recomputed in the reference
+/// lane over the sequence's cache. That removes the step's own batch noise but not the noise
+/// already in the cache (K/V written by earlier fast-lane steps); when the reference margin is
+/// itself below `deep_tau`, that noise could still decide the token, so the whole sequence's
+/// cache is rebuilt in the reference lane first ("deep recheck"): the token then depends on
+/// nothing but the token history.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GateConfig {
+    pub mode: GateMode,
+    pub tau: f32,
+    pub deep_tau: f32,
+}
+
+/// `deep_tau` when not given: half of tau. On the default model's split_k_f16 lane the
+/// recheck's margin moved about half as much as the fast lane's across batch compositions
+/// (`calibrate --gate`: recheck_shift 0.025 vs batch_shift 0.047); calibrate it for your lane.
+pub const DEEP_TAU_FRACTION: f32 = 0.5;
+
+impl GateConfig {
+    pub fn new(mode: GateMode, tau: f32) -> Result<Self> {
+        Self::with_deep(mode, tau, tau * DEEP_TAU_FRACTION)
+    }
+    pub fn with_deep(mode: GateMode, tau: f32, deep_tau: f32) -> Result<Self> {
+        for (name, v) in [("tau", tau), ("deep_tau", deep_tau)] {
+            if !v.is_finite() || v < 0.0 {
+                return Err(Error::BadInput(format!("{name} must be a finite number >= 0, got {v}")));
+            }
+        }
+        Ok(GateConfig { mode, tau, deep_tau })
+    }
+    pub fn off() -> Self {
+        GateConfig { mode: GateMode::Off, tau: 0.0, deep_tau: 0.0 }
+    }
+    pub fn describe(&self) -> String {
+        match self.mode {
+            GateMode::Off | GateMode::Shadow => "gate=off".into(),
+            GateMode::Always => format!("gate=always;deep_tau={}", self.deep_tau),
+            GateMode::Gated => format!("gate=gated;tau={};deep_tau={}", self.tau, self.deep_tau),
+        }
+    }
+}
 
 pub(crate) struct Gate {
     pub cfg: GateConfig,

@@ -7,15 +7,13 @@
 
 mod gate;
 mod output;
+mod request;
 mod runner;
 mod scheduler;
 mod sequence;
 
 use std::collections::HashMap;
-use std::str::FromStr;
 use std::sync::Arc;
-
-use serde::Serialize;
 
 use crate::dispatch::Policy;
 use crate::error::{Error, Result};
@@ -25,212 +23,13 @@ use crate::reference::ReferenceWeights;
 use gate::Gate;
 use runner::Runner;
 use scheduler::Scheduler;
-use sequence::{Sequence, StepRecord};
+use sequence::Sequence;
 
-pub type RequestId = u64;
+pub use gate::{GateConfig, GateMode, DEEP_TAU_FRACTION};
+pub use request::{EngineConfig, Event, FinishReason, GateStats, InjectedFault, Output, Request, RequestId};
 
 /// Upper bound on `max_new_tokens` accepted at submit: a bigger value is a bug, not a plan.
 pub const MAX_NEW_TOKENS_LIMIT: usize = 1 << 20;
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum GateMode {
-    Off,
-    Gated,
-    Always,
-    /// Runs the reference step on every step only to record its margin
-    /// (`Output::reference_margins`), then restores the fast lane's K/V and keeps its token:
-    /// outputs are those of `Off`. What `calibrate --gate` measures with.
-    Shadow,
-}
-
-impl GateMode {
-    pub const ALL: [GateMode; 4] = [GateMode::Off, GateMode::Gated, GateMode::Always, GateMode::Shadow];
-    pub fn name(self) -> &'static str {
-        match self {
-            GateMode::Off => "off",
-            GateMode::Gated => "gated",
-            GateMode::Always => "always",
-            GateMode::Shadow => "shadow",
-        }
-    }
-}
-
-impl FromStr for GateMode {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        GateMode::ALL.into_iter().find(|g| g.name() == s).ok_or_else(|| {
-            Error::BadInput(format!("unknown gate mode {s:?}; expected off, gated, always or shadow"))
-        })
-    }
-}
-
-/// The margin gate. A step whose fast-lane margin is below `tau` is recomputed in the reference
-/// lane over the sequence's cache. That removes the step's own batch noise but not the noise
-/// already in the cache (K/V written by earlier fast-lane steps); when the reference margin is
-/// itself below `deep_tau`, that noise could still decide the token, so the whole sequence's
-/// cache is rebuilt in the reference lane first ("deep recheck"): the token then depends on
-/// nothing but the token history.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct GateConfig {
-    pub mode: GateMode,
-    pub tau: f32,
-    pub deep_tau: f32,
-}
-
-/// `deep_tau` when not given: half of tau. On the default model's split_k_f16 lane the
-/// recheck's margin moved about half as much as the fast lane's across batch compositions
-/// (`calibrate --gate`: recheck_shift 0.025 vs batch_shift 0.047); calibrate it for your lane.
-pub const DEEP_TAU_FRACTION: f32 = 0.5;
-
-impl GateConfig {
-    pub fn new(mode: GateMode, tau: f32) -> Result<Self> {
-        Self::with_deep(mode, tau, tau * DEEP_TAU_FRACTION)
-    }
-    pub fn with_deep(mode: GateMode, tau: f32, deep_tau: f32) -> Result<Self> {
-        for (name, v) in [("tau", tau), ("deep_tau", deep_tau)] {
-            if !v.is_finite() || v < 0.0 {
-                return Err(Error::BadInput(format!("{name} must be a finite number >= 0, got {v}")));
-            }
-        }
-        Ok(GateConfig { mode, tau, deep_tau })
-    }
-    pub fn off() -> Self {
-        GateConfig { mode: GateMode::Off, tau: 0.0, deep_tau: 0.0 }
-    }
-    pub fn describe(&self) -> String {
-        match self.mode {
-            GateMode::Off | GateMode::Shadow => "gate=off".into(),
-            GateMode::Always => format!("gate=always;deep_tau={}", self.deep_tau),
-            GateMode::Gated => format!("gate=gated;tau={};deep_tau={}", self.tau, self.deep_tau),
-        }
-    }
-}
-
-#[derive(Clone, Debug)]
-pub struct EngineConfig {
-    pub max_num_seqs: usize,
-    pub max_tokens_per_step: usize,
-    pub prefill_chunk: usize,
-    /// KV memory budget in tokens (over all sequences).
-    pub kv_budget_tokens: usize,
-    pub gate: GateConfig,
-    /// FP32 copies of the weights for the reference lane are kept only under this many bytes.
-    pub reference_dense_max_bytes: usize,
-    /// Worker threads for this engine's steps (None: the global pool).
-    pub threads: Option<usize>,
-    /// Keep a hash of every step's logits bits (the probe counts mismatches with them).
-    pub record_logit_hashes: bool,
-    /// Fault injection for tests of the engine's failure handling; `None` in real use.
-    #[doc(hidden)]
-    pub inject_fault: Option<InjectedFault>,
-}
-
-/// A failure the engine raises on purpose, to test that a failing step harms nothing else.
-#[doc(hidden)]
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum InjectedFault {
-    /// The forward of the engine's `step`-th step (counting from 1) fails halfway through.
-    Forward { step: u64 },
-    /// The gate fails for request `id` on the engine's `step`-th step.
-    Gate { step: u64, id: RequestId },
-}
-
-impl Default for EngineConfig {
-    fn default() -> Self {
-        EngineConfig {
-            max_num_seqs: 16,
-            max_tokens_per_step: 256,
-            prefill_chunk: 64,
-            kv_budget_tokens: 65536,
-            gate: GateConfig::off(),
-            reference_dense_max_bytes: 2 << 30,
-            threads: None,
-            record_logit_hashes: false,
-            inject_fault: None,
-        }
-    }
-}
-
-#[derive(Clone, Debug, Default)]
-pub struct Request {
-    pub prompt_tokens: Vec<u32>,
-    pub max_new_tokens: usize,
-    pub stop: Vec<String>,
-    /// Teacher forcing: feed these tokens instead of the chosen ones (the choice is still
-    /// recorded), to count step flips against another run's tokens.
-    pub forced_tokens: Option<Vec<u32>>,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum FinishReason {
-    Eos,
-    StopString,
-    Length,
-    Cancelled,
-    ContextFull,
-    /// The engine failed for this request alone (`Output::error` says why); others go on.
-    Error,
-}
-
-impl FinishReason {
-    pub fn name(self) -> &'static str {
-        match self {
-            FinishReason::Eos => "eos",
-            FinishReason::StopString => "stop",
-            FinishReason::Length => "length",
-            FinishReason::Cancelled => "cancelled",
-            FinishReason::ContextFull => "context_full",
-            FinishReason::Error => "error",
-        }
-    }
-}
-
-#[derive(Clone, Debug)]
-pub enum Event {
-    Token { id: RequestId, token: u32, text: String },
-    Finished { id: RequestId, reason: FinishReason },
-}
-
-#[derive(Clone, Debug, Default)]
-pub struct GateStats {
-    pub steps: u64,
-    pub rechecks: u64,
-    pub corrections: u64,
-    pub deep_rechecks: u64,
-}
-
-impl GateStats {
-    fn add(&mut self, r: &StepRecord) {
-        self.steps += 1;
-        self.rechecks += r.rechecked as u64;
-        self.corrections += (r.rechecked && r.corrected) as u64;
-        self.deep_rechecks += r.deep as u64;
-    }
-}
-
-/// A finished request.
-#[derive(Clone, Debug)]
-pub struct Output {
-    pub id: RequestId,
-    pub prompt_tokens: Vec<u32>,
-    pub token_ids: Vec<u32>,
-    pub text: String,
-    pub margins: Vec<f32>,
-    /// The reference lane's margin on rechecked steps (after a deep recheck, the rebuilt
-    /// lane's); NaN on steps the gate let through.
-    pub reference_margins: Vec<f32>,
-    pub rechecked: Vec<bool>,
-    /// Steps whose token the reference lane changed (with `GateMode::Shadow`: would have).
-    pub corrected: Vec<bool>,
-    pub logit_hashes: Vec<u64>,
-    pub finish_reason: FinishReason,
-    pub fingerprint: String,
-    pub gate: GateStats,
-    /// What failed, when `finish_reason` is `Error`.
-    pub error: Option<String>,
-}
 
 pub struct Engine {
     model: Arc<Model>,
