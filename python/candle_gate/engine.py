@@ -5,7 +5,6 @@ token ids and dicts into :class:`Result` objects.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -143,22 +142,19 @@ class Engine:
         if not isinstance(model, Model):
             model = Model.load(model)
         self.model = model
-        mode = mode or model._native.mode
-        if mode not in MODES:
-            raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
-        if gate not in GATES:
-            raise ValueError(f"unknown gate {gate!r}; expected one of {', '.join(GATES)}")
-        if tau is not None and (isinstance(tau, bool) or not isinstance(tau, (int, float))):
-            raise TypeError(f"tau must be a number, got {type(tau).__name__}")
-        tau, deep_tau = resolve_gate(gate, tau, deep_tau, profile)
+        for name, v in (("tau", tau), ("deep_tau", deep_tau)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                raise TypeError(f"{name} must be a number, got {type(v).__name__}")
         for name, v in (("max_num_seqs", max_num_seqs), ("max_tokens_per_step", max_tokens_per_step),
                         ("prefill_chunk", prefill_chunk), ("kv_budget_tokens", kv_budget_tokens)):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
-        self._native = _native.Engine(model._native, mode, profile, gate, float(tau), max_num_seqs,
-                                      max_tokens_per_step, prefill_chunk, kv_budget_tokens, threads,
-                                      record_logit_hashes, row_split_max,
-                                      None if deep_tau is None else float(deep_tau))
+        # Names, the profile, the gate rule and every other check belong to the Rust engine.
+        self._native = _native.Engine(
+            model._native, mode=mode, profile=profile, gate=gate, tau=tau, deep_tau=deep_tau,
+            max_num_seqs=max_num_seqs, max_tokens_per_step=max_tokens_per_step,
+            prefill_chunk=prefill_chunk, kv_budget_tokens=kv_budget_tokens, threads=threads,
+            record_logit_hashes=record_logit_hashes, row_split_max=row_split_max)
 
     def submit(self, prompt: Prompt, max_new_tokens: int = 64, stop: Optional[Sequence[str]] = None,
                chat: bool = False, forced_tokens: Optional[Sequence[int]] = None) -> int:
@@ -232,35 +228,12 @@ class Engine:
         return self.run(ids)
 
 
-def _profile_gate(profile: str) -> Tuple[float, Optional[float]]:
-    """The profile's calibrated ``(tau, deep_tau)``; deep_tau is None when it has none."""
-    import json
-    try:
-        with open(profile) as f:
-            p = json.load(f)
-    except (OSError, ValueError) as e:
-        raise _native.CandleGateError(f"cannot read profile {profile}: {e}") from e
-    g = p.get("gate") if isinstance(p, dict) else None
-    if not isinstance(g, dict) or "tau" not in g:
-        raise _native.CandleGateError(
-            f"profile {profile} has no gate tau; run `candle-gate calibrate --gate --out {profile}` or pass tau=")
-    deep = g.get("deep_tau")
-    return float(g["tau"]), None if deep is None else float(deep)
-
-
 def resolve_gate(gate: str, tau: Optional[float], deep_tau: Optional[float],
                  profile: Optional[str]) -> Tuple[float, Optional[float]]:
-    """``(tau, deep_tau)`` for an engine: explicit values first, then the profile's calibrated
-    ones (deep_tau None: the engine's default, tau/2). Gated with neither is an error."""
+    """``(tau, deep_tau)`` an engine would use: explicit values first, then the profile's
+    calibrated ones (deep_tau None: the engine's default, tau/2). Gated with neither is an
+    error. The rule is the Rust engine's (``GateConfig::resolve_values``)."""
     for name, v in (("tau", tau), ("deep_tau", deep_tau)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
             raise ValueError(f"{name} must be a number, got {v!r}")
-    if gate != "gated":
-        return (0.0 if tau is None else float(tau)), deep_tau
-    if tau is None:
-        if not profile:
-            raise ValueError("gate='gated' needs tau= or a profile with a calibrated tau "
-                             "(candle-gate calibrate --gate --out PROFILE)")
-        tau, profile_deep = _profile_gate(profile)
-        deep_tau = profile_deep if deep_tau is None else deep_tau
-    return float(tau), deep_tau
+    return _native.resolve_gate(gate, tau, deep_tau, profile)

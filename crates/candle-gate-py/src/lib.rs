@@ -221,17 +221,21 @@ impl Engine {
 
 #[pymethods]
 impl Engine {
+    /// Keyword-only: `mode` (default the model's), `profile` (thresholds and the calibrated
+    /// gate, read once), `gate`, `tau`, `deep_tau`, the scheduler's budgets, `threads`,
+    /// `record_logit_hashes`, `row_split_max` (overrides the profile's thresholds).
     #[new]
-    #[pyo3(signature = (model, mode = "invariant", profile = None, gate = "off", tau = 0.0,
+    #[pyo3(signature = (model, *, mode = None, profile = None, gate = "off", tau = None, deep_tau = None,
         max_num_seqs = 16, max_tokens_per_step = 256, prefill_chunk = 64, kv_budget_tokens = 65536,
-        threads = None, record_logit_hashes = false, row_split_max = None, deep_tau = None))]
+        threads = None, record_logit_hashes = false, row_split_max = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         model: &Model,
-        mode: &str,
+        mode: Option<&str>,
         profile: Option<&str>,
         gate: &str,
-        tau: f32,
+        tau: Option<f32>,
+        deep_tau: Option<f32>,
         max_num_seqs: usize,
         max_tokens_per_step: usize,
         prefill_chunk: usize,
@@ -239,10 +243,14 @@ impl Engine {
         threads: Option<usize>,
         record_logit_hashes: bool,
         row_split_max: Option<usize>,
-        deep_tau: Option<f32>,
     ) -> PyResult<Self> {
         guarded("Engine()", || {
-            let mut policy = make_policy(mode, profile).map_err(to_py)?;
+            let mode = mode.unwrap_or(model.inner.policy.mode.name());
+            let loaded = profile.map(|p| Profile::load(&PathBuf::from(p))).transpose().map_err(to_py)?;
+            let mut policy = match &loaded {
+                None => Policy::new(Mode::from_str(mode).map_err(to_py)?),
+                Some(p) => p.policy(Backend::Cpu, Mode::from_str(mode).map_err(to_py)?, profile.unwrap()).map_err(to_py)?,
+            };
             if let Some(r) = row_split_max {
                 if r == 0 {
                     return Err(PyValueError::new_err("row_split_max must be at least 1"));
@@ -251,11 +259,7 @@ impl Engine {
                 policy.row_split_max.clear();
             }
             let gmode = GateMode::from_str(gate).map_err(to_py)?;
-            let gate = match deep_tau {
-                Some(d) => GateConfig::with_deep(gmode, tau, d),
-                None => GateConfig::new(gmode, tau),
-            }
-            .map_err(to_py)?;
+            let gate = GateConfig::resolve(gmode, tau, deep_tau, loaded.as_ref().zip(profile)).map_err(to_py)?;
             let cfg = EngineConfig {
                 max_num_seqs,
                 max_tokens_per_step,
@@ -433,7 +437,7 @@ fn kernel_outputs<'py>(py: Python<'py>, dtype: &str, n: usize, k: usize, m: usiz
             Ok((QTensor::quantize(&w, d)?, x))
         };
         let (q, x) = r().map_err(|e| CandleGateError::new_err(e.to_string()))?;
-        let g = candle_gate::GateMatMul::from_arc(Arc::new(q), Arc::new(Policy::default())).map_err(to_py)?;
+        let g = candle_gate::QMatMul::new(Arc::new(q), Arc::new(Policy::default())).map_err(to_py)?;
         let x = &x[..m * k];
         let mut outs = vec![];
         for kern in [Kernel::GemvRowSplit, Kernel::Invariant, Kernel::Gemm, Kernel::SplitKF16, Kernel::Candle] {
@@ -446,6 +450,18 @@ fn kernel_outputs<'py>(py: Python<'py>, dtype: &str, n: usize, k: usize, m: usiz
         d.set_item(name, v.into_pyarray(py))?;
     }
     Ok(d)
+}
+
+/// The gate's `(tau, deep_tau)` an engine would use (deep_tau None: tau × the default fraction),
+/// by the engine's own rule (`GateConfig::resolve_values`).
+#[pyfunction]
+#[pyo3(signature = (gate, tau = None, deep_tau = None, profile = None))]
+fn resolve_gate(gate: &str, tau: Option<f32>, deep_tau: Option<f32>, profile: Option<&str>) -> PyResult<(f32, Option<f32>)> {
+    guarded("resolve_gate", || {
+        let mode = GateMode::from_str(gate).map_err(to_py)?;
+        let loaded = profile.map(|p| Profile::load(&PathBuf::from(p))).transpose().map_err(to_py)?;
+        GateConfig::resolve_values(mode, tau, deep_tau, loaded.as_ref().zip(profile)).map_err(to_py)
+    })
 }
 
 /// What this host and build contribute to the bits in `mode` (hashed into fingerprints): the
@@ -466,6 +482,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("MODES", candle_gate::Mode::ALL.map(|x| x.name()).to_vec())?;
     m.add("GATES", candle_gate::GateMode::ALL.map(|x| x.name()).to_vec())?;
     m.add_function(wrap_pyfunction!(host_signature, m)?)?;
+    m.add_function(wrap_pyfunction!(resolve_gate, m)?)?;
     m.add_class::<Model>()?;
     m.add_function(wrap_pyfunction!(calibrate_kernels, m)?)?;
     m.add_function(wrap_pyfunction!(kernel_outputs, m)?)?;

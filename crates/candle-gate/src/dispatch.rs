@@ -1,6 +1,6 @@
 //! Who decides which quantized kernel runs: candle-gate, not the row count.
 //!
-//! [`GateMatMul`] is a drop-in for Candle's `QMatMul` (built from a `QTensor`, implements
+//! [`QMatMul`] is a drop-in for Candle's `QMatMul` (built from a `QTensor`, implements
 //! `Module`); its [`Policy`] picks the kernel for each call from the mode, the backend, the
 //! weight dtype and the number of rows.
 
@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::str::FromStr;
 use std::sync::{Arc, OnceLock};
 
-use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::quantized::{GgmlDType, QMatMul as CandleQMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 
 use crate::error::{Error, Result};
@@ -187,42 +187,54 @@ impl Policy {
     }
 }
 
-/// Drop-in for Candle's `QMatMul` whose kernel choice belongs to a [`Policy`].
-pub struct GateMatMul {
+/// Drop-in for Candle's `QMatMul` (same constructors, implements `Module`) whose kernel choice
+/// belongs to a [`Policy`] instead of the row count: embedding candle-gate in a Candle project
+/// is `use candle_gate::QMatMul` in place of `use candle_core::quantized::QMatMul`.
+pub struct QMatMul {
     weight: Arc<QTensor>,
-    native: QMatMul,
+    native: CandleQMatMul,
     dense: OnceLock<Tensor>,
     dense_f16: OnceLock<Tensor>,
     half: OnceLock<Vec<half::f16>>,
     policy: Arc<Policy>,
 }
 
-impl std::fmt::Debug for GateMatMul {
+/// The name before 0.2 (it collided with the margin gate and the FFN's `w_gate`).
+#[deprecated(note = "renamed to candle_gate::QMatMul")]
+pub type GateMatMul = QMatMul;
+
+impl std::fmt::Debug for QMatMul {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "GateMatMul({:?} {:?}, {})", self.weight.dtype(), self.weight.shape(), self.policy.mode.name())
+        write!(f, "QMatMul({:?} {:?}, {})", self.weight.dtype(), self.weight.shape(), self.policy.mode.name())
     }
 }
 
-impl GateMatMul {
-    /// Same constructor shape as `QMatMul::from_qtensor`; the policy is the default
+impl QMatMul {
+    /// Same constructor as Candle's `QMatMul::from_qtensor`; the policy is the default
     /// (`invariant` mode, row-split threshold 4).
     pub fn from_qtensor(weight: QTensor) -> Result<Self> {
-        Self::from_arc(Arc::new(weight), Arc::new(Policy::default()))
+        Self::from_arc(Arc::new(weight))
     }
 
-    pub fn from_arc(weight: Arc<QTensor>, policy: Arc<Policy>) -> Result<Self> {
+    /// Same constructor as Candle's `QMatMul::from_arc`, with the default policy.
+    pub fn from_arc(weight: Arc<QTensor>) -> Result<Self> {
+        Self::new(weight, Arc::new(Policy::default()))
+    }
+
+    /// A matmul over `weight` whose kernels `policy` chooses (shared by a model's layers).
+    pub fn new(weight: Arc<QTensor>, policy: Arc<Policy>) -> Result<Self> {
         if weight.rank() != 2 {
             return Err(Error::BadInput(format!(
                 "a matmul weight must be rank 2, got shape {:?}",
                 weight.shape()
             )));
         }
-        let native = QMatMul::from_arc(weight.clone())?;
-        Ok(GateMatMul { weight, native, dense: OnceLock::new(), dense_f16: OnceLock::new(), half: OnceLock::new(), policy })
+        let native = CandleQMatMul::from_arc(weight.clone())?;
+        Ok(QMatMul { weight, native, dense: OnceLock::new(), dense_f16: OnceLock::new(), half: OnceLock::new(), policy })
     }
 
     pub fn with_policy(&self, policy: Arc<Policy>) -> Self {
-        GateMatMul {
+        QMatMul {
             weight: self.weight.clone(),
             native: self.native.clone(),
             dense: OnceLock::new(),
@@ -319,24 +331,24 @@ impl GateMatMul {
     }
 }
 
-impl Module for GateMatMul {
+impl Module for QMatMul {
     fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
         let dims = xs.dims().to_vec();
         let (n, k) = self.dims();
         if dims.len() < 2 {
-            candle_core::bail!("GateMatMul input must have rank >= 2, got shape {dims:?}");
+            candle_core::bail!("QMatMul input must have rank >= 2, got shape {dims:?}");
         }
         if dims[dims.len() - 1] != k {
             candle_core::bail!(
-                "GateMatMul inner dimension mismatch: input {dims:?}, weight [{n}, {k}]"
+                "QMatMul inner dimension mismatch: input {dims:?}, weight [{n}, {k}]"
             );
         }
         if !xs.is_contiguous() {
-            candle_core::bail!("GateMatMul input is not contiguous (shape {dims:?}); call .contiguous() first");
+            candle_core::bail!("QMatMul input is not contiguous (shape {dims:?}); call .contiguous() first");
         }
         let m: usize = dims[..dims.len() - 1].iter().product();
         if m == 0 {
-            candle_core::bail!("GateMatMul input has zero rows (shape {dims:?})");
+            candle_core::bail!("QMatMul input has zero rows (shape {dims:?})");
         }
         let mut out_dims = dims.clone();
         *out_dims.last_mut().unwrap() = n;
@@ -346,7 +358,7 @@ impl Module for GateMatMul {
         let ys = match backend {
             Backend::Cpu => {
                 if xs.dtype() != DType::F32 {
-                    candle_core::bail!("GateMatMul on the CPU takes f32 input, got {:?}", xs.dtype());
+                    candle_core::bail!("QMatMul on the CPU takes f32 input, got {:?}", xs.dtype());
                 }
                 let x = xs2.flatten_all()?.to_vec1::<f32>()?;
                 let y = self.run_cpu(kernel, &x, m).map_err(candle_core::Error::wrap)?;

@@ -1,6 +1,6 @@
 //! candle-gate: batch-invariant quantized inference on Candle.
 //!
-//! * [`dispatch::GateMatMul`]: a drop-in for Candle's `QMatMul` whose kernel choice belongs to
+//! * [`dispatch::QMatMul`]: a drop-in for Candle's `QMatMul` whose kernel choice belongs to
 //!   a [`dispatch::Policy`] (`native`, `row_split`, `invariant`, `gemm`) instead of the row count.
 //! * [`kernels`]: the CPU `gemv` / `invariant` / `gemm` kernels, CUDA and Metal behind features.
 //! * [`llama::Llama`]: a llama-architecture GGUF model whose forward takes rows of many
@@ -23,7 +23,9 @@ pub mod reference;
 pub mod registry;
 pub mod tokenizer;
 
-pub use dispatch::{Backend, GateMatMul, Kernel, Mode, Policy};
+#[allow(deprecated)]
+pub use dispatch::GateMatMul;
+pub use dispatch::{Backend, Kernel, Mode, Policy, QMatMul};
 pub use engine::{Engine, EngineConfig, GateConfig, GateMode, Output, Request};
 pub use error::{Error, Result};
 pub use model::Model;

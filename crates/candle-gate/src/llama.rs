@@ -16,7 +16,7 @@ use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 
-use crate::dispatch::{GateMatMul, Policy};
+use crate::dispatch::{QMatMul, Policy};
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::ops::{attend, rms_norm, rope, rope_tables, silu};
@@ -125,12 +125,12 @@ fn inv_freq(f: &mut GgufFile, key: &dyn Fn(&str) -> String, base: f32, head_dim:
 /// What differs between the two lanes that run the layer loop: how a linear layer is computed.
 pub trait Lane: Sync {
     /// `y = x · Wᵀ` for `m` rows of `x`; `m` rows of `n` back.
-    fn matmul(&self, w: &GateMatMul, x: &[f32], m: usize) -> Result<Vec<f32>>;
+    fn matmul(&self, w: &QMatMul, x: &[f32], m: usize) -> Result<Vec<f32>>;
 }
 
 /// The fast lane: the policy's kernel for this row count.
 impl Lane for Policy {
-    fn matmul(&self, w: &GateMatMul, x: &[f32], m: usize) -> Result<Vec<f32>> {
+    fn matmul(&self, w: &QMatMul, x: &[f32], m: usize) -> Result<Vec<f32>> {
         w.forward_rows(self, x, m)
     }
 }
@@ -144,10 +144,10 @@ pub(crate) struct Rows {
 }
 
 pub struct Attention {
-    pub wq: GateMatMul,
-    pub wk: GateMatMul,
-    pub wv: GateMatMul,
-    pub wo: GateMatMul,
+    pub wq: QMatMul,
+    pub wk: QMatMul,
+    pub wv: QMatMul,
+    pub wo: QMatMul,
 }
 
 impl Attention {
@@ -191,9 +191,9 @@ impl Attention {
 }
 
 pub struct Mlp {
-    pub w_gate: GateMatMul,
-    pub w_up: GateMatMul,
-    pub w_down: GateMatMul,
+    pub w_gate: QMatMul,
+    pub w_up: QMatMul,
+    pub w_down: QMatMul,
 }
 
 impl Mlp {
@@ -214,7 +214,7 @@ pub struct Layer {
 }
 
 impl Layer {
-    pub fn linears(&self) -> [&GateMatMul; 7] {
+    pub fn linears(&self) -> [&QMatMul; 7] {
         let (a, m) = (&self.attn, &self.mlp);
         [&a.wq, &a.wk, &a.wv, &a.wo, &m.w_gate, &m.w_up, &m.w_down]
     }
@@ -225,7 +225,7 @@ pub struct Llama {
     pub embed: Arc<QTensor>,
     pub layers: Vec<Layer>,
     pub out_norm: Vec<f32>,
-    pub lm_head: GateMatMul,
+    pub lm_head: QMatMul,
     pub weight_bytes: usize,
 }
 
@@ -328,10 +328,10 @@ impl Llama {
         let cfg = LlamaConfig::from_gguf(f)?;
         let (h, kv, ffn, vocab) = (cfg.hidden, cfg.kv_dim(), cfg.ffn, cfg.vocab);
         let mut weight_bytes = 0usize;
-        let mut lin = |f: &mut GgufFile, name: &str, dims: &[usize]| -> Result<GateMatMul> {
+        let mut lin = |f: &mut GgufFile, name: &str, dims: &[usize]| -> Result<QMatMul> {
             let t = f.tensor_shaped(name, dims)?;
             weight_bytes += t.storage_size_in_bytes();
-            GateMatMul::from_arc(Arc::new(t), policy.clone())
+            QMatMul::new(Arc::new(t), policy.clone())
         };
         let mut layers = Vec::with_capacity(cfg.n_layer);
         for i in 0..cfg.n_layer {
@@ -358,7 +358,7 @@ impl Llama {
             lin(f, "output.weight", &[vocab, h])?
         } else {
             weight_bytes += embed.storage_size_in_bytes();
-            GateMatMul::from_arc(embed.clone(), policy.clone())?
+            QMatMul::new(embed.clone(), policy.clone())?
         };
         Ok(Llama { cfg, embed, layers, out_norm, lm_head, weight_bytes })
     }

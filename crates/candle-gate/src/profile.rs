@@ -35,6 +35,8 @@ pub struct DtypeProfile {
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct GateProfile {
     pub tau: f32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deep_tau: Option<f32>,
     #[serde(default)]
     pub rule: String,
     #[serde(flatten)]
@@ -168,7 +170,7 @@ fn time_ns(min_time: std::time::Duration, mut f: impl FnMut()) -> f64 {
 /// Measures every kernel at every row count for each dtype and shape (k rounded up to the
 /// dtype's block size), and derives each dtype's crossover. `progress` is called per cell.
 pub fn measure(spec: &MeasureSpec, mut progress: impl FnMut(&str)) -> Result<Profile> {
-    use crate::dispatch::{dtype_name, GateMatMul, Kernel};
+    use crate::dispatch::{dtype_name, QMatMul, Kernel};
     use candle_core::{quantized::QTensor, Device, Tensor};
     let mut dtypes = BTreeMap::new();
     for &d in &spec.dtypes {
@@ -178,7 +180,7 @@ pub fn measure(spec: &MeasureSpec, mut progress: impl FnMut(&str)) -> Result<Pro
             let k = k0.div_ceil(bs) * bs;
             let w = Tensor::randn(0f32, 1.0, (n, k), &Device::Cpu)?;
             let q = QTensor::quantize(&w, d)?;
-            let g = GateMatMul::from_arc(std::sync::Arc::new(q), std::sync::Arc::new(Policy::default()))?;
+            let g = QMatMul::new(std::sync::Arc::new(q), std::sync::Arc::new(Policy::default()))?;
             let max_rows = spec.rows.iter().copied().max().unwrap_or(1);
             let x: Vec<f32> = Tensor::randn(0f32, 1.0, (max_rows, k), &Device::Cpu)?.flatten_all()?.to_vec1()?;
             for &m in &spec.rows {

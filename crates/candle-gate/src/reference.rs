@@ -6,7 +6,7 @@
 use candle_core::{Storage, Tensor};
 use rayon::prelude::*;
 
-use crate::dispatch::GateMatMul;
+use crate::dispatch::QMatMul;
 use crate::error::{Error, Result};
 use crate::kernels::cpu::dequantize_rows;
 use crate::llama::{KvCache, Lane, Llama, Rows};
@@ -57,7 +57,7 @@ fn tensor_slice<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
 /// Every output is one 8-lane [`dot`] of a weight row and an input row, so a row's result does
 /// not depend on `m`: rebuilding many positions in one call reads the weights once and gives
 /// the same bits as one position at a time.
-pub fn matmul_rows(w: &GateMatMul, how: ReferenceWeights, xs: &[f32], m: usize) -> Result<Vec<f32>> {
+pub fn matmul_rows(w: &QMatMul, how: ReferenceWeights, xs: &[f32], m: usize) -> Result<Vec<f32>> {
     let (n, k) = w.dims();
     if xs.len() != m * k {
         return Err(Error::BadInput(format!("reference matmul: input {} != {m} x k {k}", xs.len())));
@@ -113,7 +113,7 @@ pub fn matmul_rows(w: &GateMatMul, how: ReferenceWeights, xs: &[f32], m: usize) 
 
 /// The reference lane: every linear layer through [`matmul_rows`].
 impl Lane for ReferenceWeights {
-    fn matmul(&self, w: &GateMatMul, x: &[f32], m: usize) -> Result<Vec<f32>> {
+    fn matmul(&self, w: &QMatMul, x: &[f32], m: usize) -> Result<Vec<f32>> {
         matmul_rows(w, *self, x, m)
     }
 }

@@ -25,11 +25,11 @@ fn shapes(d: GgmlDType) -> Vec<(usize, usize)> {
     }
 }
 
-fn weight(d: GgmlDType, n: usize, k: usize, seed: u64) -> GateMatMul {
+fn weight(d: GgmlDType, n: usize, k: usize, seed: u64) -> QMatMul {
     let w = pseudo_random(n * k, seed);
     let w = Tensor::from_vec(w, (n, k), &Device::Cpu).unwrap();
     let q = QTensor::quantize(&w, d).unwrap();
-    GateMatMul::from_arc(Arc::new(q), Arc::new(Policy::default())).unwrap()
+    QMatMul::new(Arc::new(q), Arc::new(Policy::default())).unwrap()
 }
 
 /// Deterministic inputs without an RNG dependency; a few large values so quantization scales
@@ -244,10 +244,10 @@ fn bad_inputs_are_clear_errors() {
     assert!(w.run_cpu(Kernel::Invariant, &[0.0; 10], 1).unwrap_err().to_string().contains("expected 1 rows"));
     assert!(w.run_cpu(Kernel::Invariant, &[], 0).unwrap_err().to_string().contains("zero rows"));
     let bf = QTensor::quantize(&Tensor::zeros((4, 32), candle_core::DType::F32, &Device::Cpu).unwrap(), GgmlDType::BF16).unwrap();
-    let g = GateMatMul::from_qtensor(bf).unwrap();
+    let g = QMatMul::from_qtensor(bf).unwrap();
     assert!(g.run_cpu(Kernel::Invariant, &[0.0; 32], 1).unwrap_err().to_string().contains("no CPU kernel"));
     let r1 = QTensor::quantize(&Tensor::zeros(32, candle_core::DType::F32, &Device::Cpu).unwrap(), GgmlDType::F32).unwrap();
-    assert!(GateMatMul::from_qtensor(r1).unwrap_err().to_string().contains("rank 2"));
+    assert!(QMatMul::from_qtensor(r1).unwrap_err().to_string().contains("rank 2"));
 }
 
 #[test]

@@ -9,6 +9,7 @@ use serde::Serialize;
 use crate::error::{Error, Result};
 use crate::llama::{argmax_margin, KvCache};
 use crate::model::Model;
+use crate::profile::Profile;
 use crate::reference::ReferenceWeights;
 
 use super::sequence::{Sequence, StepRecord};
@@ -76,6 +77,46 @@ impl GateConfig {
         }
         Ok(GateConfig { mode, tau, deep_tau })
     }
+    /// The gate's `(tau, deep_tau)` from what an engine was given: explicit values first; a
+    /// gated engine without `tau` takes the profile's calibrated `tau` (and its `deep_tau`
+    /// unless one is given). `deep_tau` is `None` where neither gave one (then
+    /// [`DEEP_TAU_FRACTION`] of tau). Gated with neither a tau nor a profile, or with a
+    /// profile that has no calibrated tau, is an error.
+    pub fn resolve_values(
+        mode: GateMode,
+        tau: Option<f32>,
+        deep_tau: Option<f32>,
+        profile: Option<(&Profile, &str)>,
+    ) -> Result<(f32, Option<f32>)> {
+        for (name, v) in [("tau", tau), ("deep_tau", deep_tau)] {
+            if v.is_some_and(|v| !v.is_finite() || v < 0.0) {
+                return Err(Error::BadInput(format!("{name} must be a finite number >= 0, got {}", v.unwrap())));
+            }
+        }
+        if mode != GateMode::Gated || tau.is_some() {
+            return Ok((tau.unwrap_or(0.0), deep_tau));
+        }
+        let Some((p, path)) = profile else {
+            return Err(Error::BadInput(
+                "gate='gated' needs tau= or a profile with a calibrated tau (candle-gate calibrate --gate --out PROFILE)".into(),
+            ));
+        };
+        let g = p.gate.as_ref().ok_or_else(|| {
+            Error::Profile(format!(
+                "profile {path} has no gate tau; run `candle-gate calibrate --gate --out {path}` or pass tau="
+            ))
+        })?;
+        Ok((g.tau, deep_tau.or(g.deep_tau)))
+    }
+
+    /// [`GateConfig::resolve_values`], validated into a config.
+    pub fn resolve(mode: GateMode, tau: Option<f32>, deep_tau: Option<f32>, profile: Option<(&Profile, &str)>) -> Result<Self> {
+        match Self::resolve_values(mode, tau, deep_tau, profile)? {
+            (tau, Some(deep)) => Self::with_deep(mode, tau, deep),
+            (tau, None) => Self::new(mode, tau),
+        }
+    }
+
     pub fn off() -> Self {
         GateConfig { mode: GateMode::Off, tau: 0.0, deep_tau: 0.0 }
     }

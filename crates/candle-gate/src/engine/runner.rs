@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use crate::dispatch::{GateMatMul, Policy};
+use crate::dispatch::{QMatMul, Policy};
 use crate::error::{Error, Result};
 use crate::llama::{KvCache, Lane, SeqRows};
 use crate::model::Model;
@@ -86,7 +86,7 @@ struct FailAfter<'a> {
 }
 
 impl Lane for FailAfter<'_> {
-    fn matmul(&self, w: &GateMatMul, x: &[f32], m: usize) -> Result<Vec<f32>> {
+    fn matmul(&self, w: &QMatMul, x: &[f32], m: usize) -> Result<Vec<f32>> {
         if self.calls_left.fetch_sub(1, Ordering::Relaxed) == 0 {
             return Err(Error::Engine("injected fault halfway through the forward".into()));
         }
