@@ -236,4 +236,6 @@ def resolve_gate(gate: str, tau: Optional[float], deep_tau: Optional[float],
     for name, v in (("tau", tau), ("deep_tau", deep_tau)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
             raise ValueError(f"{name} must be a number, got {v!r}")
-    return _native.resolve_gate(gate, tau, deep_tau, profile)
+    t, d = _native.resolve_gate(gate, tau, deep_tau, profile)
+    # Values given here come back as given, not through Rust's f32.
+    return (float(tau) if tau is not None else t), (float(deep_tau) if deep_tau is not None else d)

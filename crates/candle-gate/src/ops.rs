@@ -155,6 +155,19 @@ pub fn argmax_margin(logits: &[f32]) -> (u32, f32) {
     (best as u32, b1 - b2)
 }
 
+/// A hash of the exact bits of a vector of floats (logits, a layer's output).
+pub fn hash_bits(logits: &[f32]) -> u64 {
+    // FNV-1a over the exact bits: equal iff (with overwhelming probability) bitwise equal.
+    let mut h = 0xcbf29ce484222325u64;
+    for v in logits {
+        for b in v.to_bits().to_le_bytes() {
+            h ^= b as u64;
+            h = h.wrapping_mul(0x100000001b3);
+        }
+    }
+    h
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -47,14 +47,7 @@ struct Golden {
 }
 
 fn hash(v: &[f32]) -> String {
-    let mut h = 0xcbf29ce484222325u64;
-    for x in v {
-        for b in x.to_bits().to_le_bytes() {
-            h ^= b as u64;
-            h = h.wrapping_mul(0x100000001b3);
-        }
-    }
-    format!("{h:016x}")
+    format!("{:016x}", candle_gate::ops::hash_bits(v))
 }
 
 fn step_of(logits: &[f32], trace: &[Vec<f32>]) -> Step {

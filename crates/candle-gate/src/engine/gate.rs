@@ -8,6 +8,7 @@ use serde::Serialize;
 
 use crate::error::{Error, Result};
 use crate::llama::{argmax_margin, KvCache};
+use crate::ops::hash_bits;
 use crate::model::Model;
 use crate::profile::Profile;
 use crate::reference::ReferenceWeights;
@@ -133,18 +134,6 @@ pub(crate) struct Gate {
     pub cfg: GateConfig,
     pub reference: ReferenceWeights,
     pub record_logit_hashes: bool,
-}
-
-fn hash_bits(logits: &[f32]) -> u64 {
-    // FNV-1a over the exact bits: equal iff (with overwhelming probability) bitwise equal.
-    let mut h = 0xcbf29ce484222325u64;
-    for v in logits {
-        for b in v.to_bits().to_le_bytes() {
-            h ^= b as u64;
-            h = h.wrapping_mul(0x100000001b3);
-        }
-    }
-    h
 }
 
 impl Gate {
