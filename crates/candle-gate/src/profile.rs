@@ -94,6 +94,46 @@ impl Profile {
         Ok(())
     }
 
+    /// A profile with nothing measured yet, for this build.
+    pub fn empty(backend: Backend) -> Self {
+        Profile {
+            backend: backend.name().into(),
+            created: now_iso8601(),
+            candle_gate_version: crate::VERSION.into(),
+            dtypes: BTreeMap::new(),
+            gate: None,
+        }
+    }
+
+    /// Writes a gate calibration under `"gate"` in the profile at `path`, created (empty, for
+    /// the CPU) when missing; every other key of an existing file is kept as it is. A file
+    /// that is not a JSON object is refused, not overwritten. Returns the whole profile.
+    pub fn merge_gate(path: &Path, gate: serde_json::Value) -> Result<serde_json::Value> {
+        let g: GateProfile = serde_json::from_value(gate.clone())
+            .map_err(|e| Error::BadInput(format!("not a gate calibration: {e}")))?;
+        let mut prof = if path.exists() {
+            let refuse = |why: String| {
+                Error::BadInput(format!("{} exists but {why}; not overwriting it", path.display()))
+            };
+            let text = std::fs::read_to_string(path).map_err(|e| refuse(format!("cannot be read ({e})")))?;
+            let v: serde_json::Value =
+                serde_json::from_str(&text).map_err(|e| refuse(format!("is not a readable JSON profile ({e})")))?;
+            if !v.is_object() {
+                return Err(refuse("is not a JSON object".into()));
+            }
+            v
+        } else {
+            serde_json::to_value(Profile::empty(Backend::Cpu)).map_err(|e| Error::Profile(e.to_string()))?
+        };
+        debug_assert!(g.tau.is_finite());
+        prof["gate"] = gate;
+        let text = serde_json::to_string_pretty(&prof).map_err(|e| Error::Profile(e.to_string()))? + "\n";
+        let tmp = path.with_extension("json.tmp");
+        std::fs::write(&tmp, text)?;
+        std::fs::rename(&tmp, path)?;
+        Ok(prof)
+    }
+
     /// The policy for `backend` in `mode`; a profile measured on another backend is refused.
     pub fn policy(&self, backend: Backend, mode: Mode, source: &str) -> Result<Policy> {
         if self.backend != backend.name() {
@@ -208,13 +248,7 @@ pub fn measure(spec: &MeasureSpec, mut progress: impl FnMut(&str)) -> Result<Pro
         let (crossover_rows, row_split_max) = crossover(&table);
         dtypes.insert(dtype_name(d), DtypeProfile { row_split_max, crossover_rows, table });
     }
-    Ok(Profile {
-        backend: "cpu".into(),
-        created: now_iso8601(),
-        candle_gate_version: crate::VERSION.into(),
-        dtypes,
-        gate: None,
-    })
+    Ok(Profile { dtypes, ..Profile::empty(Backend::Cpu) })
 }
 
 fn now_iso8601() -> String {

