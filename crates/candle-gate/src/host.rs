@@ -82,10 +82,27 @@ fn uses_gemm(mode: Mode) -> bool {
     matches!(mode, Mode::Gemm | Mode::GemmF16 | Mode::RowSplit | Mode::Native)
 }
 
+/// Candle's block dot products (`vec_dot*`, used by every quantized kernel of ours) take their
+/// AVX2+FMA path after a run-time check: every host that runs an `x86-64-v3` build passes it,
+/// but a build for an older target would not record the choice in `compile_target`.
+#[cfg(target_arch = "x86_64")]
+fn candle_vec_dot() -> &'static str {
+    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+        "vec_dot[avx2+fma]"
+    } else {
+        "vec_dot[generic]"
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn candle_vec_dot() -> &'static str {
+    "vec_dot[generic]"
+}
+
 /// Everything about this host and build that can change a result's bits in `mode`: hashed into
 /// fingerprints. Equal signatures (with equal weights, policy and gate) mean equal bits.
 pub fn signature(mode: Mode) -> String {
-    let mut s = format!("target={}", compile_target());
+    let mut s = format!("target={};{}", compile_target(), candle_vec_dot());
     if uses_gemm(mode) {
         s.push(';');
         s.push_str(&gemm_dispatch());

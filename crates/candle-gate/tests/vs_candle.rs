@@ -30,8 +30,10 @@ fn logits_match_candle_transformers() {
         let am = |v: &[f32]| llama::argmax_margin(v).0;
         eprintln!("{n} tokens: max |diff| = {max_diff} (scale {scale})");
         if n < 5 {
-            // Short prompts take the very same kernels on both sides: bitwise equal.
-            assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{n} tokens not bitwise equal");
+            // Short prompts take the same matmul kernels on both sides, so they agree to float
+            // rounding. Not bitwise by promise: candle-transformers takes exp/sin/cos from the
+            // platform's libm (chosen per CPU and glibc release), candle-gate from `detmath`.
+            assert!(max_diff <= 1e-5 * scale, "{n} tokens: max diff {max_diff} vs scale {scale}");
         }
         assert!(max_diff <= 0.1 * scale, "max diff {max_diff} vs scale {scale}");
         assert_eq!(am(&got), am(&want));
