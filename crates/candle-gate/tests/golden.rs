@@ -28,7 +28,8 @@ const PROMPTS: [&str; 3] = [
 struct Step {
     token: u32,
     logits: String,
-    layers: Vec<String>,
+    /// The residual stream's hash after each layer, space-separated (one line a step).
+    layers: String,
 }
 
 #[derive(Serialize, Deserialize, Debug)]
@@ -51,7 +52,8 @@ fn hash(v: &[f32]) -> String {
 }
 
 fn step_of(logits: &[f32], trace: &[Vec<f32>]) -> Step {
-    Step { token: argmax_margin(logits).0, logits: hash(logits), layers: trace.iter().map(|x| hash(x)).collect() }
+    let layers: Vec<String> = trace.iter().map(|x| hash(x)).collect();
+    Step { token: argmax_margin(logits).0, logits: hash(logits), layers: layers.join(" ") }
 }
 
 /// Greedy decoding in the fast lane: the prompt in one forward, then one token per forward.
@@ -89,9 +91,10 @@ fn first_difference(want: &Run, got: &Run) -> Option<String> {
         if w == g {
             continue;
         }
-        let layer = w.layers.iter().zip(&g.layers).position(|(a, b)| a != b);
+        let (wl, gl): (Vec<&str>, Vec<&str>) = (w.layers.split(' ').collect(), g.layers.split(' ').collect());
+        let layer = wl.iter().zip(&gl).position(|(a, b)| a != b);
         let at = match layer {
-            Some(l) => format!("first differing layer output: layer {l} of {}", w.layers.len()),
+            Some(l) => format!("first differing layer output: layer {l} of {}", wl.len()),
             None => "every layer output equal: the final norm or the output matrix differs".into(),
         };
         return Some(format!(
@@ -142,7 +145,7 @@ fn invariant_reference_and_split_k_lanes_reproduce_the_golden_hashes() {
 /// The mismatch report names the first differing step and the first differing layer in it.
 #[test]
 fn a_mismatch_names_the_step_and_the_layer() {
-    let step = |logits: &str, layers: &[&str]| Step { token: 1, logits: logits.into(), layers: layers.iter().map(|s| s.to_string()).collect() };
+    let step = |logits: &str, layers: &[&str]| Step { token: 1, logits: logits.into(), layers: layers.join(" ") };
     let run = |steps| Run { lane: "invariant".into(), prompt: "p".into(), steps };
     let want = run(vec![step("a", &["1", "2", "3"]), step("b", &["4", "5", "6"])]);
     let got = run(vec![step("a", &["1", "2", "3"]), step("x", &["4", "9", "9"])]);
