@@ -27,10 +27,10 @@ pub enum Mode {
     /// The dequantized dense GEMM at every row count: fast for prefill, not batch invariant.
     Gemm,
     /// The dense GEMM with half-precision storage: F16 weights and activations, F32
-    /// accumulation, F16 results (what a GPU's tensor-core lane does). On the CPU the F32 GEMM
-    /// runs on f16-rounded operands and its output is rounded to f16, so the GEMM's
-    /// row-count-dependent last bits become whole f16 ulps often enough to flip near-ties: the
-    /// CPU stand-in for a half-precision GPU lane, and the lane the margin gate is shown on.
+    /// accumulation, F16 results (what a GPU's tensor-core lane does). On the CPU, Candle's F32
+    /// GEMM on f16-rounded operands, rounded to f16. How its bits move with the row count is the
+    /// `gemm` crate's run-time choice, so it differs between hosts: use `SplitKF16` where a
+    /// lane whose bits follow the batch is needed.
     GemmF16,
     /// Half-precision GEMM with split-K chosen by the row count (`kernels::cpu_split_k`): f16
     /// operands, f32 fused accumulation in k chunks whose number follows the row count, f16

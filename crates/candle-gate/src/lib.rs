@@ -1,10 +1,12 @@
 //! candle-gate: batch-invariant quantized inference on Candle.
 //!
 //! * [`dispatch::QMatMul`]: a drop-in for Candle's `QMatMul` whose kernel choice belongs to
-//!   a [`dispatch::Policy`] (`native`, `row_split`, `invariant`, `gemm`) instead of the row count.
-//! * [`kernels`]: the CPU `gemv` / `invariant` / `gemm` kernels, CUDA and Metal behind features.
-//! * [`llama::Llama`]: a llama-architecture GGUF model whose forward takes rows of many
-//!   sequences at once.
+//!   a [`dispatch::Policy`] ([`Mode::ALL`]) instead of the row count.
+//! * [`kernels`]: the CPU `gemv` / `invariant` / `split_k_f16` kernels, CUDA and Metal behind
+//!   features.
+//! * [`llama::Llama`]: a llama-architecture GGUF model whose one layer loop takes rows of many
+//!   sequences at once, in the fast lane or the [`reference`] lane.
+//! * [`host`]: what the compile target and the host's run-time dispatch add to fingerprints.
 //! * [`engine::Engine`]: continuous batching with a margin gate and a reference lane.
 //! * [`profile`]: measured crossover profiles.
 
