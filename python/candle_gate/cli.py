@@ -48,8 +48,10 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 
 def cmd_fetch(a: argparse.Namespace) -> int:
-    from .models import fetch
-    print(fetch(a.model))
+    from .models import KNOWN_MODELS, fetch
+    names = a.model or [DEFAULT_MODEL]
+    for name in (list(KNOWN_MODELS) if "all" in names else names):
+        print(fetch(name))
     return 0
 
 
@@ -86,8 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.set_defaults(func=cmd_generate)
 
-    f = sub.add_parser("fetch", help="download a known model into the cache")
-    f.add_argument("--model", default=DEFAULT_MODEL)
+    f = sub.add_parser("fetch", help="download known models into the cache")
+    f.add_argument("--model", action="append", default=None,
+                   help=f"a known model name, or `all` (repeatable; default {DEFAULT_MODEL})")
     f.set_defaults(func=cmd_fetch)
 
     c = sub.add_parser("calibrate", help="measure kernel crossovers (--kernels) and the gate's tau (--gate)")

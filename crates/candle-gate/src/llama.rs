@@ -1,4 +1,4 @@
-//! Llama-architecture model (SmolLM2, Llama 3.x) over a *varlen batch*: one forward call
+//! Llama-family models (`llama`: SmolLM2, Llama 3.x; `qwen2`: Qwen2/2.5) over a *varlen batch*: one forward call
 //! takes rows from many sequences at different positions — decode rows and prefill chunks
 //! together — each sequence with its own KV cache.
 //!
@@ -19,12 +19,44 @@ use rayon::prelude::*;
 use crate::dispatch::{QMatMul, Policy};
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
-use crate::ops::{attend, rms_norm, rope, rope_tables, silu};
+use crate::ops::{attend, rms_norm, rope_tables, silu};
 
 pub use crate::ops::argmax_margin;
 
+/// The architectures the layer loop runs. They share it; what differs is here and in the
+/// config (`rope`, biases present or not), not in a second copy of the loop.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arch {
+    Llama,
+    /// Qwen2/2.5: biases on the q/k/v projections, NeoX-style RoPE.
+    Qwen2,
+}
+
+impl Arch {
+    pub fn name(self) -> &'static str {
+        match self {
+            Arch::Llama => "llama",
+            Arch::Qwen2 => "qwen2",
+        }
+    }
+    fn from_name(s: &str) -> Option<Self> {
+        [Arch::Llama, Arch::Qwen2].into_iter().find(|a| a.name() == s)
+    }
+}
+
+/// Which dimensions RoPE rotates together: llama.cpp's `LLAMA_ROPE_TYPE_NORM` (adjacent pairs,
+/// the layout GGUF's converter permutes llama's q/k weights into) or `LLAMA_ROPE_TYPE_NEOX`
+/// (dimension i with i + head_dim/2, as Qwen2 was trained).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopeStyle {
+    Adjacent,
+    Neox,
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub struct LlamaConfig {
+    pub arch: Arch,
+    pub rope_style: RopeStyle,
     pub n_layer: usize,
     pub hidden: usize,
     pub ffn: usize,
@@ -54,9 +86,11 @@ impl LlamaConfig {
     pub fn from_gguf(f: &mut GgufFile) -> Result<Self> {
         let arch = f.get_str("general.architecture")?;
         let bad = |msg: String| Error::Model { path: f.path.display().to_string(), msg };
-        if arch != "llama" {
-            return Err(bad(format!("unsupported architecture `{arch}` (candle-gate runs `llama`: SmolLM2, Llama 3.x)")));
-        }
+        let Some(arch_kind) = Arch::from_name(&arch) else {
+            return Err(bad(format!(
+                "unsupported architecture `{arch}` (candle-gate runs `llama`: SmolLM2, Llama 3.x; `qwen2`: Qwen2, Qwen2.5)"
+            )));
+        };
         let key = |k: &str| format!("{arch}.{k}");
         let n_layer = f.get_usize(&key("block_count"))?;
         let hidden = f.get_usize(&key("embedding_length"))?;
@@ -86,7 +120,18 @@ impl LlamaConfig {
             }
         }
         let rope_base = f.opt_f32(&key("rope.freq_base"))?.unwrap_or(10000.0);
+        if arch_kind == Arch::Qwen2 && f.metadata().contains_key(&key("rope.scaling.type")) {
+            let kind = f.get_str(&key("rope.scaling.type")).unwrap_or_default();
+            if kind != "none" {
+                return Err(Error::Unsupported(format!("qwen2 with rope scaling `{kind}` (YaRN long-context files)")));
+            }
+        }
         Ok(LlamaConfig {
+            arch: arch_kind,
+            rope_style: match arch_kind {
+                Arch::Llama => RopeStyle::Adjacent,
+                Arch::Qwen2 => RopeStyle::Neox,
+            },
             n_layer,
             hidden,
             ffn,
@@ -148,6 +193,8 @@ pub struct Attention {
     pub wk: QMatMul,
     pub wv: QMatMul,
     pub wo: QMatMul,
+    /// Qwen2's projection biases (q, k, v), added after the matmul in either lane.
+    pub bias: Option<[Vec<f32>; 3]>,
 }
 
 impl Attention {
@@ -167,8 +214,17 @@ impl Attention {
         let (r, hd, kvd) = (rows.tokens.len(), cfg.head_dim, cfg.kv_dim());
         let mut q = lane.matmul(&self.wq, xn, r)?;
         let mut k = lane.matmul(&self.wk, xn, r)?;
-        let v = lane.matmul(&self.wv, xn, r)?;
+        let mut v = lane.matmul(&self.wv, xn, r)?;
+        if let Some([bq, bk, bv]) = &self.bias {
+            add_rowwise(&mut q, bq);
+            add_rowwise(&mut k, bk);
+            add_rowwise(&mut v, bv);
+        }
         let qd = q.len() / r;
+        let rope = match cfg.rope_style {
+            RopeStyle::Adjacent => crate::ops::rope,
+            RopeStyle::Neox => crate::ops::rope_neox,
+        };
         for row in 0..r {
             let (c, s) = &ropes[row];
             q[row * qd..(row + 1) * qd].chunks_exact_mut(hd).for_each(|head| rope(head, c, s));
@@ -318,6 +374,11 @@ fn add(x: &mut [f32], y: &[f32]) {
     x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
 }
 
+/// `x[row] += b` for every row of `x`.
+fn add_rowwise(x: &mut [f32], b: &[f32]) {
+    x.chunks_exact_mut(b.len()).for_each(|row| add(row, b));
+}
+
 impl Llama {
     pub fn load(path: &Path, policy: Arc<Policy>) -> Result<Self> {
         let mut f = GgufFile::open(path)?;
@@ -336,6 +397,15 @@ impl Llama {
         let mut layers = Vec::with_capacity(cfg.n_layer);
         for i in 0..cfg.n_layer {
             let name = |s: &str| format!("blk.{i}.{s}.weight");
+            let bias = match cfg.arch {
+                Arch::Llama => None,
+                Arch::Qwen2 => {
+                    let b = |f: &mut GgufFile, s: &str, n: usize| -> Result<Vec<f32>> {
+                        to_f32(f.tensor_shaped(&format!("blk.{i}.{s}.bias"), &[n])?)
+                    };
+                    Some([b(f, "attn_q", h)?, b(f, "attn_k", kv)?, b(f, "attn_v", kv)?])
+                }
+            };
             layers.push(Layer {
                 attn_norm: to_f32(f.tensor_shaped(&name("attn_norm"), &[h])?)?,
                 attn: Attention {
@@ -343,6 +413,7 @@ impl Llama {
                     wk: lin(f, &name("attn_k"), &[kv, h])?,
                     wv: lin(f, &name("attn_v"), &[kv, h])?,
                     wo: lin(f, &name("attn_output"), &[h, h])?,
+                    bias,
                 },
                 ffn_norm: to_f32(f.tensor_shaped(&name("ffn_norm"), &[h])?)?,
                 mlp: Mlp {

@@ -89,6 +89,16 @@ pub fn rope(head: &mut [f32], cos: &[f32], sin: &[f32]) {
     }
 }
 
+/// NeoX-style RoPE: dimension `i` rotates with `i + head_dim / 2`.
+pub fn rope_neox(head: &mut [f32], cos: &[f32], sin: &[f32]) {
+    let half = cos.len();
+    for i in 0..half {
+        let (a, b) = (head[i], head[i + half]);
+        head[i] = a * cos[i] - b * sin[i];
+        head[i + half] = a * sin[i] + b * cos[i];
+    }
+}
+
 pub fn rope_tables(inv_freq: &[f32], pos: usize) -> (Vec<f32>, Vec<f32>) {
     let mut c = Vec::with_capacity(inv_freq.len());
     let mut s = Vec::with_capacity(inv_freq.len());

@@ -1,38 +1,49 @@
-//! Tokenizer and chat template, both from the GGUF metadata.
+//! Tokenizer, from the GGUF metadata.
 //!
-//! Encoding goes through the `tokenizers` crate (Candle's GGUF tokenizer support). Decoding is
-//! done here at the byte level: every token maps to the raw bytes it stands for, and streaming
-//! only ever emits whole UTF-8 characters, so a token that ends inside a multi-byte character
-//! is held back until the character is complete.
+//! Byte-level BPE goes through the `tokenizers` crate (Candle's GGUF tokenizer support: the
+//! GPT-2, `qwen2` and `llama3` pre-tokenizers, NFC for `qwen2` as its `tokenizer.json` has it).
+//! Added tokens are matched here, not by the `tokenizers` crate, because who wrote the text
+//! decides: user-defined tokens (GGUF token type 4) are matched anywhere, as llama.cpp matches
+//! them; control tokens (type 3: `<|im_start|>`, `<|im_end|>`, ...) only in a chat template's
+//! own text ([`crate::chat`]), never in a prompt or a message.
+//!
+//! Decoding is done at the byte level: every token maps to the raw bytes it stands for, and
+//! streaming only ever emits whole UTF-8 characters, so a token that ends inside a multi-byte
+//! character is held back until the character is complete.
 
 use std::collections::HashSet;
 
 use candle_core::quantized::gguf_file::Value;
 use candle_core::quantized::tokenizer::TokenizerFromGguf;
-use serde::{Deserialize, Serialize};
 use tokenizers::pre_tokenizers::{byte_level::ByteLevel, digits::Digits, sequence::Sequence};
 use tokenizers::Tokenizer;
 
+pub use crate::chat::ChatMessage;
+use crate::chat::ChatTemplate;
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-pub struct ChatMessage {
-    pub role: String,
-    pub content: String,
+/// An added token's text and id.
+#[derive(Clone, Debug)]
+struct Piece {
+    text: String,
+    id: u32,
 }
 
 pub struct GgufTokenizer {
+    /// BPE over plain text; it never matches an added token itself.
     inner: Tokenizer,
     token_bytes: Vec<Vec<u8>>,
     special: Vec<bool>,
+    /// User-defined tokens (type 4): one token wherever their text appears.
+    user_defined: Vec<Piece>,
+    /// Control tokens (type 3): one token only where the chat template wrote them.
+    control: Vec<Piece>,
     pub bos_id: Option<u32>,
     pub eos_id: Option<u32>,
     /// Tokens that end a turn: EOS plus the template's end-of-turn markers that exist in the vocab.
     pub stop_ids: HashSet<u32>,
-    chat_template: Option<String>,
-    bos_text: String,
-    eos_text: String,
+    chat_template: Option<ChatTemplate>,
 }
 
 /// GPT-2's byte ↔ printable-character table, inverted: char → byte.
@@ -54,6 +65,7 @@ impl GgufTokenizer {
     pub fn from_gguf(f: &GgufFile) -> Result<Self> {
         let err = |e: candle_core::Error| Error::Tokenizer(format!("{}: {e}", f.path.display()));
         let mut inner = Tokenizer::from_gguf(&f.content).map_err(err)?;
+        inner.set_encode_special_tokens(true);
         let pre = f.get_str("tokenizer.ggml.pre").unwrap_or_default();
         if pre == "smollm" {
             // SmolLM's tokenizer.json splits every digit before the GPT-2 byte-level split.
@@ -71,11 +83,16 @@ impl GgufTokenizer {
         let table = unicode_to_byte();
         let mut token_bytes = Vec::with_capacity(tokens.len());
         let mut special = Vec::with_capacity(tokens.len());
+        let (mut user_defined, mut control) = (Vec::new(), Vec::new());
         for (i, t) in tokens.iter().enumerate() {
             let ty = types.get(i).copied().unwrap_or(1);
             // 3 = control, 4 = user-defined: their text is literal, not byte-level encoded.
             let is_control = ty == 3;
             special.push(is_control);
+            if !t.is_empty() && (ty == 3 || ty == 4) {
+                let piece = Piece { text: t.clone(), id: i as u32 };
+                if is_control { control.push(piece) } else { user_defined.push(piece) }
+            }
             if ty == 3 || ty == 4 {
                 token_bytes.push(t.as_bytes().to_vec());
             } else {
@@ -92,26 +109,53 @@ impl GgufTokenizer {
             }
         }
         let text_of = |id: Option<u32>| id.and_then(|i| tokens.get(i as usize)).cloned().unwrap_or_default();
-        Ok(GgufTokenizer {
-            bos_text: text_of(bos_id),
-            eos_text: text_of(eos_id),
-            inner,
-            token_bytes,
-            special,
-            bos_id,
-            eos_id,
-            stop_ids,
-            chat_template: f.get_str("tokenizer.chat_template").ok(),
-        })
+        let chat_template =
+            f.get_str("tokenizer.chat_template").ok().map(|t| ChatTemplate::new(t, text_of(bos_id), text_of(eos_id)));
+        Ok(GgufTokenizer { inner, token_bytes, special, user_defined, control, bos_id, eos_id, stop_ids, chat_template })
     }
 
     pub fn vocab_size(&self) -> usize {
         self.token_bytes.len()
     }
 
+    /// Token ids of text someone wrote (a completion prompt): control-token texts in it stay text.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let enc = self.inner.encode(text, false).map_err(|e| Error::Tokenizer(e.to_string()))?;
-        Ok(enc.get_ids().to_vec())
+        self.encode_marked(text, None)
+    }
+
+    /// BPE over `text` between added tokens: user-defined ones anywhere, control ones too when
+    /// `marker` is given (a rendered template), except where the caller's text carries `marker`.
+    fn encode_marked(&self, text: &str, marker: Option<char>) -> Result<Vec<u32>> {
+        let mut ids = Vec::new();
+        let mut gap = String::new();
+        let mut i = 0;
+        while i < text.len() {
+            let rest = &text[i..];
+            let controls = marker.is_some().then_some(&self.control[..]).unwrap_or(&[]);
+            let hit = self.user_defined.iter().chain(controls).filter(|p| rest.starts_with(&p.text)).max_by_key(|p| p.text.len());
+            if let Some(p) = hit {
+                self.encode_plain(&gap, &mut ids)?;
+                gap.clear();
+                ids.push(p.id);
+                i += p.text.len();
+                continue;
+            }
+            let c = rest.chars().next().expect("i is on a char boundary");
+            if Some(c) != marker {
+                gap.push(c);
+            }
+            i += c.len_utf8();
+        }
+        self.encode_plain(&gap, &mut ids)?;
+        Ok(ids)
+    }
+
+    fn encode_plain(&self, text: &str, ids: &mut Vec<u32>) -> Result<()> {
+        if !text.is_empty() {
+            let enc = self.inner.encode(text, false).map_err(|e| Error::Tokenizer(e.to_string()))?;
+            ids.extend_from_slice(enc.get_ids());
+        }
+        Ok(())
     }
 
     /// Raw bytes of the tokens; control tokens are dropped unless `keep_special`.
@@ -134,28 +178,33 @@ impl GgufTokenizer {
         self.chat_template.is_some()
     }
 
+    fn template(&self) -> Result<&ChatTemplate> {
+        self.chat_template.as_ref().ok_or_else(|| Error::Tokenizer("the model has no chat template in its metadata".into()))
+    }
+
+    fn render(&self, messages: &serde_json::Value, tools: Option<&serde_json::Value>) -> Result<crate::chat::Rendered> {
+        let controls: Vec<&str> = self.control.iter().map(|p| p.text.as_str()).collect();
+        self.template()?.render(messages, tools, true, &controls)
+    }
+
+    /// The chat as the template renders it (with the generation prompt), as text.
+    pub fn render_chat(&self, messages: &serde_json::Value, tools: Option<&serde_json::Value>) -> Result<String> {
+        Ok(self.render(messages, tools)?.plain())
+    }
+
+    /// Token ids of a chat: control tokens where the template wrote them, never where a message
+    /// (or a tool definition) did.
+    pub fn encode_chat(&self, messages: &serde_json::Value, tools: Option<&serde_json::Value>) -> Result<Vec<u32>> {
+        let r = self.render(messages, tools)?;
+        self.encode_marked(&r.text, Some(r.marker))
+    }
+
     pub fn apply_chat_template(&self, messages: &[ChatMessage]) -> Result<String> {
-        let tpl = self
-            .chat_template
-            .as_deref()
-            .ok_or_else(|| Error::Tokenizer("the model has no chat template in its metadata".into()))?;
-        if messages.is_empty() {
-            return Err(Error::BadInput("a chat needs at least one message".into()));
-        }
-        let mut env = minijinja::Environment::new();
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
-            Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
-        });
-        env.add_template("chat", tpl).map_err(|e| Error::Tokenizer(format!("chat template: {e}")))?;
-        let t = env.get_template("chat").map_err(|e| Error::Tokenizer(e.to_string()))?;
-        t.render(minijinja::context! {
-            messages => messages,
-            add_generation_prompt => true,
-            bos_token => self.bos_text,
-            eos_token => self.eos_text,
-        })
-        .map_err(|e| Error::Tokenizer(format!("chat template: {e}")))
+        self.render_chat(&serde_json::to_value(messages).expect("messages serialize"), None)
+    }
+
+    pub fn template_source(&self) -> Option<&str> {
+        self.chat_template.as_ref().map(ChatTemplate::source)
     }
 }
 
