@@ -5,6 +5,8 @@ token ids and dicts into :class:`Result` objects.
 """
 from __future__ import annotations
 
+import json
+
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -54,13 +56,14 @@ class Result:
         }
 
 
-def _check_chat(chat: Any) -> Chat:
-    if not isinstance(chat, list) or not chat:
-        raise TypeError("a chat must be a non-empty list of {'role': ..., 'content': ...} dicts")
-    for m in chat:
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise TypeError(f"chat message must be a dict with string 'role' and 'content', got {m!r}")
-    return chat
+def _chat_json(chat: Any) -> str:
+    """The chat as JSON for the Rust side, which validates it (one place for the rules)."""
+    if not isinstance(chat, list):
+        raise TypeError(f"a chat must be a list of message dicts, got {type(chat).__name__}")
+    try:
+        return json.dumps(chat, ensure_ascii=False)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"a chat must be JSON-serializable message dicts: {e}") from None
 
 
 class Model:
@@ -96,19 +99,26 @@ class Model:
     def detokenize(self, ids: Iterable[int]) -> str:
         return self._native.detokenize([int(i) for i in ids])
 
-    def chat_prompt(self, chat: Chat) -> str:
-        chat = _check_chat(chat)
-        return self._native.apply_chat_template([(m["role"], m["content"]) for m in chat])
+    def chat_prompt(self, chat: Chat, tools: Optional[List[Dict[str, Any]]] = None) -> str:
+        """The chat rendered by the model's template (with the generation prompt), as text."""
+        return self._native.apply_chat_template(_chat_json(chat), None if tools is None else _chat_json(tools))
+
+    def encode_chat(self, chat: Chat, tools: Optional[List[Dict[str, Any]]] = None) -> List[int]:
+        """Token ids of a chat. Control tokens come only from the template: ``<|im_end|>`` written
+        in a message stays text."""
+        return self._native.encode_chat(_chat_json(chat), None if tools is None else _chat_json(tools))
+
+    @property
+    def chat_template(self) -> Optional[str]:
+        return self._native.chat_template
 
     def encode_prompt(self, prompt: Prompt, chat: bool = False) -> List[int]:
         """A string (wrapped in the chat template when ``chat``), a chat (list of messages), or
         token ids."""
         if isinstance(prompt, str):
-            if chat:
-                prompt = self.chat_prompt([{"role": "user", "content": prompt}])
-            ids = self.tokenize(prompt)
+            ids = self.encode_chat([{"role": "user", "content": prompt}]) if chat else self.tokenize(prompt)
         elif isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-            ids = self.tokenize(self.chat_prompt(prompt))
+            ids = self.encode_chat(prompt)
         elif isinstance(prompt, (list, tuple, np.ndarray)) and all(
                 isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
             ids = [int(t) for t in prompt]

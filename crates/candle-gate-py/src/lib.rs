@@ -11,7 +11,6 @@ use candle_gate::dispatch::{Backend, Kernel};
 use candle_gate::engine::{Event, Output};
 use candle_gate::profile::Profile;
 use candle_gate::reference::ReferenceWeights;
-use candle_gate::tokenizer::ChatMessage;
 use candle_gate::{Engine as RsEngine, EngineConfig, GateConfig, GateMode, Mode, Model as RsModel, Policy, Request};
 use numpy::{IntoPyArray, PyArray1};
 use pyo3::create_exception;
@@ -34,6 +33,13 @@ fn to_py(e: candle_gate::Error) -> PyErr {
         candle_gate::Error::BadInput(m) => PyValueError::new_err(clean(m)),
         other => CandleGateError::new_err(clean(other.to_string())),
     }
+}
+
+fn chat_json(messages: &str, tools: Option<&str>) -> PyResult<(serde_json::Value, Option<serde_json::Value>)> {
+    let parse = |what: &str, s: &str| {
+        serde_json::from_str(s).map_err(|e| PyValueError::new_err(format!("{what} is not valid JSON: {e}")))
+    };
+    Ok((parse("messages", messages)?, tools.map(|t| parse("tools", t)).transpose()?))
 }
 
 /// Deterministic inputs for property tests without seeding Candle's RNG (the CPU device has
@@ -143,13 +149,28 @@ impl Model {
         v
     }
 
-    /// `messages`: list of (role, content) pairs.
-    fn apply_chat_template(&self, messages: Vec<(String, String)>) -> PyResult<String> {
+    /// The chat rendered by the model's template, as text. `messages_json` is a JSON list of
+    /// OpenAI-style message objects, `tools_json` an optional JSON list of tool definitions.
+    #[pyo3(signature = (messages_json, tools_json = None))]
+    fn apply_chat_template(&self, messages_json: &str, tools_json: Option<&str>) -> PyResult<String> {
         guarded("Model.apply_chat_template", || {
-            let msgs: Vec<ChatMessage> =
-                messages.into_iter().map(|(role, content)| ChatMessage { role, content }).collect();
-            self.inner.tokenizer.apply_chat_template(&msgs).map_err(to_py)
+            let (m, t) = chat_json(messages_json, tools_json)?;
+            self.inner.tokenizer.render_chat(&m, t.as_ref()).map_err(to_py)
         })
+    }
+
+    /// Token ids of a chat: control tokens only where the template put them.
+    #[pyo3(signature = (messages_json, tools_json = None))]
+    fn encode_chat(&self, messages_json: &str, tools_json: Option<&str>) -> PyResult<Vec<u32>> {
+        guarded("Model.encode_chat", || {
+            let (m, t) = chat_json(messages_json, tools_json)?;
+            self.inner.tokenizer.encode_chat(&m, t.as_ref()).map_err(to_py)
+        })
+    }
+
+    #[getter]
+    fn chat_template(&self) -> Option<String> {
+        self.inner.tokenizer.template_source().map(str::to_string)
     }
 
     /// Logits after the last of `tokens` (a fresh sequence): `lane` "fast" runs the model's

@@ -88,7 +88,8 @@ impl GgufTokenizer {
             let ty = types.get(i).copied().unwrap_or(1);
             // 3 = control, 4 = user-defined: their text is literal, not byte-level encoded.
             let is_control = ty == 3;
-            special.push(is_control);
+            // Control, unknown (2) and unused (5) tokens are not text: decoding drops them.
+            special.push(matches!(ty, 2 | 3 | 5));
             if !t.is_empty() && (ty == 3 || ty == 4) {
                 let piece = Piece { text: t.clone(), id: i as u32 };
                 if is_control { control.push(piece) } else { user_defined.push(piece) }
