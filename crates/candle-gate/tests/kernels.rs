@@ -19,9 +19,11 @@ fn is_k_quant(d: GgmlDType) -> bool {
 /// output counts that exercise the 1..3 leftover columns after the column quads.
 fn shapes(d: GgmlDType) -> Vec<(usize, usize)> {
     if is_k_quant(d) {
-        vec![(576, 768), (192, 512), (37, 256), (130, 1536), (3, 256)]
+        // The Qwen2.5 shapes: 0.5B ffn_down [896, 4864]; 1.5B k_proj [256, 1536], ffn_down [1536, 8960].
+        vec![(576, 768), (192, 512), (37, 256), (130, 1536), (3, 256), (896, 4864), (256, 1536), (1536, 8960)]
     } else {
-        vec![(576, 576), (192, 576), (1536, 576), (576, 1536), (37, 64), (131, 96), (1, 32), (6, 576)]
+        // SmolLM2's shapes and Qwen2.5 0.5B's ([896, 896], k/v [128, 896], ffn [4864, 896]).
+        vec![(576, 576), (192, 576), (1536, 576), (576, 1536), (37, 64), (131, 96), (1, 32), (6, 576), (896, 896), (128, 896), (4864, 896)]
     }
 }
 
@@ -274,18 +276,29 @@ fn profiles_load_and_refuse_bad_files() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
-/// Candle's own Q4_1 CPU path computes each element the same way at every row count, and the
-/// invariant kernel (with its AVX2 integer sums) reproduces it bit for bit: the default model's
-/// layers give Candle's exact numbers, only faster.
+/// Candle's own Q4_1 and Q5_0 CPU paths compute each element the same way at every row count
+/// (scalar code), and the invariant kernel (with its AVX2 integer sums) reproduces them bit for
+/// bit: SmolLM2's and Qwen 0.5B's layers give Candle's exact numbers, only faster.
 #[test]
-fn q4_1_invariant_equals_candle_qmatmul_at_every_row_count() {
-    for (n, k) in [(576, 576), (192, 576), (1536, 576), (576, 1536), (37, 64)] {
-        let w = weight(GgmlDType::Q4_1, n, k, 41);
+fn q4_1_and_q5_0_invariant_equal_candle_qmatmul_at_every_row_count() {
+    for (d, n, k) in [
+        (GgmlDType::Q4_1, 576, 576),
+        (GgmlDType::Q4_1, 192, 576),
+        (GgmlDType::Q4_1, 1536, 576),
+        (GgmlDType::Q4_1, 576, 1536),
+        (GgmlDType::Q4_1, 37, 64),
+        (GgmlDType::Q5_0, 896, 896),
+        (GgmlDType::Q5_0, 128, 896),
+        (GgmlDType::Q5_0, 4864, 896),
+        (GgmlDType::Q5_0, 131, 4864),
+        (GgmlDType::Q5_0, 37, 64),
+    ] {
+        let w = weight(d, n, k, 41);
         let x = pseudo_random(64 * k, 42);
         for m in rows_for(n) {
             let a = w.run_cpu(Kernel::Invariant, &x[..m * k], m).unwrap();
             let b = w.run_cpu(Kernel::Candle, &x[..m * k], m).unwrap();
-            assert!(bits_equal(&a, &b), "[{n},{k}] m={m}");
+            assert!(bits_equal(&a, &b), "{d:?} [{n},{k}] m={m}");
         }
     }
 }

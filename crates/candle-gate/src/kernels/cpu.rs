@@ -13,7 +13,7 @@
 
 use candle_core::quantized::k_quants::{
     BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K,
-    BlockQ8K, BlockQ8_0, GgmlType,
+    BlockQ8K, BlockQ8_0, BlockQ8_1, GgmlType,
 };
 use candle_core::quantized::{GgmlDType, QTensor};
 use half::f16;
@@ -94,11 +94,11 @@ where
     let kb = k / T::BLCK_SIZE;
     let xq = quantize_rows::<T>(x, m, k);
     let xq = &xq[..];
-    if let (Some(w), Some(xq)) = (
-        cast::<T, BlockQ4_1>(w),
-        cast::<T::VecDotType, candle_core::quantized::k_quants::BlockQ8_1>(xq),
-    ) {
-        return super::cpu_q4_1::matmul(w, xq, m, k, n, out);
+    if let (Some(w), Some(xq)) = (cast::<T, BlockQ4_1>(w), cast::<T::VecDotType, BlockQ8_1>(xq)) {
+        return super::cpu_q32::matmul_q4_1(w, xq, m, k, n, out);
+    }
+    if let (Some(w), Some(xq)) = (cast::<T, BlockQ5_0>(w), cast::<T::VecDotType, BlockQ8_0>(xq)) {
+        return super::cpu_q32::matmul_q5_0(w, xq, m, k, n, out);
     }
     let row = |r: usize| &xq[r * kb..(r + 1) * kb];
     let col = |c: usize| &w[c * kb..(c + 1) * kb];

@@ -2,7 +2,7 @@
 //! GPU backends are stubs unless their cargo feature is on.
 
 pub mod cpu;
-mod cpu_q4_1;
+mod cpu_q32;
 pub mod cpu_split_k;
 
 #[cfg(feature = "cuda")]

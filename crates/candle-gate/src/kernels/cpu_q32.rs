@@ -1,0 +1,405 @@
+//! 32-weight blocks against 32-value Q8 activation blocks — Q4_1 × Q8_1 and Q5_0 × Q8_0 — for
+//! the CPU `gemv` and `invariant` kernels.
+//!
+//! Candle 0.11 computes both dot products with its generic scalar code. Here the per-block
+//! integer sum is computed with AVX2 — integer arithmetic is exact, so lanes and reduction trees
+//! cannot change it — and the float part is done exactly as Candle does it, block by block in
+//! order (Q4_1: `sumf += sumi as f32 * d_x * d_y + m_x * s_y`; Q5_0: `sumf += sumi as f32 * d_x
+//! * d_y`). Every output element is therefore bitwise equal to Candle's own result, at every
+//! row count, while a weight block is unpacked once per tile of rows instead of once per row
+//! and column.
+
+use candle_core::quantized::k_quants::{BlockQ4_1, BlockQ5_0, BlockQ8_0, BlockQ8_1};
+use half::f16;
+
+use super::OutPtr;
+
+/// Mirrors Candle's `#[repr(C)]` `BlockQ4_1` (its fields are crate-private).
+#[repr(C)]
+pub(crate) struct Q41 {
+    d: f16,
+    m: f16,
+    qs: [u8; 16],
+}
+/// Mirrors Candle's `#[repr(C)]` `BlockQ5_0`.
+#[repr(C)]
+pub(crate) struct Q50 {
+    d: f16,
+    qh: [u8; 4],
+    qs: [u8; 16],
+}
+/// Mirrors Candle's `#[repr(C)]` `BlockQ8_1`.
+#[repr(C)]
+pub(crate) struct Q81 {
+    d: f16,
+    s: f16,
+    qs: [i8; 32],
+}
+/// Mirrors Candle's `#[repr(C)]` `BlockQ8_0`.
+#[repr(C)]
+pub(crate) struct Q80 {
+    d: f16,
+    qs: [i8; 32],
+}
+const _: () = assert!(std::mem::size_of::<Q41>() == std::mem::size_of::<BlockQ4_1>());
+const _: () = assert!(std::mem::size_of::<Q50>() == std::mem::size_of::<BlockQ5_0>());
+const _: () = assert!(std::mem::size_of::<Q81>() == std::mem::size_of::<BlockQ8_1>());
+const _: () = assert!(std::mem::size_of::<Q80>() == std::mem::size_of::<BlockQ8_0>());
+
+/// Reinterprets Candle's blocks as their mirrors.
+///
+/// SAFETY (callers): `B` and `T` are a Candle block type and its mirror above: the same size
+/// (asserted), the same alignment (both hold f16 and bytes only), the same `repr(C)` layout.
+unsafe fn mirror<B, T>(s: &[B]) -> &[T] {
+    std::slice::from_raw_parts(s.as_ptr() as *const T, s.len())
+}
+
+/// An activation block: 32 quantized values, their scale, and (Q8_1) their scaled sum.
+pub(crate) trait Act: Sync + 'static {
+    const ZERO: Self;
+    fn qs(&self) -> &[i8; 32];
+    fn d(&self) -> f32;
+    fn s(&self) -> f32;
+}
+
+impl Act for Q81 {
+    const ZERO: Self = Q81 { d: f16::ZERO, s: f16::ZERO, qs: [0; 32] };
+    fn qs(&self) -> &[i8; 32] {
+        &self.qs
+    }
+    fn d(&self) -> f32 {
+        self.d.to_f32()
+    }
+    fn s(&self) -> f32 {
+        self.s.to_f32()
+    }
+}
+
+impl Act for Q80 {
+    const ZERO: Self = Q80 { d: f16::ZERO, qs: [0; 32] };
+    fn qs(&self) -> &[i8; 32] {
+        &self.qs
+    }
+    fn d(&self) -> f32 {
+        self.d.to_f32()
+    }
+    fn s(&self) -> f32 {
+        0.0
+    }
+}
+
+/// A 32-weight block whose weights are unsigned bytes `u` minus `OFFSET`.
+pub(crate) trait Weights: Sync + 'static {
+    type Y: Act;
+    const OFFSET: i32;
+    /// Whether the block has a min (`m_x * s_y` is added per block).
+    const HAS_MIN: bool;
+    fn u(&self) -> [u8; 32];
+    fn d(&self) -> f32;
+    fn m(&self) -> f32;
+    #[cfg(target_arch = "x86_64")]
+    /// SAFETY: AVX2 must be available.
+    unsafe fn u_avx2(&self) -> std::arch::x86_64::__m256i;
+}
+
+impl Weights for Q41 {
+    type Y = Q81;
+    const OFFSET: i32 = 0;
+    const HAS_MIN: bool = true;
+    fn u(&self) -> [u8; 32] {
+        std::array::from_fn(|j| if j < 16 { self.qs[j] & 0x0F } else { self.qs[j - 16] >> 4 })
+    }
+    fn d(&self) -> f32 {
+        self.d.to_f32()
+    }
+    fn m(&self) -> f32 {
+        self.m.to_f32()
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn u_avx2(&self) -> std::arch::x86_64::__m256i {
+        avx2::nibbles(&self.qs)
+    }
+}
+
+impl Weights for Q50 {
+    type Y = Q80;
+    const OFFSET: i32 = 16;
+    const HAS_MIN: bool = false;
+    fn u(&self) -> [u8; 32] {
+        let qh = u32::from_le_bytes(self.qh);
+        std::array::from_fn(|j| {
+            let nib = if j < 16 { self.qs[j] & 0x0F } else { self.qs[j - 16] >> 4 };
+            nib | ((((qh >> j) & 1) as u8) << 4)
+        })
+    }
+    fn d(&self) -> f32 {
+        self.d.to_f32()
+    }
+    fn m(&self) -> f32 {
+        0.0
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn u_avx2(&self) -> std::arch::x86_64::__m256i {
+        use std::arch::x86_64::*;
+        _mm256_or_si256(avx2::nibbles(&self.qs), _mm256_and_si256(avx2::bits(self.qh), _mm256_set1_epi8(0x10)))
+    }
+}
+
+/// Candle's float step for one block: `acc + sumi * d_x * d_y (+ m_x * s_y)`, in that order.
+#[inline(always)]
+fn step<W: Weights>(acc: f32, sumi: i32, x: &W, y: &W::Y) -> f32 {
+    if W::HAS_MIN {
+        acc + (sumi as f32 * x.d() * y.d() + x.m() * y.s())
+    } else {
+        acc + sumi as f32 * x.d() * y.d()
+    }
+}
+
+/// The exact integer dot product of a block: Σ (u - OFFSET) · y = Σ u·y - OFFSET · Σ y.
+fn sumi_scalar<W: Weights>(u: &[u8; 32], y: &W::Y, ysum: i32) -> i32 {
+    let dot: i32 = u.iter().zip(y.qs()).map(|(&u, &q)| u as i32 * q as i32).sum();
+    dot - W::OFFSET * ysum
+}
+
+fn qs_sum(y: &impl Act) -> i32 {
+    y.qs().iter().map(|&q| q as i32).sum()
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::Act;
+    use std::arch::x86_64::*;
+
+    /// 16 bytes of nibbles as 32 unsigned bytes: low nibbles first, then high nibbles.
+    #[inline(always)]
+    pub unsafe fn nibbles(qs: &[u8; 16]) -> __m256i {
+        let q = _mm_loadu_si128(qs.as_ptr() as *const __m128i);
+        let mask = _mm_set1_epi8(0x0F);
+        let lo = _mm_and_si128(q, mask);
+        let hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
+        _mm256_set_m128i(hi, lo)
+    }
+
+    /// Bit j of the 32-bit little-endian `qh` as byte j: 0xFF where set, 0 where not.
+    #[inline(always)]
+    pub unsafe fn bits(qh: [u8; 4]) -> __m256i {
+        let shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+        let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(i32::from_le_bytes(qh)), shuf);
+        let bit = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe);
+        _mm256_cmpeq_epi8(_mm256_or_si256(bytes, bit), _mm256_set1_epi64x(-1))
+    }
+
+    /// Σ u·y over a block as eight i32 partial sums (u ≤ 31, so pairs fit in i16).
+    #[inline(always)]
+    unsafe fn partial(u: __m256i, y: &impl Act) -> __m256i {
+        let yq = _mm256_loadu_si256(y.qs().as_ptr() as *const __m256i);
+        _mm256_madd_epi16(_mm256_maddubs_epi16(u, yq), _mm256_set1_epi16(1))
+    }
+
+    #[inline(always)]
+    pub unsafe fn dot(u: __m256i, y: &impl Act) -> i32 {
+        let p = partial(u, y);
+        let s = _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
+        _mm_cvtsi128_si32(s)
+    }
+
+    /// Σ u·y of one weight block against eight rows' blocks, as eight i32 lanes (lane i = row i).
+    #[inline(always)]
+    pub unsafe fn dot8<Y: Act>(u: __m256i, ys: [&Y; 8]) -> __m256i {
+        let h01 = _mm256_hadd_epi32(partial(u, ys[0]), partial(u, ys[1]));
+        let h23 = _mm256_hadd_epi32(partial(u, ys[2]), partial(u, ys[3]));
+        let h45 = _mm256_hadd_epi32(partial(u, ys[4]), partial(u, ys[5]));
+        let h67 = _mm256_hadd_epi32(partial(u, ys[6]), partial(u, ys[7]));
+        let q0 = _mm256_hadd_epi32(h01, h23);
+        let q1 = _mm256_hadd_epi32(h45, h67);
+        let lo = _mm256_permute2x128_si256(q0, q1, 0x20);
+        let hi = _mm256_permute2x128_si256(q0, q1, 0x31);
+        _mm256_add_epi32(lo, hi)
+    }
+}
+
+/// Eight rows' activation blocks for one block index, with their floats as lanes.
+#[cfg(target_arch = "x86_64")]
+struct Group8<'a, Y> {
+    ys: [&'a Y; 8],
+    d: std::arch::x86_64::__m256,
+    s: std::arch::x86_64::__m256,
+    /// OFFSET · Σ y per row, subtracted from the lanes' Σ u·y.
+    offset_sum: std::arch::x86_64::__m256i,
+}
+
+/// Eight rows of one column at once: lane i accumulates row i with exactly [`step`]'s scalar
+/// expression (separate IEEE multiplies and adds, no fused multiply-add), block after block.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn column_8rows<W: Weights>(w: &[W], groups: &[Group8<'_, W::Y>]) -> [f32; 8] {
+    use std::arch::x86_64::*;
+    let mut acc = _mm256_setzero_ps();
+    for (x, g) in w.iter().zip(groups) {
+        let sumi = _mm256_sub_epi32(avx2::dot8(x.u_avx2(), g.ys), g.offset_sum);
+        let s = _mm256_cvtepi32_ps(sumi);
+        let t = _mm256_mul_ps(_mm256_mul_ps(s, _mm256_set1_ps(x.d())), g.d);
+        let t = if W::HAS_MIN { _mm256_add_ps(t, _mm256_mul_ps(_mm256_set1_ps(x.m()), g.s)) } else { t };
+        acc = _mm256_add_ps(acc, t);
+    }
+    let mut out = [0f32; 8];
+    _mm256_storeu_ps(out.as_mut_ptr(), acc);
+    out
+}
+
+/// Rows at which the eight-lane path beats one horizontal sum per row (both give the same bits).
+const GROUP_MIN_ROWS: usize = 3;
+
+/// Rows `r0..r0+rows` (at most 8, padded with zero blocks) against columns `cols`.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+fn group8<W: Weights>(w: &[W], xq: &[W::Y], ysum: &[i32], kb: usize, r0: usize, rows: usize, cols: std::ops::Range<usize>, n: usize, out: *mut f32) {
+    use std::arch::x86_64::*;
+    let zero = <W::Y as Act>::ZERO;
+    let groups: Vec<Group8<'_, W::Y>> = (0..kb)
+        .map(|b| {
+            let mut ys = [&zero; 8];
+            let (mut d, mut s, mut o) = ([0f32; 8], [0f32; 8], [0i32; 8]);
+            for i in 0..rows {
+                let y = &xq[(r0 + i) * kb + b];
+                ys[i] = y;
+                d[i] = y.d();
+                s[i] = y.s();
+                o[i] = W::OFFSET * ysum[(r0 + i) * kb + b];
+            }
+            // SAFETY: plain loads from arrays of eight lanes (AVX2 is checked by the caller).
+            unsafe {
+                Group8 {
+                    ys,
+                    d: _mm256_loadu_ps(d.as_ptr()),
+                    s: _mm256_loadu_ps(s.as_ptr()),
+                    offset_sum: _mm256_loadu_si256(o.as_ptr() as *const __m256i),
+                }
+            }
+        })
+        .collect();
+    for c in cols {
+        // SAFETY: AVX2 detected by the caller.
+        let acc = unsafe { column_8rows(&w[c * kb..(c + 1) * kb], &groups) };
+        for (i, v) in acc.iter().take(rows).enumerate() {
+            // SAFETY: each (row, c) belongs to exactly one caller-side task.
+            unsafe { *out.add((r0 + i) * n + c) = *v };
+        }
+    }
+}
+
+const MAX_TILE: usize = 16;
+
+/// `out[r * n + c]` for rows `0..m` (at most 16) of `xq` and columns `cols` of `w`.
+#[allow(clippy::too_many_arguments)]
+fn tile<W: Weights>(w: &[W], xq: &[W::Y], ysum: &[i32], kb: usize, m: usize, cols: std::ops::Range<usize>, n: usize, out: *mut f32) {
+    debug_assert!(m <= MAX_TILE);
+    #[cfg(target_arch = "x86_64")]
+    let simd = is_x86_feature_detected!("avx2");
+    #[cfg(target_arch = "x86_64")]
+    if simd && m >= GROUP_MIN_ROWS {
+        let mut r0 = 0;
+        while r0 < m {
+            let rows = 8.min(m - r0);
+            group8(w, xq, ysum, kb, r0, rows, cols.clone(), n, out);
+            r0 += rows;
+        }
+        return;
+    }
+    for c in cols {
+        let wc = &w[c * kb..(c + 1) * kb];
+        let mut acc = [0f32; MAX_TILE];
+        for (b, x) in wc.iter().enumerate() {
+            #[cfg(target_arch = "x86_64")]
+            if simd {
+                // SAFETY: AVX2 detected at run time.
+                unsafe {
+                    let u = x.u_avx2();
+                    for r in 0..m {
+                        let (y, s) = (&xq[r * kb + b], ysum[r * kb + b]);
+                        acc[r] = step(acc[r], avx2::dot(u, y) - W::OFFSET * s, x, y);
+                    }
+                }
+                continue;
+            }
+            let u = x.u();
+            for r in 0..m {
+                let (y, s) = (&xq[r * kb + b], ysum[r * kb + b]);
+                acc[r] = step(acc[r], sumi_scalar::<W>(&u, y, s), x, y);
+            }
+        }
+        for r in 0..m {
+            // SAFETY: each (r, c) belongs to exactly one caller-side task.
+            unsafe { *out.add(r * n + c) = acc[r] };
+        }
+    }
+}
+
+/// Columns handed to a worker at once.
+const COLS_PER_TASK: usize = 32;
+
+fn matmul<W: Weights>(w: &[W], xq: &[W::Y], m: usize, k: usize, n: usize, out: &mut [f32]) {
+    let kb = k / 32;
+    let ysum: Vec<i32> = if W::OFFSET != 0 { xq.iter().map(qs_sum).collect() } else { vec![0; xq.len()] };
+    let ptr = OutPtr(out.as_mut_ptr());
+    let col_tasks = n.div_ceil(COLS_PER_TASK);
+    let row_tiles = m.div_ceil(MAX_TILE);
+    let run = |task: usize| {
+        let p = ptr;
+        let (rt, ct) = (task / col_tasks, task % col_tasks);
+        let r0 = rt * MAX_TILE;
+        let rows = MAX_TILE.min(m - r0);
+        let cols = ct * COLS_PER_TASK..n.min((ct + 1) * COLS_PER_TASK);
+        let rows_of = r0 * kb..(r0 + rows) * kb;
+        // SAFETY: the offset stays inside `out` (rows r0.. of m).
+        tile(w, &xq[rows_of.clone()], &ysum[rows_of], kb, rows, cols, n, unsafe { p.0.add(r0 * n) });
+    };
+    super::parallel_for(row_tiles * col_tasks, run);
+}
+
+/// `y = x · Wᵀ` for `m` rows; bitwise equal to Candle's Q4_1 matmul row by row.
+pub fn matmul_q4_1(w: &[BlockQ4_1], xq: &[BlockQ8_1], m: usize, k: usize, n: usize, out: &mut [f32]) {
+    // SAFETY: mirror types (see `mirror`).
+    let (w, xq) = unsafe { (mirror::<_, Q41>(w), mirror::<_, Q81>(xq)) };
+    matmul(w, xq, m, k, n, out)
+}
+
+/// `y = x · Wᵀ` for `m` rows; bitwise equal to Candle's Q5_0 matmul row by row.
+pub fn matmul_q5_0(w: &[BlockQ5_0], xq: &[BlockQ8_0], m: usize, k: usize, n: usize, out: &mut [f32]) {
+    // SAFETY: mirror types (see `mirror`).
+    let (w, xq) = unsafe { (mirror::<_, Q50>(w), mirror::<_, Q80>(xq)) };
+    matmul(w, xq, m, k, n, out)
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn q5_0_unpack_avx2_equals_scalar() {
+        if !is_x86_feature_detected!("avx2") {
+            return;
+        }
+        let mut s = 0x9E3779B97F4A7C15u64;
+        for _ in 0..200 {
+            let mut b = [0u8; 22];
+            for x in b.iter_mut() {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                *x = s as u8;
+            }
+            b[0] = 0;
+            b[1] = 0x3c; // d = 1.0
+            let blk = Q50 { d: f16::from_bits(u16::from_le_bytes([b[0], b[1]])), qh: [b[2], b[3], b[4], b[5]], qs: b[6..22].try_into().unwrap() };
+            let mut got = [0u8; 32];
+            // SAFETY: AVX2 checked above.
+            unsafe { std::arch::x86_64::_mm256_storeu_si256(got.as_mut_ptr() as *mut _, blk.u_avx2()) };
+            assert_eq!(got, blk.u());
+        }
+    }
+}
