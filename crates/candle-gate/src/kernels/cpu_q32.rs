@@ -210,10 +210,23 @@ mod avx2 {
     /// Σ u·y of one weight block against eight rows' blocks, as eight i32 lanes (lane i = row i).
     #[inline(always)]
     pub unsafe fn dot8<Y: Act>(u: __m256i, ys: [&Y; 8]) -> __m256i {
-        let h01 = _mm256_hadd_epi32(partial(u, ys[0]), partial(u, ys[1]));
-        let h23 = _mm256_hadd_epi32(partial(u, ys[2]), partial(u, ys[3]));
-        let h45 = _mm256_hadd_epi32(partial(u, ys[4]), partial(u, ys[5]));
-        let h67 = _mm256_hadd_epi32(partial(u, ys[6]), partial(u, ys[7]));
+        lanes8([0, 1, 2, 3, 4, 5, 6, 7].map(|i| partial(u, ys[i])))
+    }
+
+    /// Σ u·y of eight weight blocks (eight columns) against one row's block, as eight i32 lanes
+    /// (lane i = column i).
+    #[inline(always)]
+    pub unsafe fn dot8_cols(us: [__m256i; 8], y: &impl Act) -> __m256i {
+        lanes8(us.map(|u| partial(u, y)))
+    }
+
+    /// Eight vectors of eight i32 partial sums to one vector of their eight totals.
+    #[inline(always)]
+    unsafe fn lanes8(p: [__m256i; 8]) -> __m256i {
+        let h01 = _mm256_hadd_epi32(p[0], p[1]);
+        let h23 = _mm256_hadd_epi32(p[2], p[3]);
+        let h45 = _mm256_hadd_epi32(p[4], p[5]);
+        let h67 = _mm256_hadd_epi32(p[6], p[7]);
         let q0 = _mm256_hadd_epi32(h01, h23);
         let q1 = _mm256_hadd_epi32(h45, h67);
         let lo = _mm256_permute2x128_si256(q0, q1, 0x20);
@@ -251,7 +264,34 @@ unsafe fn column_8rows<W: Weights>(w: &[W], groups: &[Group8<'_, W::Y>]) -> [f32
     out
 }
 
-/// Rows at which the eight-lane path beats one horizontal sum per row (both give the same bits).
+/// One row against eight columns `c0..c0+8` at once: lane i accumulates column i with exactly
+/// [`step`]'s scalar expression, block after block (as [`column_8rows`], with columns in the
+/// lanes instead of rows: what a GEMV needs).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn row_8cols<W: Weights>(w: &[W], kb: usize, c0: usize, y: &[W::Y], ysum: &[i32]) -> [f32; 8] {
+    use std::arch::x86_64::*;
+    let mut acc = _mm256_setzero_ps();
+    for b in 0..kb {
+        let xs: [&W; 8] = std::array::from_fn(|i| &w[(c0 + i) * kb + b]);
+        let sumi = avx2::dot8_cols(xs.map(|x| x.u_avx2()), &y[b]);
+        let sumi = _mm256_sub_epi32(sumi, _mm256_set1_epi32(W::OFFSET * ysum[b]));
+        let xd = _mm256_setr_ps(xs[0].d(), xs[1].d(), xs[2].d(), xs[3].d(), xs[4].d(), xs[5].d(), xs[6].d(), xs[7].d());
+        let t = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sumi), xd), _mm256_set1_ps(y[b].d()));
+        let t = if W::HAS_MIN {
+            let xm = _mm256_setr_ps(xs[0].m(), xs[1].m(), xs[2].m(), xs[3].m(), xs[4].m(), xs[5].m(), xs[6].m(), xs[7].m());
+            _mm256_add_ps(t, _mm256_mul_ps(xm, _mm256_set1_ps(y[b].s())))
+        } else {
+            t
+        };
+        acc = _mm256_add_ps(acc, t);
+    }
+    let mut out = [0f32; 8];
+    _mm256_storeu_ps(out.as_mut_ptr(), acc);
+    out
+}
+
+/// Rows at which rows in the lanes beat columns in the lanes (both give the same bits).
 const GROUP_MIN_ROWS: usize = 3;
 
 /// Rows `r0..r0+rows` (at most 8, padded with zero blocks) against columns `cols`.
@@ -310,6 +350,25 @@ fn tile<W: Weights>(w: &[W], xq: &[W::Y], ysum: &[i32], kb: usize, m: usize, col
         }
         return;
     }
+    #[cfg(target_arch = "x86_64")]
+    let cols = if simd {
+        let mut c = cols.start;
+        while c + 8 <= cols.end {
+            for r in 0..m {
+                let rows_of = r * kb..(r + 1) * kb;
+                // SAFETY: AVX2 detected at run time.
+                let acc = unsafe { row_8cols(w, kb, c, &xq[rows_of.clone()], &ysum[rows_of]) };
+                for (i, v) in acc.iter().enumerate() {
+                    // SAFETY: each (r, c + i) belongs to exactly one caller-side task.
+                    unsafe { *out.add(r * n + c + i) = *v };
+                }
+            }
+            c += 8;
+        }
+        c..cols.end
+    } else {
+        cols
+    };
     for c in cols {
         let wc = &w[c * kb..(c + 1) * kb];
         let mut acc = [0f32; MAX_TILE];
