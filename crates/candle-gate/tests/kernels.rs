@@ -276,11 +276,12 @@ fn profiles_load_and_refuse_bad_files() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
-/// Candle's own Q4_1 and Q5_0 CPU paths compute each element the same way at every row count
-/// (scalar code), and the invariant kernel (with its AVX2 integer sums) reproduces them bit for
-/// bit: SmolLM2's and Qwen 0.5B's layers give Candle's exact numbers, only faster.
+/// Candle's own Q4_1, Q5_0 and Q8_0 CPU paths compute each element the same way at every row
+/// count (Q8_0: where k is not a multiple of 256, so Candle never repacks it), and the invariant
+/// kernels reproduce them bit for bit: SmolLM2's and Qwen 0.5B's layers give Candle's exact
+/// numbers, only faster.
 #[test]
-fn q4_1_and_q5_0_invariant_equal_candle_qmatmul_at_every_row_count() {
+fn q4_1_q5_0_q8_0_invariant_equal_candle_qmatmul_at_every_row_count() {
     for (d, n, k) in [
         (GgmlDType::Q4_1, 576, 576),
         (GgmlDType::Q4_1, 192, 576),
@@ -292,6 +293,10 @@ fn q4_1_and_q5_0_invariant_equal_candle_qmatmul_at_every_row_count() {
         (GgmlDType::Q5_0, 4864, 896),
         (GgmlDType::Q5_0, 131, 4864),
         (GgmlDType::Q5_0, 37, 64),
+        (GgmlDType::Q8_0, 896, 896),
+        (GgmlDType::Q8_0, 128, 896),
+        (GgmlDType::Q8_0, 4099, 896),
+        (GgmlDType::Q8_0, 37, 96),
     ] {
         let w = weight(d, n, k, 41);
         let x = pseudo_random(64 * k, 42);

@@ -100,6 +100,11 @@ where
     if let (Some(w), Some(xq)) = (cast::<T, BlockQ5_0>(w), cast::<T::VecDotType, BlockQ8_0>(xq)) {
         return super::cpu_q32::matmul_q5_0(w, xq, m, k, n, out);
     }
+    if let (Some(w), Some(xq)) = (cast::<T, BlockQ8_0>(w), cast::<T::VecDotType, BlockQ8_0>(xq)) {
+        if super::cpu_q8_0::matmul(w, xq, m, k, n, out) {
+            return;
+        }
+    }
     let row = |r: usize| &xq[r * kb..(r + 1) * kb];
     let col = |c: usize| &w[c * kb..(c + 1) * kb];
     let n_quad = n & !3;

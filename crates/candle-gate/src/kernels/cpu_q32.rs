@@ -38,8 +38,8 @@ pub(crate) struct Q81 {
 /// Mirrors Candle's `#[repr(C)]` `BlockQ8_0`.
 #[repr(C)]
 pub(crate) struct Q80 {
-    d: f16,
-    qs: [i8; 32],
+    pub(crate) d: f16,
+    pub(crate) qs: [i8; 32],
 }
 const _: () = assert!(std::mem::size_of::<Q41>() == std::mem::size_of::<BlockQ4_1>());
 const _: () = assert!(std::mem::size_of::<Q50>() == std::mem::size_of::<BlockQ5_0>());
@@ -50,7 +50,7 @@ const _: () = assert!(std::mem::size_of::<Q80>() == std::mem::size_of::<BlockQ8_
 ///
 /// SAFETY (callers): `B` and `T` are a Candle block type and its mirror above: the same size
 /// (asserted), the same alignment (both hold f16 and bytes only), the same `repr(C)` layout.
-unsafe fn mirror<B, T>(s: &[B]) -> &[T] {
+pub(crate) unsafe fn mirror<B, T>(s: &[B]) -> &[T] {
     std::slice::from_raw_parts(s.as_ptr() as *const T, s.len())
 }
 

@@ -3,6 +3,7 @@
 
 pub mod cpu;
 mod cpu_q32;
+mod cpu_q8_0;
 pub mod cpu_split_k;
 
 #[cfg(feature = "cuda")]
