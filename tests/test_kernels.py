@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from candle_gate import _native
+from candle_gate._native import _testing  # test scaffolding, not the binding's API
 
 BLOCK = {"q4_0": 32, "q4_1": 32, "q5_0": 32, "q5_1": 32, "q8_0": 32, "q2k": 256, "q3k": 256,
          "q4k": 256, "q5k": 256, "q6k": 256, "q8k": 256, "f16": 1, "f32": 1}
@@ -14,16 +14,16 @@ BLOCK = {"q4_0": 32, "q4_1": 32, "q5_0": 32, "q5_1": 32, "q8_0": 32, "q2k": 256,
        m=st.integers(1, 40), seed=st.integers(0, 2**32))
 def test_invariant_is_bitwise_gemv_and_gemm_is_close(dtype, n, kb, m, seed):
     k = kb * max(BLOCK[dtype], 32)
-    out = _native.kernel_outputs(dtype, n, k, m, seed)
+    out = _testing.kernel_outputs(dtype, n, k, m, seed)
     gemv, inv, gemm = out["gemv_row_split"], out["invariant"], out["gemm"]
     assert gemv.shape == (m * n,)
     assert inv.view(np.uint32).tolist() == gemv.view(np.uint32).tolist()
     # Row 0 alone, and the first rows alone as a smaller batch, get the same bits as inside
     # the batch (the inputs of a smaller m are a prefix of these).
-    alone = _native.kernel_outputs(dtype, n, k, 1, seed)["invariant"]
+    alone = _testing.kernel_outputs(dtype, n, k, 1, seed)["invariant"]
     assert alone.view(np.uint32).tolist() == inv[:n].view(np.uint32).tolist()
     m2 = int(np.random.default_rng(seed).integers(1, m + 1))
-    prefix = _native.kernel_outputs(dtype, n, k, m2, seed)["invariant"]
+    prefix = _testing.kernel_outputs(dtype, n, k, m2, seed)["invariant"]
     assert prefix.view(np.uint32).tolist() == inv[:m2 * n].view(np.uint32).tolist()
     scale = max(float(np.abs(gemv).max()), 1e-3)
     assert float(np.abs(gemm - gemv).max()) <= 0.05 * scale + 0.05 * np.sqrt(k)
@@ -41,7 +41,7 @@ def test_invariant_is_bitwise_gemv_and_gemm_is_close(dtype, n, kb, m, seed):
 ])
 def test_kernel_bad_input_raises(args, needle):
     with pytest.raises(Exception) as e:
-        _native.kernel_outputs(*args)
+        _testing.kernel_outputs(*args)
     assert needle in str(e.value)
 
 

@@ -83,7 +83,7 @@ def test_cli_json_has_exactly_the_documented_keys(tmp_path):
     assert "batch2" in r.stdout and "staggered" in r.stdout  # the table
     try:
         import matplotlib  # noqa: F401
-        assert png.stat().st_size > 0
+        assert png.stat().st_size > 0 and png_size(png) == probe.PLOT_SIZE
     except ImportError:
         assert "needs matplotlib" in r.stderr and not png.exists(), r.stderr
     rep = json.loads(out.read_text())
@@ -138,7 +138,7 @@ def test_load_prompts_text_and_json(tmp_path):
     assert probe.resolve_gate("gated", 0.1, None, None) == (0.1, None)
 
 
-def test_default_prompt_sets_are_disjoint_and_module_is_callable():
+def test_default_prompt_sets_are_disjoint_and_run_probe_is_exported():
     key = lambda p: json.dumps(p, sort_keys=True)
     assert len(probe.DEFAULT_PROMPTS) >= 20 and len(calibrate.CALIBRATION_PROMPTS) >= 12
     assert not {key(p) for p in probe.DEFAULT_PROMPTS} & {key(p) for p in calibrate.CALIBRATION_PROMPTS}
@@ -148,8 +148,46 @@ def test_default_prompt_sets_are_disjoint_and_module_is_callable():
     assert len(heldout) >= 24
     assert not {key(p) for p in heldout} & {key(p) for p in calibrate.CALIBRATION_PROMPTS}
     assert sum(isinstance(p, list) for p in probe.DEFAULT_PROMPTS) >= 3
-    # importing the submodule replaces the package's probe() function; it stays callable
-    assert callable(candle_gate.probe)
+    # candle_gate.probe is the package (runner, report); its entry point is exported
+    assert callable(candle_gate.run_probe) and candle_gate.run_probe is probe.run_probe
+    assert probe.Runner is probe.runner.Runner and probe.plot_report is probe.report.plot_report
+
+
+def png_size(path):
+    """(width, height) from a PNG's IHDR chunk."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def test_plot_without_flips_shows_the_margins_and_the_counts(model, tmp_path):
+    pytest.importorskip("matplotlib")
+    r, runs = probe.measure(model, prompts=PROMPTS[:2], max_new_tokens=4, mode="invariant",
+                            compositions="batch2", progress=False)
+    assert len(runs.baseline_margins) == r["scored_steps"] > 0
+    assert probe.counts(r) == [{"name": "batch2", "steps": r["scored_steps"], "flips": 0,
+                                "bit_mismatches": 0, "diverged": 0}]
+    assert probe.summary_line(r).startswith(f"0 flips in {r['scored_steps']} steps")
+    png = tmp_path / "probe.png"
+    probe.plot_report(r, str(png), margins=runs.baseline_margins)
+    assert png.stat().st_size > 10_000 and png_size(png) == probe.PLOT_SIZE
+
+
+def test_plot_marks_flips_divergences_and_the_gate(tmp_path):
+    pytest.importorskip("matplotlib")
+    comps = [{"name": "batch2", "step_flip_rate": 2 / 40, "diverging_sequences": 1,
+              "logit_bit_mismatches": 9, "first_divergence": [3], "margins_at_divergence": [0.02]},
+             {"name": "staggered", "step_flip_rate": 0.0, "diverging_sequences": 1,
+              "logit_bit_mismatches": 0, "first_divergence": [7], "margins_at_divergence": [None]}]
+    r = {"model": "/m/x.gguf", "mode": "split_k_f16", "prompts": 4, "max_new_tokens": 10,
+         "compositions": comps, "scored_steps": 40, "flip_margins": {"batch2": [0.0, 0.01], "staggered": []},
+         "gate": {"mode": "gated", "tau": 0.3, "steps": 40, "rechecks": 5, "corrections": 1, "deep_tau": 0.15}}
+    assert [c["flips"] for c in probe.counts(r)] == [2, 0]
+    assert probe.summary_line(r).startswith("2 flips in 80 steps, 2 of 8 sequences diverged")
+    margins = [0.0] + [0.005 * 1.3 ** i for i in range(39)]
+    for name, kw in (("with.png", {"margins": margins}), ("from_json.png", {})):
+        probe.plot_report(r, str(tmp_path / name), **kw)
+        assert (tmp_path / name).stat().st_size > 10_000 and png_size(tmp_path / name) == probe.PLOT_SIZE
 
 
 def test_bench_gate_json():

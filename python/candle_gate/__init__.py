@@ -4,14 +4,19 @@
     model = candle_gate.Model.load()                 # SmolLM2-135M-Instruct Q4_1, downloaded once
     [r] = model.generate(["The capital of France is"], max_new_tokens=8)
     r.text, r.token_ids, r.margins, r.fingerprint
+
+    report = candle_gate.run_probe(model, mode="split_k_f16", compositions="batch2,batch8")
+
+``candle_gate.probe`` is the probe's package (``runner``: the compositions; ``report``: the table,
+the JSON and the PNG); ``candle_gate.run_probe`` is ``candle_gate.probe.run_probe``.
 """
 from ._native import CandleGateError, CUDA_AVAILABLE, METAL_AVAILABLE, __version__
 from .models import DEFAULT_MODEL, cache_dir, fetch, resolve
 from .engine import Engine, Model, Result, MODES, GATES
+from .probe import run_probe
 
 __all__ = [
     "CandleGateError", "CUDA_AVAILABLE", "METAL_AVAILABLE", "__version__",
     "DEFAULT_MODEL", "cache_dir", "fetch", "resolve",
-    "Engine", "Model", "Result", "MODES", "GATES", "probe",
+    "Engine", "Model", "Result", "MODES", "GATES", "run_probe",
 ]
-from . import probe  # callable module: candle_gate.probe(...) runs candle_gate.probe.run_probe

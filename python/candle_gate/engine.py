@@ -75,7 +75,7 @@ class Model:
     @classmethod
     def load(cls, name_or_path: Optional[str] = None, mode: str = "invariant",
              profile: Optional[str] = None, quiet: bool = False) -> "Model":
-        if mode not in MODES:
+        if mode not in MODES:  # Rust's names; checked here before resolve() may download
             raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
         path = resolve(name_or_path, quiet=quiet)
         return cls(_native.Model.load(str(path), mode, profile))
@@ -152,14 +152,8 @@ class Engine:
         if not isinstance(model, Model):
             model = Model.load(model)
         self.model = model
-        for name, v in (("tau", tau), ("deep_tau", deep_tau)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
-                raise TypeError(f"{name} must be a number, got {type(v).__name__}")
-        for name, v in (("max_num_seqs", max_num_seqs), ("max_tokens_per_step", max_tokens_per_step),
-                        ("prefill_chunk", prefill_chunk), ("kv_budget_tokens", kv_budget_tokens)):
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-        # Names, the profile, the gate rule and every other check belong to the Rust engine.
+        # Every argument is checked by the Rust engine (names, numbers, budgets, the profile and
+        # the gate rule), with errors that name the argument.
         self._native = _native.Engine(
             model._native, mode=mode, profile=profile, gate=gate, tau=tau, deep_tau=deep_tau,
             max_num_seqs=max_num_seqs, max_tokens_per_step=max_tokens_per_step,
@@ -242,10 +236,7 @@ def resolve_gate(gate: str, tau: Optional[float], deep_tau: Optional[float],
                  profile: Optional[str]) -> Tuple[float, Optional[float]]:
     """``(tau, deep_tau)`` an engine would use: explicit values first, then the profile's
     calibrated ones (deep_tau None: the engine's default, tau/2). Gated with neither is an
-    error. The rule is the Rust engine's (``GateConfig::resolve_values``)."""
-    for name, v in (("tau", tau), ("deep_tau", deep_tau)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
-            raise ValueError(f"{name} must be a number, got {v!r}")
+    error. The rule and the checks are the Rust engine's (``GateConfig::resolve_values``)."""
     t, d = _native.resolve_gate(gate, tau, deep_tau, profile)
     # Values given here come back as given, not through Rust's f32.
     return (float(tau) if tau is not None else t), (float(deep_tau) if deep_tau is not None else d)

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::str::FromStr;
 use std::sync::{Arc, Mutex};
 
-use candle_gate::dispatch::{Backend, Kernel};
+use candle_gate::dispatch::Backend;
 use candle_gate::engine::{Event, Output};
 use candle_gate::profile::Profile;
 use candle_gate::reference::ReferenceWeights;
@@ -17,6 +17,8 @@ use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
+
+mod testing;
 
 create_exception!(_native, CandleGateError, PyException, "Any error raised by candle-gate.");
 
@@ -42,19 +44,11 @@ fn chat_json(messages: &str, tools: Option<&str>) -> PyResult<(serde_json::Value
     Ok((parse("messages", messages)?, tools.map(|t| parse("tools", t)).transpose()?))
 }
 
-/// Deterministic inputs for property tests without seeding Candle's RNG (the CPU device has
-/// no seed): xorshift64*.
-fn xorshift(len: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
-    (0..len)
-        .map(|_| {
-            s ^= s >> 12;
-            s ^= s << 25;
-            s ^= s >> 27;
-            let u = (s.wrapping_mul(0x2545F4914F6CDD1D) >> 40) as f32 / (1u64 << 24) as f32;
-            (u - 0.5) * 4.0
-        })
-        .collect()
+/// A count argument. Taken as i64 so that a negative one gets an error naming it (PyO3's
+/// conversion to usize says only "can't convert negative int to unsigned"); the engine checks
+/// the rest (`EngineConfig`'s bounds).
+fn count(name: &str, v: i64) -> PyResult<usize> {
+    usize::try_from(v).map_err(|_| PyValueError::new_err(format!("{name} must not be negative, got {v}")))
 }
 
 /// Runs `f`, turning a panic into a `CandleGateError` instead of unwinding into Python.
@@ -257,15 +251,21 @@ impl Engine {
         gate: &str,
         tau: Option<f32>,
         deep_tau: Option<f32>,
-        max_num_seqs: usize,
-        max_tokens_per_step: usize,
-        prefill_chunk: usize,
-        kv_budget_tokens: usize,
-        threads: Option<usize>,
+        max_num_seqs: i64,
+        max_tokens_per_step: i64,
+        prefill_chunk: i64,
+        kv_budget_tokens: i64,
+        threads: Option<i64>,
         record_logit_hashes: bool,
-        row_split_max: Option<usize>,
+        row_split_max: Option<i64>,
     ) -> PyResult<Self> {
         guarded("Engine()", || {
+            let max_num_seqs = count("max_num_seqs", max_num_seqs)?;
+            let max_tokens_per_step = count("max_tokens_per_step", max_tokens_per_step)?;
+            let prefill_chunk = count("prefill_chunk", prefill_chunk)?;
+            let kv_budget_tokens = count("kv_budget_tokens", kv_budget_tokens)?;
+            let threads = threads.map(|t| count("threads", t)).transpose()?;
+            let row_split_max = row_split_max.map(|r| count("row_split_max", r)).transpose()?;
             let mode = mode.unwrap_or(model.inner.policy.mode.name());
             let loaded = profile.map(|p| Profile::load(&PathBuf::from(p))).transpose().map_err(to_py)?;
             let mut policy = match &loaded {
@@ -438,41 +438,6 @@ fn calibrate_kernels(py: Python<'_>, model_path: Option<String>, quick: bool, ou
     })
 }
 
-/// Quantizes a random `[n, k]` weight to `dtype` and runs every CPU kernel on `m` random rows;
-/// returns `{kernel: flat outputs}` (for property tests from Python).
-#[pyfunction]
-fn kernel_outputs<'py>(py: Python<'py>, dtype: &str, n: usize, k: usize, m: usize, seed: u64) -> PyResult<Bound<'py, PyDict>> {
-    use candle_core::{quantized::QTensor, Device, Tensor};
-    let outs = guarded("kernel_outputs", || {
-        let d = candle_gate::dispatch::dtype_from_name(dtype).map_err(to_py)?;
-        if n == 0 || k == 0 {
-            return Err(PyValueError::new_err("n and k must be positive"));
-        }
-        if k % d.block_size() != 0 {
-            return Err(PyValueError::new_err(format!("k={k} is not a multiple of the {dtype} block size {}", d.block_size())));
-        }
-        let dev = Device::Cpu;
-        let r = || -> candle_core::Result<(QTensor, Vec<f32>)> {
-            let w = Tensor::from_vec(xorshift(n * k, seed), (n, k), &dev)?;
-            let x = xorshift(m.max(1) * k, seed ^ 0xABCDEF);
-            Ok((QTensor::quantize(&w, d)?, x))
-        };
-        let (q, x) = r().map_err(|e| CandleGateError::new_err(e.to_string()))?;
-        let g = candle_gate::QMatMul::new(Arc::new(q), Arc::new(Policy::default())).map_err(to_py)?;
-        let x = &x[..m * k];
-        let mut outs = vec![];
-        for kern in [Kernel::GemvRowSplit, Kernel::Invariant, Kernel::Gemm, Kernel::SplitKF16, Kernel::Candle] {
-            outs.push((kern.name(), g.run_cpu(kern, x, m).map_err(to_py)?));
-        }
-        Ok(outs)
-    })?;
-    let d = PyDict::new(py);
-    for (name, v) in outs {
-        d.set_item(name, v.into_pyarray(py))?;
-    }
-    Ok(d)
-}
-
 /// The gate's `(tau, deep_tau)` an engine would use (deep_tau None: tau × the default fraction),
 /// by the engine's own rule (`GateConfig::resolve_values`).
 #[pyfunction]
@@ -539,7 +504,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(merge_gate, m)?)?;
     m.add_class::<Model>()?;
     m.add_function(wrap_pyfunction!(calibrate_kernels, m)?)?;
-    m.add_function(wrap_pyfunction!(kernel_outputs, m)?)?;
     m.add_class::<Engine>()?;
+    testing::register(m)?; // _native._testing: test scaffolding
     Ok(())
 }

@@ -1,8 +1,4 @@
-"""Probe: does the batch change greedy decoding, and where?
-
-Runs a prompt set alone (the baseline: batch 1, one request per engine) and under other batch
-compositions, then compares every composition with the baseline and with each other
-(docs/DESIGN.md §2 "Probe", §5 "Measuring").
+"""Running the probe: the prompt sets, the batch compositions and the engines that run them.
 
 Compositions (``COMPOSITIONS``):
 
@@ -18,52 +14,25 @@ Compositions (``COMPOSITIONS``):
 - ``threads1`` / ``threads2``: all prompts in one batch on a 1- / 2-thread pool.
 
 Every engine here uses prefill_chunk 128 and 256 tokens per step, the baseline included, so
-that a composition differs from the baseline only in what shares the steps.
-
-Per composition:
-
-- ``step_flip_rate``: teacher-forced. The composition is run again with every request fed its
-  baseline tokens (``forced_tokens``); a step flips when the argmax the engine recorded differs
-  from the baseline token. Flipped steps / all steps.
-- ``diverging_sequences``: free-running requests whose tokens differ from their baseline run;
-  ``first_divergence`` lists the first differing position of each, ``margins_at_divergence``
-  the baseline's top1-top2 margin there.
-- ``logit_bit_mismatches``: steps of the teacher-forced run whose logits are not bitwise equal
-  to the baseline's (hash of the f32 bits), so positions align even after a flip.
-
-Top-level extras: ``scored_steps`` (steps per composition), ``distinct_outputs`` (per prompt,
-the number of distinct token sequences over the baseline and all free-running compositions),
-``identical_sequences_share`` (share of prompts with one distinct output),
-``pairwise_diverging`` (for every pair of runs, the number of prompts whose tokens differ) and
-``flip_margins`` (per composition, the baseline margins at the flipped steps) and
-``baseline_margins`` (min, 1st and 10th percentile and median of the baseline's margins: how
-close the near-ties come).
-``gate`` sums ``gate_stats`` over every free-running engine (baseline included), or is null when
-the gate is off: ``mode``, ``tau``, ``steps``, ``rechecks``, ``corrections``, then any further
-counter the engine reports (``deep_rechecks``) and the ``deep_tau`` in use.
+that a composition differs from the baseline only in what shares the steps. :meth:`Runner.run_all`
+runs the baseline and every composition twice (free-running, and teacher-forced to the
+baseline's tokens) and returns the results (:class:`Runs`); :mod:`.report` scores them.
 """
 from __future__ import annotations
 
 import itertools
 import json
-import os
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
-from .engine import GATES, MODES, Engine, Model, Result, resolve_gate
+from ..engine import Engine, Model, Result
 
 COMPOSITIONS = ("batch2", "batch3", "batch4", "batch5", "batch8", "batch16", "staggered",
                 "mixed_prefill", "reversed", "threads1", "threads2")
-
-REPORT_KEYS = ("model", "mode", "prompts", "max_new_tokens", "compositions", "gate")
-EXTRA_KEYS = ("scored_steps", "distinct_outputs", "identical_sequences_share",
-              "pairwise_diverging", "flip_margins", "baseline_margins")
-COMPOSITION_KEYS = ("name", "step_flip_rate", "diverging_sequences", "logit_bit_mismatches",
-                    "first_divergence", "margins_at_divergence")
-GATE_KEYS = ("mode", "tau", "steps", "rechecks", "corrections")
 
 PREFILL_CHUNK = 128
 MAX_TOKENS_PER_STEP = 256
@@ -222,6 +191,24 @@ class Progress:
         sys.stderr.flush()
 
 
+@dataclass
+class Runs:
+    """What one probe ran, every list in prompt order: the baseline (each prompt alone) and, per
+    composition, the free-running and the teacher-forced results."""
+
+    names: List[str]
+    baseline: List[Result]
+    free: Dict[str, List[Result]]
+    forced: Dict[str, List[Result]]
+
+    @property
+    def baseline_margins(self) -> np.ndarray:
+        """The baseline's top1-top2 margin at every scored step."""
+        if not self.baseline:
+            return np.zeros(0, np.float32)
+        return np.concatenate([r.margins for r in self.baseline])
+
+
 class Runner:
     """Runs prompt sets under batch compositions with one engine configuration. Shared by the
     probe and by ``calibrate --gate``."""
@@ -280,6 +267,25 @@ class Runner:
             out.extend(eng.run([self._submit(eng, i, None)]))
             self._done(eng, None)
         return out
+
+    def run_all(self, names: Sequence[str], progress: bool = True) -> Runs:
+        """The baseline, then each of ``names`` free-running and teacher-forced to the baseline's
+        tokens, with a progress indicator on stderr."""
+        prog = Progress(1 + 2 * len(names), enabled=progress)
+        prog.start("baseline (batch 1)")
+        base = self.baseline()
+        prog.advance()
+        forced_tokens = [r.token_ids for r in base]
+        runs = Runs(list(names), base, {}, {})
+        for name in names:
+            prog.start(name)
+            runs.free[name] = self.run(name)
+            prog.advance()
+            prog.start(f"{name} (teacher-forced)")
+            runs.forced[name] = self.run(name, forced=forced_tokens)
+            prog.advance()
+        prog.finish()
+        return runs
 
     def run(self, name: str, forced: Optional[Sequence[np.ndarray]] = None) -> List[Result]:
         """The scored results of composition ``name`` in prompt order; teacher-forced to
@@ -349,238 +355,3 @@ class Runner:
         return [by_prompt[i] for i in range(self.n)]
 
 
-# ----------------------------------------------------------------------------- comparing
-
-
-def first_difference(a: np.ndarray, b: np.ndarray) -> Optional[int]:
-    """The first position where two token sequences differ (the shorter length when one is a
-    prefix of the other), or None when they are equal."""
-    m = min(len(a), len(b))
-    d = np.nonzero(np.asarray(a[:m]) != np.asarray(b[:m]))[0]
-    if len(d):
-        return int(d[0])
-    return None if len(a) == len(b) else m
-
-
-def compare(name: str, base: Sequence[Result], free: Sequence[Result],
-            forced: Sequence[Result]):
-    """One composition's report entry, its number of scored steps, and the baseline margins
-    at its flipped steps."""
-    steps = flips = mism = 0
-    flip_margins: List[float] = []
-    for b, f in zip(base, forced):
-        m = min(len(b.token_ids), len(f.token_ids))
-        steps += len(b.token_ids)
-        flipped = np.nonzero(b.token_ids[:m] != f.token_ids[:m])[0]
-        flips += len(flipped) + (len(b.token_ids) - m)
-        flip_margins.extend(float(b.margins[j]) for j in flipped)
-        h = min(len(b.logit_hashes), len(f.logit_hashes))
-        mism += int(np.count_nonzero(b.logit_hashes[:h] != f.logit_hashes[:h]))
-        mism += max(len(b.logit_hashes), len(f.logit_hashes)) - h
-    firsts, margins = [], []
-    for b, f in zip(base, free):
-        pos = first_difference(b.token_ids, f.token_ids)
-        if pos is not None:
-            firsts.append(pos)
-            margins.append(float(b.margins[pos]) if pos < len(b.margins) else None)
-    entry = {
-        "name": name,
-        "step_flip_rate": flips / steps if steps else 0.0,
-        "diverging_sequences": len(firsts),
-        "logit_bit_mismatches": mism,
-        "first_divergence": firsts,
-        "margins_at_divergence": margins,
-    }
-    return entry, steps, flip_margins
-
-
-def _quantiles(m: np.ndarray) -> Dict[str, Optional[float]]:
-    keys = ("min", "p1", "p10", "median")
-    if len(m) == 0:
-        return dict.fromkeys(keys)
-    q = np.percentile(m.astype(np.float64), [0, 1, 10, 50])
-    return {k: float(v) for k, v in zip(keys, q)}
-
-
-def run_probe(model: Union[None, str, Model] = None, prompts: Optional[Sequence[Any]] = None,
-              max_new_tokens: int = 32, mode: str = "invariant", gate: str = "off",
-              tau: Optional[float] = None, profile: Optional[str] = None,
-              compositions: Union[None, str, Sequence[str]] = None, progress: bool = True,
-              row_split_max: Optional[int] = None,
-              mixed_prefill_every: int = MIXED_PREFILL_EVERY,
-              deep_tau: Optional[float] = None) -> Dict[str, Any]:
-    """Runs ``prompts`` (default :data:`DEFAULT_PROMPTS`) alone and under ``compositions``
-    (default all of :data:`COMPOSITIONS`) and returns the report (see the module docstring).
-
-    ``model``: a name, a path or a loaded :class:`Model` (its fast lane is replaced by ``mode``
-    in every engine). ``row_split_max`` overrides the row-split threshold; ``mixed_prefill_every``
-    the decode steps between two filler prefills in ``mixed_prefill``; ``deep_tau`` is passed to
-    every engine when given."""
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
-    if gate not in GATES:
-        raise ValueError(f"unknown gate {gate!r}; expected one of {', '.join(GATES)}")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    names = parse_compositions(compositions)
-    prompts = check_prompts(DEFAULT_PROMPTS if prompts is None else prompts)
-    tau_v, deep_tau = resolve_gate(gate, tau, deep_tau, profile)
-    if not isinstance(model, Model):
-        model = Model.load(model, mode=mode, profile=profile)
-    runner = Runner(model, prompts, max_new_tokens, mode, gate, tau_v, profile, row_split_max,
-                    mixed_prefill_every, deep_tau)
-
-    prog = Progress(1 + 2 * len(names), enabled=progress)
-    prog.start("baseline (batch 1)")
-    base = runner.baseline()
-    prog.advance()
-    forced_tokens = [r.token_ids for r in base]
-    entries, free_runs, flip_margins = [], {}, {}
-    scored_steps = sum(len(r.token_ids) for r in base)
-    for name in names:
-        prog.start(name)
-        free = runner.run(name)
-        prog.advance()
-        prog.start(f"{name} (teacher-forced)")
-        forced = runner.run(name, forced=forced_tokens)
-        prog.advance()
-        entry, _, fm = compare(name, base, free, forced)
-        entries.append(entry)
-        free_runs[name] = free
-        flip_margins[name] = fm
-    prog.finish()
-
-    run_names = ["baseline"] + names
-    outputs = [[tuple(int(t) for t in r.token_ids) for r in base]]
-    outputs += [[tuple(int(t) for t in r.token_ids) for r in free_runs[n]] for n in names]
-    distinct = [len({o[i] for o in outputs}) for i in range(runner.n)]
-    matrix = [[sum(a[i] != b[i] for i in range(runner.n)) for b in outputs] for a in outputs]
-    report: Dict[str, Any] = {
-        "model": model.path,
-        "mode": mode,
-        "prompts": runner.n,
-        "max_new_tokens": max_new_tokens,
-        "compositions": entries,
-        "gate": None if gate == "off" else {"mode": gate, "tau": tau_v, **runner.gate_totals,
-                                            "deep_tau": runner.deep_tau_used},
-        "scored_steps": scored_steps,
-        "distinct_outputs": distinct,
-        "identical_sequences_share": sum(d == 1 for d in distinct) / max(runner.n, 1),
-        "pairwise_diverging": {"names": run_names, "matrix": matrix},
-        "flip_margins": flip_margins,
-        "baseline_margins": _quantiles(np.concatenate([r.margins for r in base]) if base else np.zeros(0)),
-    }
-    return report
-
-
-# ----------------------------------------------------------------------------- output
-
-
-def _fmt_list(xs: Sequence[Any], fmt: str = "{}", limit: int = 6) -> str:
-    if not xs:
-        return "-"
-    s = ",".join("?" if x is None else fmt.format(x) for x in xs[:limit])
-    return s + (f",+{len(xs) - limit}" if len(xs) > limit else "")
-
-
-def format_report(r: Dict[str, Any]) -> str:
-    lines = [f"model {os.path.basename(r['model'])}  mode {r['mode']}  prompts {r['prompts']}  "
-             f"max_new_tokens {r['max_new_tokens']}  steps/composition {r.get('scored_steps', '?')}"]
-    hdr = f"{'composition':<14} {'flip rate':>9} {'diverging':>9} {'bit mism.':>9}  {'first divergence':<22} margins there"
-    lines += [hdr, "-" * len(hdr)]
-    for c in r["compositions"]:
-        lines.append(f"{c['name']:<14} {c['step_flip_rate'] * 100:8.2f}% "
-                     f"{c['diverging_sequences']:>4}/{r['prompts']:<4} {c['logit_bit_mismatches']:>9}  "
-                     f"{_fmt_list(c['first_divergence']):<22} {_fmt_list(c['margins_at_divergence'], '{:.3f}')}")
-    bm = r.get("baseline_margins") or {}
-    if bm.get("min") is not None:
-        lines.append(f"baseline margins: min {bm['min']:.3g}, p1 {bm['p1']:.3g}, p10 {bm['p10']:.3g}, "
-                     f"median {bm['median']:.3g}")
-    if "distinct_outputs" in r:
-        d = r["distinct_outputs"]
-        lines.append(f"identical output across all runs: {sum(x == 1 for x in d)}/{len(d)} prompts "
-                     f"(max {max(d) if d else 0} distinct outputs for one prompt)")
-    g = r.get("gate")
-    if g:
-        lines.append(f"gate {g['mode']} tau={g['tau']:g}: {g['steps']} steps, {g['rechecks']} rechecks "
-                     f"({g['rechecks'] / max(g['steps'], 1) * 100:.1f}%), {g['corrections']} corrections"
-                     + "".join(f", {v} {k.replace('_', ' ')}" for k, v in g.items() if k not in GATE_KEYS))
-    else:
-        lines.append("gate off")
-    return "\n".join(lines)
-
-
-def plot_report(r: Dict[str, Any], path: str) -> None:
-    """PNG: baseline margins at flipped steps and at divergence, and first divergence positions,
-    per composition. Raises ImportError without matplotlib."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    comps = r["compositions"]
-    names = [c["name"] for c in comps]
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(6, 0.8 * len(names) + 2), 7), sharex=True)
-    fm = r.get("flip_margins", {})
-    for x, c in enumerate(comps):
-        ys = fm.get(c["name"], [])
-        ax1.scatter([x - 0.1] * len(ys), ys, marker="x", color="tab:red",
-                    label="flipped step (teacher-forced)" if x == 0 else None)
-        ms = [m for m in c["margins_at_divergence"] if m is not None]
-        ax1.scatter([x + 0.1] * len(ms), ms, marker="o", facecolors="none", edgecolors="tab:blue",
-                    label="first divergence (free-running)" if x == 0 else None)
-        ax2.scatter([x] * len(c["first_divergence"]), c["first_divergence"], color="tab:blue")
-    ax1.set_ylabel("baseline margin (top1 - top2)")
-    ax1.set_title(f"{os.path.basename(r['model'])}, mode {r['mode']}, {r['prompts']} prompts x "
-                  f"{r['max_new_tokens']} tokens")
-    ax1.legend(loc="upper right", fontsize="small")
-    ax2.set_ylabel("first divergent position")
-    ax2.set_ylim(-0.5, r["max_new_tokens"])
-    ax2.set_xticks(range(len(names)))
-    ax2.set_xticklabels(names, rotation=30, ha="right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def write_json(obj: Any, path: str) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
-
-
-def main(args) -> int:
-    prompts = load_prompts(args.prompts) if getattr(args, "prompts", None) else None
-    k = getattr(args, "num_prompts", None)
-    if k is not None:
-        if k <= 0:
-            raise ValueError(f"--num-prompts must be positive, got {k}")
-        prompts = (DEFAULT_PROMPTS if prompts is None else prompts)[:k]
-    report = run_probe(model=args.model, prompts=prompts, max_new_tokens=args.max_new_tokens,
-                       mode=args.mode, gate=args.gate, tau=args.tau, profile=args.profile,
-                       compositions=args.compositions, progress=True, deep_tau=args.deep_tau)
-    print(format_report(report))
-    if getattr(args, "json_out", None):
-        write_json(report, args.json_out)
-        print(f"probe: report written to {args.json_out}", file=sys.stderr)
-    if getattr(args, "plot", None):
-        try:
-            plot_report(report, args.plot)
-        except ImportError:
-            print(f"probe: --plot needs matplotlib (pip install 'candle-gate[plot]'); "
-                  f"no plot written to {args.plot}", file=sys.stderr)
-        else:
-            print(f"probe: plot written to {args.plot}", file=sys.stderr)
-    return 0
-
-
-class _CallableModule(type(sys)):
-    """Importing ``candle_gate.probe`` replaces the package's ``probe`` function with this module;
-    keep ``candle_gate.probe(...)`` working by making the module callable (= run_probe)."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
-        return run_probe(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
