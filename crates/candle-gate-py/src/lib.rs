@@ -14,7 +14,7 @@ use candle_gate::reference::ReferenceWeights;
 use candle_gate::{Engine as RsEngine, EngineConfig, GateConfig, GateMode, Mode, Model as RsModel, Policy, Request};
 use numpy::{IntoPyArray, PyArray1};
 use pyo3::create_exception;
-use pyo3::exceptions::{PyException, PyValueError};
+use pyo3::exceptions::{PyException, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
@@ -41,7 +41,15 @@ fn chat_json(messages: &str, tools: Option<&str>) -> PyResult<(serde_json::Value
     let parse = |what: &str, s: &str| {
         serde_json::from_str(s).map_err(|e| PyValueError::new_err(format!("{what} is not valid JSON: {e}")))
     };
-    Ok((parse("messages", messages)?, tools.map(|t| parse("tools", t)).transpose()?))
+    let m = parse("messages", messages)?;
+    candle_gate::chat::check_messages(&m).map_err(PyTypeError::new_err)?;
+    Ok((m, tools.map(|t| parse("tools", t)).transpose()?))
+}
+
+/// Raises TypeError unless `messages_json` has the shape every chat must have.
+#[pyfunction]
+fn check_chat(messages_json: &str) -> PyResult<()> {
+    chat_json(messages_json, None).map(|_| ())
 }
 
 /// A count argument. Taken as i64 so that a negative one gets an error naming it (PyO3's
@@ -501,6 +509,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("KNOWN_MODELS", known)?;
     m.add("DEFAULT_MODEL", candle_gate::registry::DEFAULT_MODEL)?;
     m.add_function(wrap_pyfunction!(resolve_gate, m)?)?;
+    m.add_function(wrap_pyfunction!(check_chat, m)?)?;
     m.add_function(wrap_pyfunction!(merge_gate, m)?)?;
     m.add_class::<Model>()?;
     m.add_function(wrap_pyfunction!(calibrate_kernels, m)?)?;

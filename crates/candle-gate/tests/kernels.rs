@@ -98,11 +98,12 @@ fn row_split_equals_concatenated_single_rows() {
 }
 
 /// Our single-row kernel is Candle's own single-row path wherever Candle does not repack the
-/// weights (on x86, Candle repacks Q4K always, and Q8_0 on VNNI machines).
+/// weights (on x86, Candle repacks Q4K always, and Q8_0 on VNNI machines) and candle-gate does
+/// not define its own order (Q4K and Q6K: `kernels::cpu_kquant`).
 #[test]
 fn gemv_equals_candle_single_row() {
     for d in SUPPORTED {
-        if matches!(d, GgmlDType::Q4K | GgmlDType::Q8_0 | GgmlDType::F32 | GgmlDType::F16) {
+        if matches!(d, GgmlDType::Q4K | GgmlDType::Q6K | GgmlDType::Q8_0 | GgmlDType::F32 | GgmlDType::F16) {
             continue;
         }
         for (n, k) in shapes(d) {

@@ -29,6 +29,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
+from .. import _native
 from ..engine import Engine, Model, Result
 
 COMPOSITIONS = ("batch2", "batch3", "batch4", "batch5", "batch8", "batch16", "staggered",
@@ -97,7 +98,10 @@ def check_prompts(prompts: Any) -> List[Any]:
             if not p.strip():
                 raise ValueError(f"prompt {i} is empty")
         elif isinstance(p, list) and p and all(isinstance(m, dict) for m in p):
-            pass  # a chat: the model's template (Rust) validates its messages when encoding
+            try:
+                _native.check_chat(json.dumps(p, ensure_ascii=False))
+            except TypeError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
         elif isinstance(p, (list, tuple)) and p and all(
                 isinstance(t, (int, np.integer)) and not isinstance(t, bool) and t >= 0 for t in p):
             p = [int(t) for t in p]

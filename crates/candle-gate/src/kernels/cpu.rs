@@ -100,6 +100,12 @@ where
     if let (Some(w), Some(xq)) = (cast::<T, BlockQ5_0>(w), cast::<T::VecDotType, BlockQ8_0>(xq)) {
         return super::cpu_q32::matmul_q5_0(w, xq, m, k, n, out);
     }
+    if let (Some(w), Some(xq)) = (cast::<T, BlockQ4K>(w), cast::<T::VecDotType, BlockQ8K>(xq)) {
+        return super::cpu_kquant::matmul_q4k(w, xq, m, k, n, out);
+    }
+    if let (Some(w), Some(xq)) = (cast::<T, BlockQ6K>(w), cast::<T::VecDotType, BlockQ8K>(xq)) {
+        return super::cpu_kquant::matmul_q6k(w, xq, m, k, n, out);
+    }
     if let (Some(w), Some(xq)) = (cast::<T, BlockQ8_0>(w), cast::<T::VecDotType, BlockQ8_0>(xq)) {
         if super::cpu_q8_0::matmul(w, xq, m, k, n, out) {
             return;

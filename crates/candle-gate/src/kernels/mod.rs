@@ -2,6 +2,7 @@
 //! GPU backends are stubs unless their cargo feature is on.
 
 pub mod cpu;
+mod cpu_kquant;
 mod cpu_q32;
 mod cpu_q8_0;
 pub mod cpu_split_k;

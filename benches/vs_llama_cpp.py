@@ -1,0 +1,191 @@
+"""candle-gate against llama.cpp on the same GGUF, side by side in one run.
+
+    pip install ".[peer]"          # llama-cpp-python, built from source by pip
+    python benches/vs_llama_cpp.py [--models smollm2-135m-instruct-q4_1,qwen2.5-coder-0.5b-instruct-q4_k_m]
+                                   [--streams 1,8] [--new-tokens 64] [--rounds 2] [--threads 2] [--json OUT]
+
+Both engines get the same prompts as the same token ids (candle-gate's tokenizer and chat
+template render them once) and decode greedily. For each model, stream count and round,
+candle-gate (``invariant`` mode) and llama.cpp run in alternation, and each reports:
+
+* prefill tok/s: prompt tokens / time to the first token, one stream;
+* decode tok/s: tokens generated after every stream's first token / the time that took, summed
+  over streams (llama.cpp decodes the streams as one batch of sequences, as its server does).
+
+The table keeps each side's best round and prints candle-gate / llama.cpp. The bandwidth line
+divides the weight bytes one decode step reads by the measured single-stream step time and by a
+measured read bandwidth (a large ``numpy`` sum), as the share of the limit that decode reaches.
+Nothing here is asserted: numbers depend on the machine.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import sys
+import time
+from typing import Dict, List
+
+import numpy as np
+
+import candle_gate
+from candle_gate import Engine, Model
+from candle_gate.bench import bench_prompt
+
+
+def read_bandwidth_gbs() -> float:
+    a = np.ones(1 << 28, dtype=np.uint8)  # 256 MiB, more than any cache
+    a.sum()
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        a.view(np.uint64).sum()
+        best = min(best, time.perf_counter() - t)
+    return a.nbytes / best / 1e9
+
+
+def prompts(model: Model, n: int) -> List[List[int]]:
+    return [model.encode_chat(bench_prompt(i)) for i in range(n)]
+
+
+def candle_gate_run(model: Model, toks: List[List[int]], new_tokens: int, threads: int) -> Dict[str, float]:
+    eng = Engine(model, mode="invariant", max_num_seqs=max(16, len(toks)), max_tokens_per_step=4096,
+                 prefill_chunk=4096, threads=threads)
+    t0 = time.perf_counter()
+    ids = [eng.submit(t, max_new_tokens=new_tokens) for t in toks]
+    started, first = set(), None
+    while len(started) < len(ids) and eng.has_work:
+        eng.step()
+        for ev in eng._native.events():
+            if ev["type"] == "token":
+                started.add(ev["id"])
+                if first is None:
+                    first = time.perf_counter() - t0
+    n, t1 = 0, time.perf_counter()
+    while eng.has_work:
+        eng.step()
+        n += sum(1 for ev in eng._native.events() if ev["type"] == "token")
+    dt = time.perf_counter() - t1
+    eng.run(ids)
+    return {"prefill_tok_s": len(toks[0]) / first if len(toks) == 1 else float("nan"),
+            "decode_tok_s": n / dt if dt > 0 else 0.0}
+
+
+class LlamaCpp:
+    """llama.cpp through llama-cpp-python's C API: one context, one sequence per stream."""
+
+    def __init__(self, path: str, streams: int, threads: int, n_ctx_per_seq: int):
+        import llama_cpp as lc
+        self.lc = lc
+        lc.llama_backend_init()
+        mp = lc.llama_model_default_params()
+        self.model = lc.llama_model_load_from_file(path.encode(), mp)
+        cp = lc.llama_context_default_params()
+        cp.n_ctx = n_ctx_per_seq * streams
+        cp.n_batch = max(512, n_ctx_per_seq)
+        cp.n_ubatch = cp.n_batch
+        cp.n_seq_max = streams
+        cp.n_threads = threads
+        cp.n_threads_batch = threads
+        self.ctx = lc.llama_init_from_model(self.model, cp)
+        self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
+        self.batch = lc.llama_batch_init(cp.n_batch, 0, streams)
+
+    def close(self):
+        self.lc.llama_batch_free(self.batch)
+        self.lc.llama_free(self.ctx)
+        self.lc.llama_model_free(self.model)
+
+    def _decode(self, items):
+        """items: (token, pos, seq, want_logits); returns argmax per wanted item."""
+        b = self.batch
+        for i, (tok, pos, seq, want) in enumerate(items):
+            b.token[i], b.pos[i], b.n_seq_id[i] = tok, pos, 1
+            b.seq_id[i][0] = seq
+            b.logits[i] = want
+        b.n_tokens = len(items)
+        if self.lc.llama_decode(self.ctx, b) != 0:
+            raise RuntimeError("llama_decode failed")
+        out = []
+        for i, (_, _, _, want) in enumerate(items):
+            if want:
+                p = self.lc.llama_get_logits_ith(self.ctx, i)
+                out.append(int(np.argmax(np.ctypeslib.as_array(p, shape=(self.n_vocab,)))))
+        return out
+
+    def run(self, toks: List[List[int]], new_tokens: int) -> Dict[str, float]:
+        self.lc.llama_memory_clear(self.lc.llama_get_memory(self.ctx), True)
+        t0 = time.perf_counter()
+        last, first = [], None
+        for s, t in enumerate(toks):
+            last.append(self._decode([(tok, i, s, i == len(t) - 1) for i, tok in enumerate(t)])[0])
+            if first is None:
+                first = time.perf_counter() - t0
+        pos = [len(t) for t in toks]
+        n, t1 = 0, time.perf_counter()
+        for _ in range(new_tokens - 1):
+            last = self._decode([(last[s], pos[s], s, True) for s in range(len(toks))])
+            pos = [p + 1 for p in pos]
+            n += len(toks)
+        dt = time.perf_counter() - t1
+        return {"prefill_tok_s": len(toks[0]) / first if len(toks) == 1 else float("nan"),
+                "decode_tok_s": n / dt if dt > 0 else 0.0}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default=",".join(candle_gate.models.KNOWN_MODELS))
+    ap.add_argument("--streams", default="1,8")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        print("llama-cpp-python is not installed: pip install '.[peer]'", file=sys.stderr)
+        return 2
+    streams = [int(s) for s in a.streams.split(",")]
+    bw = read_bandwidth_gbs()
+    print(f"read bandwidth (numpy sum of 256 MiB): {bw:.1f} GB/s; threads {a.threads}", flush=True)
+    rows = []
+    for name in a.models.split(","):
+        model = Model.load(name)
+        for c in streams:
+            toks = prompts(model, c)
+            peer = LlamaCpp(model.path, c, a.threads, max(len(t) for t in toks) + a.new_tokens + 8)
+            ours_best: Dict[str, float] = {}
+            peer_best: Dict[str, float] = {}
+            for rnd in range(a.rounds):
+                for side, fn, best in (("candle-gate", lambda: candle_gate_run(model, toks, a.new_tokens, a.threads), ours_best),
+                                       ("llama.cpp", lambda: peer.run(toks, a.new_tokens), peer_best)):
+                    r = fn()
+                    for k, v in r.items():
+                        if not np.isnan(v):
+                            best[k] = max(best.get(k, 0.0), v)
+                    print(f"  {name} streams={c} round {rnd + 1} {side}: "
+                          + ", ".join(f"{k} {v:.1f}" for k, v in r.items() if not np.isnan(v)), file=sys.stderr, flush=True)
+            peer.close()
+            row = {"model": name, "streams": c, "candle_gate": ours_best, "llama_cpp": peer_best}
+            if c == 1:
+                step_s = 1.0 / ours_best["decode_tok_s"]
+                row["bandwidth_share"] = model.config["bytes_per_decode_token"] / step_s / 1e9 / bw
+            rows.append(row)
+    print(f"\n{'model':<38} {'streams':>7} {'metric':<8} {'candle-gate':>12} {'llama.cpp':>10} {'ratio':>7}")
+    for r in rows:
+        for k, label in (("prefill_tok_s", "prefill"), ("decode_tok_s", "decode")):
+            if k in r["candle_gate"] and k in r["llama_cpp"]:
+                o, p = r["candle_gate"][k], r["llama_cpp"][k]
+                print(f"{r['model']:<38} {r['streams']:>7} {label:<8} {o:>12.1f} {p:>10.1f} {o / p:>6.2f}x")
+        if "bandwidth_share" in r:
+            print(f"{r['model']:<38} {'':>7} decode at {100 * r['bandwidth_share']:.0f}% of the read-bandwidth limit")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"read_bandwidth_gbs": bw, "threads": a.threads, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,404 @@
+//! Q4_K and Q6_K × Q8_K for the CPU `gemv` and `invariant` kernels.
+//!
+//! These define their own per-element arithmetic (Candle's x86 path for them is an eight-lane
+//! float reduction per element, and its multi-row path repacks the weights into another order):
+//! per 256-weight super-block, the integer part is exact —
+//!
+//! * `isum = Σ_j sc_j · Σ_{e∈j} u_e·y_e − OFFSET · Σ_j sc_j · bsum_j` (Q6_K: u = q + 32, OFFSET 32),
+//! * `imin = Σ_j m_j · Σ_{e∈j} y_e` (Q4_K's sub-block mins),
+//!
+//! and the float part is one fixed expression, super-block after super-block:
+//! `acc = acc + ((d_y·d_x)·isum − (d_y·dmin_x)·imin)` (Q6_K: `acc = acc + (d_y·d_x)·isum`).
+//! Integer sums cannot depend on how they are grouped, and the float expression is the same
+//! scalar operations whether eight rows (the batched kernel), eight columns (the GEMV) or one
+//! element (the portable path) sit in the vector lanes — so every row count gives the same bits,
+//! on every x86-64 with AVX2 and on the portable path alike (tested).
+
+use candle_core::quantized::k_quants::{BlockQ4K, BlockQ6K, BlockQ8K};
+use half::f16;
+
+use super::cpu_q32::mirror;
+use super::OutPtr;
+
+/// Mirrors Candle's `#[repr(C)]` `BlockQ4K`.
+#[repr(C)]
+pub(crate) struct Q4K {
+    d: f16,
+    dmin: f16,
+    scales: [u8; 12],
+    qs: [u8; 128],
+}
+/// Mirrors Candle's `#[repr(C)]` `BlockQ6K`.
+#[repr(C)]
+pub(crate) struct Q6K {
+    ql: [u8; 128],
+    qh: [u8; 64],
+    scales: [i8; 16],
+    d: f16,
+}
+/// Mirrors Candle's `#[repr(C)]` `BlockQ8K`.
+#[repr(C)]
+pub(crate) struct Q8K {
+    d: f32,
+    qs: [i8; 256],
+    bsums: [i16; 16],
+}
+const _: () = assert!(std::mem::size_of::<Q4K>() == std::mem::size_of::<BlockQ4K>());
+const _: () = assert!(std::mem::size_of::<Q6K>() == std::mem::size_of::<BlockQ6K>());
+const _: () = assert!(std::mem::size_of::<Q8K>() == std::mem::size_of::<BlockQ8K>());
+const _: () = assert!(std::mem::align_of::<Q8K>() == std::mem::align_of::<BlockQ8K>());
+
+/// A super-block unpacked: 256 unsigned weights in element order, a scale per 16 weights,
+/// and the coefficients its `bsums` term takes (Q4_K: each sub-block's min, twice; Q6_K: the
+/// scales).
+pub(crate) struct Unpacked {
+    u: [[u8; 32]; 8],
+    sc: [i16; 16],
+    bcoef: [i16; 16],
+}
+
+pub(crate) trait KBlock: Sync + 'static {
+    /// Q6_K stores u = q + 32.
+    const OFFSET: i32;
+    const HAS_MIN: bool;
+    fn unpack(&self) -> Unpacked;
+    fn d(&self) -> f32;
+    fn dmin(&self) -> f32;
+}
+
+impl KBlock for Q4K {
+    const OFFSET: i32 = 0;
+    const HAS_MIN: bool = true;
+    fn unpack(&self) -> Unpacked {
+        let q = &self.scales;
+        let sm = |j: usize| -> (u8, u8) {
+            if j < 4 {
+                (q[j] & 63, q[j + 4] & 63)
+            } else {
+                ((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
+            }
+        };
+        let mut sc = [0i16; 16];
+        let mut bcoef = [0i16; 16];
+        for j in 0..8 {
+            let (s, m) = sm(j);
+            sc[2 * j] = s as i16;
+            sc[2 * j + 1] = s as i16;
+            bcoef[2 * j] = m as i16;
+            bcoef[2 * j + 1] = m as i16;
+        }
+        let u = std::array::from_fn(|c| {
+            let src = &self.qs[32 * (c / 2)..32 * (c / 2) + 32];
+            std::array::from_fn(|l| if c % 2 == 0 { src[l] & 0xF } else { src[l] >> 4 })
+        });
+        Unpacked { u, sc, bcoef }
+    }
+    fn d(&self) -> f32 {
+        self.d.to_f32()
+    }
+    fn dmin(&self) -> f32 {
+        self.dmin.to_f32()
+    }
+}
+
+impl KBlock for Q6K {
+    const OFFSET: i32 = 32;
+    const HAS_MIN: bool = false;
+    fn unpack(&self) -> Unpacked {
+        let u = std::array::from_fn(|c| {
+            let (n, t) = (c / 4, c % 4);
+            let ql = &self.ql[64 * n + 32 * (t % 2)..64 * n + 32 * (t % 2) + 32];
+            let qh = &self.qh[32 * n..32 * n + 32];
+            std::array::from_fn(|l| {
+                let lo = if t < 2 { ql[l] & 0xF } else { ql[l] >> 4 };
+                lo | (((qh[l] >> (2 * t)) & 3) << 4)
+            })
+        });
+        let sc = self.scales.map(|s| s as i16);
+        Unpacked { u, sc, bcoef: sc }
+    }
+    fn d(&self) -> f32 {
+        self.d.to_f32()
+    }
+    fn dmin(&self) -> f32 {
+        0.0
+    }
+}
+
+/// The exact integer parts of one super-block against one activation block: (isum, imin).
+fn int_parts<W: KBlock>(x: &Unpacked, y: &Q8K) -> (i32, i32) {
+    let mut isum = 0i32;
+    for (c, u) in x.u.iter().enumerate() {
+        for half in 0..2 {
+            let r = 16 * half..16 * half + 16;
+            let dot: i32 = u[r.clone()].iter().zip(&y.qs[32 * c..][r]).map(|(&u, &q)| u as i32 * q as i32).sum();
+            isum += x.sc[2 * c + half] as i32 * dot;
+        }
+    }
+    let bdot: i32 = x.bcoef.iter().zip(&y.bsums).map(|(&c, &b)| c as i32 * b as i32).sum();
+    if W::HAS_MIN {
+        (isum, bdot)
+    } else {
+        (isum - W::OFFSET * bdot, 0)
+    }
+}
+
+/// The float step every path computes, lane by lane.
+#[inline(always)]
+fn step<W: KBlock>(acc: f32, isum: i32, imin: i32, xd: f32, xdmin: f32, yd: f32) -> f32 {
+    if W::HAS_MIN {
+        acc + ((yd * xd) * isum as f32 - (yd * xdmin) * imin as f32)
+    } else {
+        acc + (yd * xd) * isum as f32
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::{KBlock, Q8K};
+    use std::arch::x86_64::*;
+
+    /// A super-block's weights and coefficients in vector registers.
+    pub struct Vectors {
+        u: [__m256i; 8],
+        sc: [__m256i; 8],
+        bcoef: __m256i,
+    }
+
+    #[inline(always)]
+    pub unsafe fn vectors(x: &super::Unpacked) -> Vectors {
+        Vectors {
+            u: std::array::from_fn(|c| _mm256_loadu_si256(x.u[c].as_ptr() as *const __m256i)),
+            sc: std::array::from_fn(|c| {
+                _mm256_set_m128i(_mm_set1_epi16(x.sc[2 * c + 1]), _mm_set1_epi16(x.sc[2 * c]))
+            }),
+            bcoef: _mm256_loadu_si256(x.bcoef.as_ptr() as *const __m256i),
+        }
+    }
+
+    /// Eight i32 partial sums of the scaled weight·activation products, and of bcoef·bsums.
+    #[inline(always)]
+    pub unsafe fn partials(v: &Vectors, y: &Q8K) -> (__m256i, __m256i) {
+        let mut acc = _mm256_setzero_si256();
+        for c in 0..8 {
+            let yq = _mm256_loadu_si256(y.qs.as_ptr().add(32 * c) as *const __m256i);
+            // u ≤ 63, so a pair of products fits in i16; times a scale it is summed in i32.
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(v.u[c], yq), v.sc[c]));
+        }
+        let b = _mm256_madd_epi16(_mm256_loadu_si256(y.bsums.as_ptr() as *const __m256i), v.bcoef);
+        (acc, b)
+    }
+
+    /// Eight vectors of eight i32 partial sums to one vector of their eight totals.
+    #[inline(always)]
+    pub unsafe fn lanes8(p: [__m256i; 8]) -> __m256i {
+        let h01 = _mm256_hadd_epi32(p[0], p[1]);
+        let h23 = _mm256_hadd_epi32(p[2], p[3]);
+        let h45 = _mm256_hadd_epi32(p[4], p[5]);
+        let h67 = _mm256_hadd_epi32(p[6], p[7]);
+        let q0 = _mm256_hadd_epi32(h01, h23);
+        let q1 = _mm256_hadd_epi32(h45, h67);
+        _mm256_add_epi32(_mm256_permute2x128_si256(q0, q1, 0x20), _mm256_permute2x128_si256(q0, q1, 0x31))
+    }
+
+    /// [`super::step`] on eight lanes: the same IEEE operations in the same order.
+    #[inline(always)]
+    pub unsafe fn step8<W: KBlock>(acc: __m256, isum: __m256i, ib: __m256i, xd: __m256, xdmin: __m256, yd: __m256) -> __m256 {
+        if W::HAS_MIN {
+            let a = _mm256_mul_ps(_mm256_mul_ps(yd, xd), _mm256_cvtepi32_ps(isum));
+            let b = _mm256_mul_ps(_mm256_mul_ps(yd, xdmin), _mm256_cvtepi32_ps(ib));
+            _mm256_add_ps(acc, _mm256_sub_ps(a, b))
+        } else {
+            let isum = _mm256_sub_epi32(isum, _mm256_mullo_epi32(ib, _mm256_set1_epi32(W::OFFSET)));
+            _mm256_add_ps(acc, _mm256_mul_ps(_mm256_mul_ps(yd, xd), _mm256_cvtepi32_ps(isum)))
+        }
+    }
+}
+
+/// Rows `rows` (at most 8; lanes beyond are zero activations) of `xq` against column `wc`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn column_8rows<W: KBlock>(wc: &[W], xq: &[Q8K], kb: usize, rows: usize, zero: &Q8K) -> [f32; 8] {
+    use std::arch::x86_64::*;
+    let mut acc = _mm256_setzero_ps();
+    for (b, x) in wc.iter().enumerate() {
+        let v = avx2::vectors(&x.unpack());
+        let y = |i: usize| if i < rows { &xq[i * kb + b] } else { zero };
+        let mut p = [_mm256_setzero_si256(); 8];
+        let mut q = [_mm256_setzero_si256(); 8];
+        for i in 0..8 {
+            (p[i], q[i]) = avx2::partials(&v, y(i));
+        }
+        let yd = _mm256_setr_ps(y(0).d, y(1).d, y(2).d, y(3).d, y(4).d, y(5).d, y(6).d, y(7).d);
+        acc = avx2::step8::<W>(acc, avx2::lanes8(p), avx2::lanes8(q), _mm256_set1_ps(x.d()), _mm256_set1_ps(x.dmin()), yd);
+    }
+    let mut out = [0f32; 8];
+    _mm256_storeu_ps(out.as_mut_ptr(), acc);
+    out
+}
+
+/// One row `y` against columns `c0..c0+8`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn row_8cols<W: KBlock>(w: &[W], kb: usize, c0: usize, y: &[Q8K]) -> [f32; 8] {
+    use std::arch::x86_64::*;
+    let mut acc = _mm256_setzero_ps();
+    for (b, yb) in y.iter().enumerate() {
+        let xs: [&W; 8] = std::array::from_fn(|i| &w[(c0 + i) * kb + b]);
+        let mut p = [_mm256_setzero_si256(); 8];
+        let mut q = [_mm256_setzero_si256(); 8];
+        for i in 0..8 {
+            (p[i], q[i]) = avx2::partials(&avx2::vectors(&xs[i].unpack()), yb);
+        }
+        let xd = _mm256_setr_ps(xs[0].d(), xs[1].d(), xs[2].d(), xs[3].d(), xs[4].d(), xs[5].d(), xs[6].d(), xs[7].d());
+        let xdmin = _mm256_setr_ps(xs[0].dmin(), xs[1].dmin(), xs[2].dmin(), xs[3].dmin(), xs[4].dmin(), xs[5].dmin(), xs[6].dmin(), xs[7].dmin());
+        acc = avx2::step8::<W>(acc, avx2::lanes8(p), avx2::lanes8(q), xd, xdmin, _mm256_set1_ps(yb.d));
+    }
+    let mut out = [0f32; 8];
+    _mm256_storeu_ps(out.as_mut_ptr(), acc);
+    out
+}
+
+/// The portable definition of one output element.
+fn element<W: KBlock>(wc: &[W], y: &[Q8K]) -> f32 {
+    let mut acc = 0f32;
+    for (x, yb) in wc.iter().zip(y) {
+        let (isum, imin) = int_parts::<W>(&x.unpack(), yb);
+        acc = step::<W>(acc, isum, imin, x.d(), x.dmin(), yb.d);
+    }
+    acc
+}
+
+/// Columns handed to a worker at once.
+const COLS_PER_TASK: usize = 16;
+/// Rows at which rows in the lanes beat columns in the lanes (both give the same bits).
+const GROUP_MIN_ROWS: usize = 3;
+
+static ZERO_Q8K: Q8K = Q8K { d: 0.0, qs: [0; 256], bsums: [0; 16] };
+
+fn matmul<W: KBlock>(w: &[W], xq: &[Q8K], m: usize, k: usize, n: usize, out: &mut [f32]) {
+    let kb = k / 256;
+    let ptr = OutPtr(out.as_mut_ptr());
+    #[cfg(target_arch = "x86_64")]
+    let simd = is_x86_feature_detected!("avx2");
+    #[cfg(not(target_arch = "x86_64"))]
+    let simd = false;
+    let run = |task: usize| {
+        let p = ptr;
+        let cols = task * COLS_PER_TASK..n.min((task + 1) * COLS_PER_TASK);
+        // SAFETY (all writes below): each (row, column) of this task's columns is written by
+        // this task alone, inside `out`; AVX2 was detected at run time where it is used.
+        let put = |r: usize, c: usize, v: f32| unsafe { *p.0.add(r * n + c) = v };
+        let mut c = cols.start;
+        #[cfg(target_arch = "x86_64")]
+        if simd && m >= GROUP_MIN_ROWS {
+            for c in cols.clone() {
+                let wc = &w[c * kb..(c + 1) * kb];
+                for r0 in (0..m).step_by(8) {
+                    let rows = 8.min(m - r0);
+                    let got = unsafe { column_8rows(wc, &xq[r0 * kb..], kb, rows, &ZERO_Q8K) };
+                    got.iter().take(rows).enumerate().for_each(|(i, &v)| put(r0 + i, c, v));
+                }
+            }
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if simd {
+            while c + 8 <= cols.end {
+                for r in 0..m {
+                    let got = unsafe { row_8cols(w, kb, c, &xq[r * kb..(r + 1) * kb]) };
+                    got.iter().enumerate().for_each(|(i, &v)| put(r, c + i, v));
+                }
+                c += 8;
+            }
+        }
+        for c in c..cols.end {
+            for r in 0..m {
+                put(r, c, element(&w[c * kb..(c + 1) * kb], &xq[r * kb..(r + 1) * kb]));
+            }
+        }
+    };
+    let _ = simd;
+    super::parallel_for(n.div_ceil(COLS_PER_TASK), run);
+}
+
+pub fn matmul_q4k(w: &[BlockQ4K], xq: &[BlockQ8K], m: usize, k: usize, n: usize, out: &mut [f32]) {
+    // SAFETY: mirror types of the same size, alignment and layout (asserted above).
+    let (w, xq) = unsafe { (mirror::<_, Q4K>(w), mirror::<_, Q8K>(xq)) };
+    matmul(w, xq, m, k, n, out)
+}
+
+pub fn matmul_q6k(w: &[BlockQ6K], xq: &[BlockQ8K], m: usize, k: usize, n: usize, out: &mut [f32]) {
+    // SAFETY: as above.
+    let (w, xq) = unsafe { (mirror::<_, Q6K>(w), mirror::<_, Q8K>(xq)) };
+    matmul(w, xq, m, k, n, out)
+}
+
+/// The portable definition for `m` rows (what the AVX2 paths must equal bit for bit).
+#[cfg(test)]
+fn portable<W: KBlock>(w: &[W], xq: &[Q8K], m: usize, kb: usize, n: usize) -> Vec<f32> {
+    let mut out = vec![0f32; m * n];
+    for r in 0..m {
+        for c in 0..n {
+            out[r * n + c] = element(&w[c * kb..(c + 1) * kb], &xq[r * kb..(r + 1) * kb]);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::quantized::k_quants::GgmlType;
+
+    fn data(len: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed | 1;
+        (0..len)
+            .map(|i| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                let u = (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+                if i % 61 == 0 { u * 9.0 } else { u }
+            })
+            .collect()
+    }
+
+    fn check<B: GgmlType<VecDotType = BlockQ8K>, W: KBlock>(run: fn(&[B], &[BlockQ8K], usize, usize, usize, &mut [f32])) {
+        let (n, k) = (37, 512);
+        let mut wq = vec![B::zeros(); n * k / 256];
+        B::from_float(&data(n * k, 3), &mut wq);
+        let x = data(19 * k, 5);
+        let mut xq = vec![BlockQ8K::zeros(); 19 * k / 256];
+        BlockQ8K::from_float(&x, &mut xq);
+        // SAFETY: mirror types.
+        let (w, y) = unsafe { (mirror::<_, W>(&wq), mirror::<_, Q8K>(&xq)) };
+        let want = portable(w, y, 19, k / 256, n);
+        for m in 1..=19 {
+            let mut got = vec![0f32; m * n];
+            run(&wq, &xq[..m * k / 256], m, k, n, &mut got);
+            assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "m={m}");
+        }
+        // The definition computes the dot product of the dequantized operands.
+        let mut wf = vec![0f32; n * k];
+        B::to_float(&wq, &mut wf);
+        let mut xf = vec![0f32; 19 * k];
+        BlockQ8K::to_float(&xq, &mut xf);
+        for (i, &v) in want.iter().enumerate() {
+            let (r, c) = (i / n, i % n);
+            let exact: f64 = (0..k).map(|e| wf[c * k + e] as f64 * xf[r * k + e] as f64).sum();
+            let mag: f64 = (0..k).map(|e| (wf[c * k + e] as f64 * xf[r * k + e] as f64).abs()).sum();
+            assert!((v as f64 - exact).abs() <= 1e-5 * mag + 1e-6, "r={r} c={c}: {v} vs {exact}");
+        }
+    }
+
+    #[test]
+    fn q4k_every_path_and_row_count_equals_the_portable_definition() {
+        check::<BlockQ4K, Q4K>(matmul_q4k);
+    }
+
+    #[test]
+    fn q6k_every_path_and_row_count_equals_the_portable_definition() {
+        check::<BlockQ6K, Q6K>(matmul_q6k);
+    }
+}
