@@ -1,11 +1,16 @@
 //! `cargo bench --bench kernels [-- --model NAME|PATH] [-- --rows 1,8]`: every distinct
 //! (dtype, shape) of a model's linear layers, timed side by side in one run: the invariant
-//! kernel against Candle's own `QMatMul` at each row count, and the weight bytes each call
-//! reads per second (a decode step is bandwidth-bound at one row).
+//! kernel against Candle's own `QMatMul` (whatever it dispatches for that row count, repacked
+//! tiles included) and against Candle's single-row dot product run for every element (the
+//! fixed-order baseline), at each row count, and the weight bytes each call reads per second
+//! (a decode step is bandwidth-bound at one row). Rounds alternate and each side keeps its best.
 use std::collections::BTreeMap;
 use std::time::Instant;
 
+use candle_core::quantized::k_quants::{BlockQ4K, BlockQ4_1, BlockQ5_0, BlockQ6K, BlockQ8_0, GgmlType};
+use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Module, Tensor};
+use rayon::prelude::*;
 use candle_gate::dispatch::Kernel;
 use candle_gate::gguf::GgufFile;
 use candle_gate::{registry, QMatMul};
@@ -14,13 +19,13 @@ fn arg(args: &[String], name: &str) -> Option<String> {
     args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned()
 }
 
-/// Median seconds per call over enough calls to fill ~0.3 s.
+/// Median seconds per call over enough calls to fill ~0.1 s.
 fn time(mut f: impl FnMut()) -> f64 {
     f();
     let t = Instant::now();
     f();
     let once = t.elapsed().as_secs_f64().max(1e-6);
-    let reps = ((0.3 / once) as usize).clamp(3, 200);
+    let reps = ((0.1 / once) as usize).clamp(3, 100);
     let mut v: Vec<f64> = (0..reps)
         .map(|_| {
             let t = Instant::now();
@@ -30,6 +35,39 @@ fn time(mut f: impl FnMut()) -> f64 {
         .collect();
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     v[reps / 2]
+}
+
+/// Candle's single-row dot product (`GgmlType::vec_dot`, what its GEMV runs when it does not
+/// repack) for every (row, column), columns split over rayon as our kernels are: the baseline
+/// for kernels that must keep a fixed per-element order.
+fn vec_dot_rows<T: GgmlType + Sync>(w: &QTensor, x: &[f32], m: usize, k: usize, n: usize) -> Vec<f32>
+where
+    T::VecDotType: Sync,
+{
+    let data = w.data().unwrap();
+    // SAFETY: Candle's own CPU storage of a `T` tensor is a whole, aligned array of `T`.
+    let wb = unsafe { std::slice::from_raw_parts(data.as_ptr() as *const T, data.len() / std::mem::size_of::<T>()) };
+    let kb = k / T::BLCK_SIZE;
+    let mut xq = vec![T::VecDotType::zeros(); m * kb];
+    for r in 0..m {
+        T::VecDotType::from_float(&x[r * k..(r + 1) * k], &mut xq[r * kb..(r + 1) * kb]);
+    }
+    let mut out = vec![0f32; m * n];
+    out.par_chunks_mut(n).enumerate().for_each(|(r, o)| {
+        o.par_iter_mut().enumerate().for_each(|(c, v)| *v = T::vec_dot(k, &wb[c * kb..(c + 1) * kb], &xq[r * kb..(r + 1) * kb]));
+    });
+    out
+}
+
+fn vec_dot_baseline(w: &QTensor, x: &[f32], m: usize, k: usize, n: usize) -> Option<Vec<f32>> {
+    Some(match w.dtype() {
+        GgmlDType::Q4K => vec_dot_rows::<BlockQ4K>(w, x, m, k, n),
+        GgmlDType::Q6K => vec_dot_rows::<BlockQ6K>(w, x, m, k, n),
+        GgmlDType::Q5_0 => vec_dot_rows::<BlockQ5_0>(w, x, m, k, n),
+        GgmlDType::Q8_0 => vec_dot_rows::<BlockQ8_0>(w, x, m, k, n),
+        GgmlDType::Q4_1 => vec_dot_rows::<BlockQ4_1>(w, x, m, k, n),
+        _ => return None,
+    })
 }
 
 fn main() {
@@ -51,7 +89,10 @@ fn main() {
         kinds.entry(key).or_insert_with(|| (name.clone(), 0)).1 += 1;
     }
     println!("model {model}: {}", path.display());
-    println!("{:<6} {:>7} {:>6} {:>5} {:>4} {:>11} {:>11} {:>8} {:>9}", "dtype", "n", "k", "count", "rows", "invariant", "candle", "ratio", "GB/s inv");
+    println!(
+        "{:<6} {:>7} {:>6} {:>5} {:>4} {:>11} {:>11} {:>8} {:>11} {:>8} {:>9}",
+        "dtype", "n", "k", "count", "rows", "invariant", "QMatMul", "ratio", "vec_dot", "ratio", "GB/s inv"
+    );
     for ((dtype, n, k), (name, count)) in kinds {
         let t = f.tensor(&name).unwrap();
         let bytes = t.storage_size_in_bytes() as f64;
@@ -60,17 +101,27 @@ fn main() {
         for &m in &rows {
             let x: Vec<f32> = (0..m * k).map(|i| ((i * 7919 % 1000) as f32 / 500.0) - 1.0).collect();
             let xt = Tensor::from_slice(&x, (m, k), &Device::Cpu).unwrap();
-            let ti = time(|| {
-                std::hint::black_box(ours.run_cpu(Kernel::Invariant, &x, m).unwrap());
-            });
-            let tc = time(|| {
-                std::hint::black_box(candle.forward(&xt).unwrap());
-            });
+            // Alternating rounds, each side's best: a busy machine slows both, not one.
+            let (mut ti, mut tc, mut tv) = (f64::INFINITY, f64::INFINITY, f64::INFINITY);
+            let raw = f.tensor(&name).unwrap();
+            for _ in 0..3 {
+                tv = tv.min(time(|| {
+                    std::hint::black_box(vec_dot_baseline(&raw, &x, m, k, n));
+                }));
+                ti = ti.min(time(|| {
+                    std::hint::black_box(ours.run_cpu(Kernel::Invariant, &x, m).unwrap());
+                }));
+                tc = tc.min(time(|| {
+                    std::hint::black_box(candle.forward(&xt).unwrap());
+                }));
+            }
             println!(
-                "{dtype:<6} {n:>7} {k:>6} {count:>5} {m:>4} {:>9.3}ms {:>9.3}ms {:>7.2}x {:>9.1}",
+                "{dtype:<6} {n:>7} {k:>6} {count:>5} {m:>4} {:>9.3}ms {:>9.3}ms {:>7.2}x {:>9.3}ms {:>7.2}x {:>9.1}",
                 ti * 1e3,
                 tc * 1e3,
                 tc / ti,
+                tv * 1e3,
+                tv / ti,
                 bytes / ti / 1e9
             );
         }

@@ -62,6 +62,10 @@ pub(crate) trait KBlock: Sync + 'static {
     const OFFSET: i32;
     const HAS_MIN: bool;
     fn unpack(&self) -> Unpacked;
+    /// [`KBlock::unpack`] straight into vector registers.
+    /// SAFETY: AVX2 must be available.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn vectors(&self) -> avx2::Vectors;
     fn d(&self) -> f32;
     fn dmin(&self) -> f32;
 }
@@ -93,6 +97,34 @@ impl KBlock for Q4K {
         });
         Unpacked { u, sc, bcoef }
     }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn vectors(&self) -> avx2::Vectors {
+        use std::arch::x86_64::*;
+        let mask = _mm256_set1_epi8(0x0F);
+        let mut u = [_mm256_setzero_si256(); 8];
+        for i in 0..4 {
+            let q = _mm256_loadu_si256(self.qs.as_ptr().add(32 * i) as *const __m256i);
+            u[2 * i] = _mm256_and_si256(q, mask);
+            u[2 * i + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
+        }
+        // The 6-bit scales and mins as bytes: scales in the low eight, mins in the high eight
+        // (llama.cpp's `utmp` shuffle).
+        let q = &self.scales;
+        let w = |i: usize| u32::from_le_bytes([q[4 * i], q[4 * i + 1], q[4 * i + 2], q[4 * i + 3]]);
+        let (u0, u1, u2) = (w(0), w(1), w(2));
+        let t3 = ((u2 >> 4) & 0x0f0f0f0f) | (((u1 >> 6) & 0x03030303) << 4);
+        let t2 = u1 & 0x3f3f3f3f;
+        let t1 = (u2 & 0x0f0f0f0f) | (((u0 >> 6) & 0x03030303) << 4);
+        let t0 = u0 & 0x3f3f3f3f;
+        let sm = _mm_set_epi32(t3 as i32, t2 as i32, t1 as i32, t0 as i32);
+        let scales16 = _mm256_cvtepu8_epi16(sm);
+        let dup = _mm256_permute2x128_si256(scales16, scales16, 0x00);
+        let sc = std::array::from_fn(|c| _mm256_shuffle_epi8(dup, avx2::broadcast_i16(c, c)));
+        let mins = _mm_unpackhi_epi8(sm, sm);
+        let bcoef = _mm256_cvtepu8_epi16(mins);
+        avx2::Vectors { u, sc, bcoef }
+    }
     fn d(&self) -> f32 {
         self.d.to_f32()
     }
@@ -116,6 +148,43 @@ impl KBlock for Q6K {
         });
         let sc = self.scales.map(|s| s as i16);
         Unpacked { u, sc, bcoef: sc }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn vectors(&self) -> avx2::Vectors {
+        use std::arch::x86_64::*;
+        let (m4, m2) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x03));
+        let hi = |qh: __m256i, t: i32| {
+            // ((qh >> 2t) & 3) << 4, bytewise (16-bit shifts, then the byte mask).
+            let v = match t {
+                0 => qh,
+                1 => _mm256_srli_epi16(qh, 2),
+                2 => _mm256_srli_epi16(qh, 4),
+                _ => _mm256_srli_epi16(qh, 6),
+            };
+            _mm256_slli_epi16(_mm256_and_si256(v, m2), 4)
+        };
+        let mut u = [_mm256_setzero_si256(); 8];
+        for n in 0..2 {
+            let ql0 = _mm256_loadu_si256(self.ql.as_ptr().add(64 * n) as *const __m256i);
+            let ql1 = _mm256_loadu_si256(self.ql.as_ptr().add(64 * n + 32) as *const __m256i);
+            let qh = _mm256_loadu_si256(self.qh.as_ptr().add(32 * n) as *const __m256i);
+            u[4 * n] = _mm256_or_si256(_mm256_and_si256(ql0, m4), hi(qh, 0));
+            u[4 * n + 1] = _mm256_or_si256(_mm256_and_si256(ql1, m4), hi(qh, 1));
+            u[4 * n + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), hi(qh, 2));
+            u[4 * n + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4), hi(qh, 3));
+        }
+        let bcoef = _mm256_cvtepi8_epi16(_mm_loadu_si128(self.scales.as_ptr() as *const __m128i));
+        let (lo, hi) = (_mm256_permute2x128_si256(bcoef, bcoef, 0x00), _mm256_permute2x128_si256(bcoef, bcoef, 0x11));
+        let sc = std::array::from_fn(|c| {
+            let (a, b) = (2 * c, 2 * c + 1);
+            if c < 4 {
+                _mm256_shuffle_epi8(lo, avx2::broadcast_i16(a, b))
+            } else {
+                _mm256_shuffle_epi8(hi, avx2::broadcast_i16(a - 8, b - 8))
+            }
+        });
+        avx2::Vectors { u, sc, bcoef }
     }
     fn d(&self) -> f32 {
         self.d.to_f32()
@@ -158,22 +227,35 @@ mod avx2 {
     use super::{KBlock, Q8K};
     use std::arch::x86_64::*;
 
-    /// A super-block's weights and coefficients in vector registers.
+    /// A super-block's weights and coefficients in vector registers: what
+    /// [`super::Unpacked`] holds.
     pub struct Vectors {
-        u: [__m256i; 8],
-        sc: [__m256i; 8],
-        bcoef: __m256i,
+        pub u: [__m256i; 8],
+        pub sc: [__m256i; 8],
+        pub bcoef: __m256i,
     }
 
-    #[inline(always)]
-    pub unsafe fn vectors(x: &super::Unpacked) -> Vectors {
-        Vectors {
-            u: std::array::from_fn(|c| _mm256_loadu_si256(x.u[c].as_ptr() as *const __m256i)),
-            sc: std::array::from_fn(|c| {
-                _mm256_set_m128i(_mm_set1_epi16(x.sc[2 * c + 1]), _mm_set1_epi16(x.sc[2 * c]))
-            }),
-            bcoef: _mm256_loadu_si256(x.bcoef.as_ptr() as *const __m256i),
+    /// `_mm256_shuffle_epi8` controls: entry `a * 8 + b` fills the low half with i16 lane `a`
+    /// and the high half with i16 lane `b` of a 128-bit source repeated in both halves.
+    static BROADCAST_I16: [[u8; 32]; 64] = {
+        let mut t = [[0u8; 32]; 64];
+        let mut i = 0;
+        while i < 64 {
+            let (a, b) = ((2 * (i / 8)) as u8, (2 * (i % 8)) as u8);
+            let mut j = 0;
+            while j < 16 {
+                t[i][j] = a + (j % 2) as u8;
+                t[i][16 + j] = b + (j % 2) as u8;
+                j += 1;
+            }
+            i += 1;
         }
+        t
+    };
+
+    #[inline(always)]
+    pub unsafe fn broadcast_i16(a: usize, b: usize) -> __m256i {
+        _mm256_loadu_si256(BROADCAST_I16[a * 8 + b].as_ptr() as *const __m256i)
     }
 
     /// Eight i32 partial sums of the scaled weight·activation products, and of bcoef·bsums.
@@ -222,7 +304,7 @@ unsafe fn column_8rows<W: KBlock>(wc: &[W], xq: &[Q8K], kb: usize, rows: usize, 
     use std::arch::x86_64::*;
     let mut acc = _mm256_setzero_ps();
     for (b, x) in wc.iter().enumerate() {
-        let v = avx2::vectors(&x.unpack());
+        let v = x.vectors();
         let y = |i: usize| if i < rows { &xq[i * kb + b] } else { zero };
         let mut p = [_mm256_setzero_si256(); 8];
         let mut q = [_mm256_setzero_si256(); 8];
@@ -248,7 +330,7 @@ unsafe fn row_8cols<W: KBlock>(w: &[W], kb: usize, c0: usize, y: &[Q8K]) -> [f32
         let mut p = [_mm256_setzero_si256(); 8];
         let mut q = [_mm256_setzero_si256(); 8];
         for i in 0..8 {
-            (p[i], q[i]) = avx2::partials(&avx2::vectors(&xs[i].unpack()), yb);
+            (p[i], q[i]) = avx2::partials(&xs[i].vectors(), yb);
         }
         let xd = _mm256_setr_ps(xs[0].d(), xs[1].d(), xs[2].d(), xs[3].d(), xs[4].d(), xs[5].d(), xs[6].d(), xs[7].d());
         let xdmin = _mm256_setr_ps(xs[0].dmin(), xs[1].dmin(), xs[2].dmin(), xs[3].dmin(), xs[4].dmin(), xs[5].dmin(), xs[6].dmin(), xs[7].dmin());
