@@ -19,8 +19,8 @@ fn is_k_quant(d: GgmlDType) -> bool {
 /// output counts that exercise the 1..3 leftover columns after the column quads.
 fn shapes(d: GgmlDType) -> Vec<(usize, usize)> {
     if is_k_quant(d) {
-        // The Qwen2.5 shapes: 0.5B ffn_down [896, 4864]; 1.5B k_proj [256, 1536], ffn_down [1536, 8960].
-        vec![(576, 768), (192, 512), (37, 256), (130, 1536), (3, 256), (896, 4864), (256, 1536), (1536, 8960)]
+        // The Qwen2.5 shapes: 0.5B ffn_down [896, 4864]; 1.5B k_proj [256, 1536], ffn_down's k (8960).
+        vec![(576, 768), (192, 512), (37, 256), (130, 1536), (3, 256), (896, 4864), (256, 1536), (64, 8960)]
     } else {
         // SmolLM2's shapes and Qwen2.5 0.5B's ([896, 896], k/v [128, 896], ffn [4864, 896]).
         vec![(576, 576), (192, 576), (1536, 576), (576, 1536), (37, 64), (131, 96), (1, 32), (6, 576), (896, 896), (128, 896), (4864, 896)]
