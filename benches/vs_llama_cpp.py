@@ -12,7 +12,7 @@ candle-gate (``invariant`` mode) and llama.cpp run in alternation, and each repo
 * decode tok/s: tokens generated after every stream's first token / the time that took, summed
   over streams (llama.cpp decodes the streams as one batch of sequences, as its server does).
 
-The table keeps each side's best round and prints candle-gate / llama.cpp. The bandwidth line
+After one short warm-up run each (pages the weights in), the table keeps each side's best round and prints candle-gate / llama.cpp. The bandwidth line
 divides the weight bytes one decode step reads by the measured single-stream step time and by a
 measured read bandwidth (a large ``numpy`` sum), as the share of the limit that decode reaches.
 Nothing here is asserted: numbers depend on the machine.
@@ -72,12 +72,24 @@ def candle_gate_run(model: Model, toks: List[List[int]], new_tokens: int, thread
             "decode_tok_s": n / dt if dt > 0 else 0.0}
 
 
+def _quiet(level, text, user_data):
+    pass
+
+
+try:
+    import llama_cpp as _lc
+    _QUIET = _lc.llama_log_callback(_quiet)  # kept alive for the process: llama.cpp holds it
+except ImportError:
+    _QUIET = None
+
+
 class LlamaCpp:
     """llama.cpp through llama-cpp-python's C API: one context, one sequence per stream."""
 
     def __init__(self, path: str, streams: int, threads: int, n_ctx_per_seq: int):
         import llama_cpp as lc
         self.lc = lc
+        lc.llama_log_set(_QUIET, ctypes.c_void_p())
         lc.llama_backend_init()
         mp = lc.llama_model_default_params()
         self.model = lc.llama_model_load_from_file(path.encode(), mp)
@@ -158,6 +170,8 @@ def main(argv=None) -> int:
             peer = LlamaCpp(model.path, c, a.threads, max(len(t) for t in toks) + a.new_tokens + 8)
             ours_best: Dict[str, float] = {}
             peer_best: Dict[str, float] = {}
+            candle_gate_run(model, toks, 4, a.threads)  # warm-up: page in the weights, both sides
+            peer.run(toks, 4)
             for rnd in range(a.rounds):
                 for side, fn, best in (("candle-gate", lambda: candle_gate_run(model, toks, a.new_tokens, a.threads), ours_best),
                                        ("llama.cpp", lambda: peer.run(toks, a.new_tokens), peer_best)):

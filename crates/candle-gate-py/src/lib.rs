@@ -115,6 +115,7 @@ impl Model {
     fn config<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let c = &self.inner.llama.cfg;
         let d = PyDict::new(py);
+        d.set_item("arch", c.arch.name())?;
         d.set_item("n_layer", c.n_layer)?;
         d.set_item("hidden", c.hidden)?;
         d.set_item("ffn", c.ffn)?;

@@ -12,11 +12,8 @@ fn logits_match_candle_transformers() {
     let path = registry::resolve(registry::DEFAULT_MODEL).expect("run `candle-gate fetch` first");
     let policy = Arc::new(Policy::new(Mode::Native));
     let model = Model::load(&path, policy.clone()).unwrap();
-    let chat = model
-        .tokenizer
-        .apply_chat_template(&[tokenizer::ChatMessage { role: "user".into(), content: "What is 2+2?".into() }])
-        .unwrap();
-    let all = model.tokenizer.encode(&chat).unwrap();
+    let chat = serde_json::json!([{"role": "user", "content": "What is 2+2?"}]);
+    let all = model.tokenizer.encode_chat(&chat, None).unwrap();
     for n in [1, 2, 5, all.len()] {
         let ids = &all[..n];
         let mut f = std::fs::File::open(&path).unwrap();

@@ -271,17 +271,7 @@ mod avx2 {
         (acc, b)
     }
 
-    /// Eight vectors of eight i32 partial sums to one vector of their eight totals.
-    #[inline(always)]
-    pub unsafe fn lanes8(p: [__m256i; 8]) -> __m256i {
-        let h01 = _mm256_hadd_epi32(p[0], p[1]);
-        let h23 = _mm256_hadd_epi32(p[2], p[3]);
-        let h45 = _mm256_hadd_epi32(p[4], p[5]);
-        let h67 = _mm256_hadd_epi32(p[6], p[7]);
-        let q0 = _mm256_hadd_epi32(h01, h23);
-        let q1 = _mm256_hadd_epi32(h45, h67);
-        _mm256_add_epi32(_mm256_permute2x128_si256(q0, q1, 0x20), _mm256_permute2x128_si256(q0, q1, 0x31))
-    }
+    pub use super::super::cpu_q32::avx2::lanes8;
 
     /// [`super::step`] on eight lanes: the same IEEE operations in the same order.
     #[inline(always)]

@@ -168,7 +168,7 @@ fn qs_sum(y: &impl Act) -> i32 {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
+pub(crate) mod avx2 {
     use super::Act;
     use std::arch::x86_64::*;
 
@@ -222,7 +222,7 @@ mod avx2 {
 
     /// Eight vectors of eight i32 partial sums to one vector of their eight totals.
     #[inline(always)]
-    unsafe fn lanes8(p: [__m256i; 8]) -> __m256i {
+    pub(crate) unsafe fn lanes8(p: [__m256i; 8]) -> __m256i {
         let h01 = _mm256_hadd_epi32(p[0], p[1]);
         let h23 = _mm256_hadd_epi32(p[2], p[3]);
         let h45 = _mm256_hadd_epi32(p[4], p[5]);
