@@ -271,7 +271,7 @@ mod avx2 {
         (acc, b)
     }
 
-    pub use super::super::cpu_q32::avx2::lanes8;
+    pub(crate) use super::super::cpu_q32::avx2::lanes8;
 
     /// [`super::step`] on eight lanes: the same IEEE operations in the same order.
     #[inline(always)]
