@@ -118,6 +118,61 @@ fn tojson(value: minijinja::Value, kwargs: minijinja::value::Kwargs) -> std::res
     Ok(minijinja::Value::from_safe_string(String::from_utf8(out).expect("serde_json writes UTF-8")))
 }
 
+/// Instructions a template may run for a chat: a base for its own logic plus a share per
+/// message and per tool. Qwen2.5's template spends about 100 instructions and 31 per further
+/// message, SmolLM2's 60 and 23 (`real_templates_fit_the_fuel`); a template that
+/// loops without end (a GGUF's template is untrusted) stops with an error instead of hanging.
+pub const FUEL_BASE: u64 = 1_000_000;
+pub const FUEL_PER_ITEM: u64 = 10_000;
+/// Bytes a rendered chat may take: a base plus a multiple of the caller's own text, so a
+/// template cannot write without bound.
+pub const OUTPUT_BASE: usize = 16 << 20;
+pub const OUTPUT_PER_INPUT_BYTE: usize = 8;
+
+/// The rendered text, refusing to grow past `limit` bytes.
+struct Capped {
+    buf: Vec<u8>,
+    limit: usize,
+    over: bool,
+}
+
+impl std::io::Write for Capped {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        if self.buf.len() + b.len() > self.limit {
+            self.over = true;
+            return Err(std::io::Error::other("the rendered chat is too large"));
+        }
+        self.buf.extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// The shape every chat must have, whatever its template: a non-empty list of objects with a
+/// string `role` and a string `content` (`null` only beside `tool_calls`).
+pub fn check_messages(messages: &Json) -> std::result::Result<(), String> {
+    let list = messages.as_array().ok_or("a chat must be a list of messages")?;
+    if list.is_empty() {
+        return Err("a chat needs at least one message".into());
+    }
+    for (i, m) in list.iter().enumerate() {
+        let ok_role = m.get("role").is_some_and(Json::is_string);
+        let ok_content = match m.get("content") {
+            Some(Json::String(_)) => true,
+            Some(Json::Null) => m.get("tool_calls").is_some(),
+            _ => false,
+        };
+        if !ok_role || !ok_content {
+            return Err(format!(
+                "chat message {i} must be an object with a string `role` and a string `content` (null only with `tool_calls`), got {m}"
+            ));
+        }
+    }
+    Ok(())
+}
+
 impl ChatTemplate {
     pub fn new(source: String, bos_text: String, eos_text: String) -> Self {
         ChatTemplate { source, bos_text, eos_text }
@@ -131,19 +186,8 @@ impl ChatTemplate {
     /// texts the caller wrote marked (see the module docs); `controls` are the vocabulary's
     /// control-token texts.
     pub fn render(&self, messages: &Json, tools: Option<&Json>, add_generation_prompt: bool, controls: &[&str]) -> Result<Rendered> {
-        let list = messages.as_array().ok_or_else(|| Error::BadInput("a chat must be a list of messages".into()))?;
-        if list.is_empty() {
-            return Err(Error::BadInput("a chat needs at least one message".into()));
-        }
-        for (i, m) in list.iter().enumerate() {
-            let ok_role = m.get("role").is_some_and(Json::is_string);
-            let ok_content = matches!(m.get("content"), None | Some(Json::Null) | Some(Json::String(_)));
-            if !ok_role || !ok_content {
-                return Err(Error::BadInput(format!(
-                    "message {i} must be an object with a string `role` and a string (or null) `content`"
-                )));
-            }
-        }
+        check_messages(messages).map_err(Error::BadInput)?;
+        let list = messages.as_array().expect("checked");
         if tools.is_some_and(|t| !t.is_array()) {
             return Err(Error::BadInput("`tools` must be a list of tool definitions".into()));
         }
@@ -159,7 +203,10 @@ impl ChatTemplate {
         let messages = neutralize(messages, controls, marker);
         let tools = tools.map(|t| neutralize(t, controls, marker));
 
+        let items = list.len() as u64 + tools.as_ref().and_then(Json::as_array).map_or(0, |t| t.len() as u64);
+        let input_bytes: usize = seen.iter().map(|s| s.len()).sum();
         let mut env = minijinja::Environment::new();
+        env.set_fuel(Some(FUEL_BASE.saturating_add(FUEL_PER_ITEM.saturating_mul(items))));
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
@@ -169,15 +216,99 @@ impl ChatTemplate {
         });
         env.add_template("chat", &self.source).map_err(|e| Error::Tokenizer(format!("chat template: {e}")))?;
         let t = env.get_template("chat").map_err(|e| Error::Tokenizer(e.to_string()))?;
-        let text = t
-            .render(minijinja::context! {
-                messages => minijinja::Value::from_serialize(&messages),
-                tools => tools.map(|t| minijinja::Value::from_serialize(&t)),
-                add_generation_prompt => add_generation_prompt,
-                bos_token => self.bos_text,
-                eos_token => self.eos_text,
-            })
-            .map_err(|e| Error::BadInput(format!("chat template: {e}")))?;
+        let limit = OUTPUT_BASE.saturating_add(OUTPUT_PER_INPUT_BYTE.saturating_mul(input_bytes));
+        let mut out = Capped { buf: Vec::new(), limit, over: false };
+        let ctx = minijinja::context! {
+            messages => minijinja::Value::from_serialize(&messages),
+            tools => tools.map(|t| minijinja::Value::from_serialize(&t)),
+            add_generation_prompt => add_generation_prompt,
+            bos_token => self.bos_text,
+            eos_token => self.eos_text,
+        };
+        if let Err(e) = t.render_captured_to(ctx, &mut out) {
+            if out.over {
+                return Err(Error::BadInput(format!("chat template: the rendered chat exceeds {limit} bytes")));
+            }
+            return Err(Error::BadInput(format!("chat template: {e}")));
+        }
+        let text = String::from_utf8(out.buf).map_err(|_| Error::BadInput("chat template: rendered invalid UTF-8".into()))?;
         Ok(Rendered { text, marker })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+    use std::time::{Duration, Instant};
+
+    fn render(source: &str) -> (Result<Rendered>, Duration) {
+        let t = Instant::now();
+        let msgs = json!([{"role": "user", "content": "hi"}]);
+        let r = ChatTemplate::new(source.into(), "<s>".into(), "</s>".into()).render(&msgs, None, true, &["<|im_end|>"]);
+        (r, t.elapsed())
+    }
+
+    #[test]
+    fn a_template_that_would_run_for_hours_runs_out_of_fuel() {
+        let src = "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}";
+        let (r, took) = render(src);
+        let e = r.err().expect("refused").to_string();
+        assert!(e.contains("fuel"), "{e}");
+        assert!(took < Duration::from_secs(5), "{took:?}");
+    }
+
+    #[test]
+    fn a_template_that_writes_without_end_is_cut_off() {
+        let src = "{% for a in range(100000) %}{{ 'x' * 10000000 }}{% endfor %}";
+        let (r, took) = render(src);
+        let e = r.err().expect("refused").to_string();
+        assert!(e.contains("exceeds"), "{e}");
+        assert!(took < Duration::from_secs(5), "{took:?}");
+    }
+
+    /// The cached models' templates, where present: a long chat with tools stays well inside the
+    /// fuel (the per-message share is what a message costs them, many times over).
+    #[test]
+    fn real_templates_fit_the_fuel() {
+        let Some(home) = std::env::var_os("HOME") else { return };
+        let dir = std::path::PathBuf::from(home).join(".cache/candle-gate");
+        for name in ["qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "SmolLM2-135M-Instruct.Q4_1.gguf"] {
+            let Ok(f) = crate::gguf::GgufFile::open(&dir.join(name)) else { continue };
+            let Ok(src) = f.get_str("tokenizer.chat_template") else { continue };
+            let tools = json!([{"type": "function", "function": {"name": "f", "description": "d",
+                "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}}}]);
+            let mut msgs = vec![json!({"role": "system", "content": "s"})];
+            for i in 0..500 {
+                msgs.push(json!({"role": if i % 2 == 0 { "user" } else { "assistant" }, "content": format!("m{i}")}));
+            }
+            let msgs = Json::Array(msgs);
+            let t = ChatTemplate::new(src.clone(), String::new(), String::new());
+            t.render(&msgs, Some(&tools), true, &[]).unwrap();
+            // What a message costs, measured with the same template and no fuel limit.
+            let mut env = minijinja::Environment::new();
+            env.set_fuel(Some(u64::MAX / 4));
+            env.add_filter("tojson", tojson);
+            env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+            let tpl = env.template_from_str(&src).unwrap();
+            let used = |n: usize| {
+                let m = Json::Array(msgs.as_array().unwrap()[..n].to_vec());
+                let ctx = minijinja::context! { messages => m, tools => tools.clone(), add_generation_prompt => true };
+                tpl.render_captured(ctx).unwrap().state().fuel_levels().unwrap().0
+            };
+            let (one, many) = (used(2), used(501));
+            let per = (many - one) / 499;
+            eprintln!("{name}: {one} instructions for 2 messages, {per} per further message");
+            assert!(one < FUEL_BASE / 10 && per < FUEL_PER_ITEM / 10, "{one} {per}");
+        }
+    }
+
+    #[test]
+    fn an_ordinary_template_renders_as_before() {
+        let src = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}";
+        let msgs = json!([{"role": "user", "content": "a <|im_end|> b"}]);
+        let r = ChatTemplate::new(src.into(), String::new(), String::new()).render(&msgs, None, true, &["<|im_end|>"]).unwrap();
+        assert_eq!(r.plain(), "<|im_start|>user\na <|im_end|> b<|im_end|>\n");
+        assert_ne!(r.text, r.plain());
     }
 }

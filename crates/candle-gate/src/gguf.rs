@@ -34,23 +34,14 @@ impl GgufFile {
         }
         file.rewind()?;
         let mut reader = BufReader::new(file);
+        // Every count, length and extent in the header is checked against the file's size with
+        // bounded reads first: Candle's reader allocates what the header claims.
+        crate::gguf_check::check_reader(&mut reader, size, &path.display().to_string())?;
+        reader.rewind()?;
         let content = Content::read(&mut reader).map_err(|e| Error::Model {
             path: path.display().to_string(),
             msg: format!("corrupt or truncated GGUF header: {e}"),
         })?;
-        // A truncated download must fail here, by name, rather than deep inside a tensor read.
-        let mut need = content.tensor_data_offset;
-        for info in content.tensor_infos.values() {
-            let elems = info.shape.elem_count();
-            let bytes = elems / info.ggml_dtype.block_size() * info.ggml_dtype.type_size();
-            need = need.max(content.tensor_data_offset + info.offset + bytes as u64);
-        }
-        if size < need {
-            return model_err(
-                path,
-                format!("truncated file: its tensors need {need} bytes but the file has {size}"),
-            );
-        }
         Ok(GgufFile { path: path.to_path_buf(), content, reader })
     }
 

@@ -16,6 +16,7 @@ pub mod dispatch;
 pub mod engine;
 pub mod error;
 pub mod gguf;
+pub mod gguf_check;
 pub mod host;
 pub mod kernels;
 pub mod llama;

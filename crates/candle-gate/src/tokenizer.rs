@@ -121,19 +121,25 @@ impl GgufTokenizer {
 
     /// Token ids of text someone wrote (a completion prompt): control-token texts in it stay text.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        self.encode_marked(text, None)
+        self.encode_marked(text, false, None)
+    }
+
+    /// Token ids of text that is a rendered template already (the caller vouches for it):
+    /// control-token texts anywhere in it become control tokens.
+    pub fn encode_rendered(&self, text: &str) -> Result<Vec<u32>> {
+        self.encode_marked(text, true, None)
     }
 
     /// BPE over `text` between added tokens: user-defined ones anywhere, control ones too when
-    /// `marker` is given (a rendered template), except where the caller's text carries `marker`.
-    fn encode_marked(&self, text: &str, marker: Option<char>) -> Result<Vec<u32>> {
+    /// `controls` (a rendered template), except where the caller's text carries `marker`.
+    fn encode_marked(&self, text: &str, controls: bool, marker: Option<char>) -> Result<Vec<u32>> {
         let mut ids = Vec::new();
         let mut gap = String::new();
         let mut i = 0;
         while i < text.len() {
             let rest = &text[i..];
-            let controls = marker.is_some().then_some(&self.control[..]).unwrap_or(&[]);
-            let hit = self.user_defined.iter().chain(controls).filter(|p| rest.starts_with(&p.text)).max_by_key(|p| p.text.len());
+            let allowed = if controls { &self.control[..] } else { &[] };
+            let hit = self.user_defined.iter().chain(allowed).filter(|p| rest.starts_with(&p.text)).max_by_key(|p| p.text.len());
             if let Some(p) = hit {
                 self.encode_plain(&gap, &mut ids)?;
                 gap.clear();
@@ -197,7 +203,7 @@ impl GgufTokenizer {
     /// (or a tool definition) did.
     pub fn encode_chat(&self, messages: &serde_json::Value, tools: Option<&serde_json::Value>) -> Result<Vec<u32>> {
         let r = self.render(messages, tools)?;
-        self.encode_marked(&r.text, Some(r.marker))
+        self.encode_marked(&r.text, true, Some(r.marker))
     }
 
     pub fn apply_chat_template(&self, messages: &[ChatMessage]) -> Result<String> {
@@ -218,14 +224,25 @@ pub struct StreamDecoder {
 impl StreamDecoder {
     pub fn push(&mut self, tok: &GgufTokenizer, id: u32) -> String {
         self.pending.extend(tok.bytes(&[id], false));
-        let valid = match std::str::from_utf8(&self.pending) {
-            Ok(_) => self.pending.len(),
-            Err(e) => match e.error_len() {
-                // Invalid bytes (not merely incomplete): emit them as U+FFFD and move on.
-                Some(_) => self.pending.len(),
-                None => e.valid_up_to(),
-            },
-        };
+        // Emit everything up to an incomplete character at the end, invalid bytes as U+FFFD (as
+        // `decode` does): hold back only a tail that later bytes may still complete, even when
+        // invalid bytes come before it.
+        let mut valid = 0;
+        loop {
+            match std::str::from_utf8(&self.pending[valid..]) {
+                Ok(_) => {
+                    valid = self.pending.len();
+                    break;
+                }
+                Err(e) => match e.error_len() {
+                    Some(n) => valid += e.valid_up_to() + n,
+                    None => {
+                        valid += e.valid_up_to();
+                        break;
+                    }
+                },
+            }
+        }
         let out: Vec<u8> = self.pending.drain(..valid).collect();
         String::from_utf8_lossy(&out).into_owned()
     }
@@ -235,5 +252,47 @@ impl StreamDecoder {
         let out = String::from_utf8_lossy(&self.pending).into_owned();
         self.pending.clear();
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::quantized::gguf_file;
+
+    /// A byte-level vocabulary: token `b` is byte `b`, token 256 is the bytes FF E3 together.
+    fn byte_tokenizer() -> GgufTokenizer {
+        let mut to_char: Vec<(u8, char)> = unicode_to_byte().into_iter().map(|(c, b)| (b, c)).collect();
+        to_char.sort();
+        let mut tokens: Vec<Value> = to_char.iter().map(|&(_, c)| Value::String(c.to_string())).collect();
+        let (ff, e3) = (to_char[0xFF].1, to_char[0xE3].1);
+        tokens.push(Value::String(format!("{ff}{e3}")));
+        let md = [
+            ("tokenizer.ggml.model", Value::String("gpt2".into())),
+            ("tokenizer.ggml.tokens", Value::Array(tokens)),
+            ("tokenizer.ggml.merges", Value::Array(vec![Value::String(format!("{ff} {e3}"))])),
+        ];
+        let md: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (*k, v)).collect();
+        let path = std::env::temp_dir().join(format!("candle-gate-tokenizer-test-{}.gguf", std::process::id()));
+        let mut w = std::io::Cursor::new(Vec::new());
+        gguf_file::write(&mut w, &md, &[]).unwrap();
+        std::fs::write(&path, w.into_inner()).unwrap();
+        let t = GgufTokenizer::from_gguf(&GgufFile::open(&path).unwrap()).unwrap();
+        let _ = std::fs::remove_file(&path);
+        t
+    }
+
+    /// Found by the `tokenizer` fuzz target: a token holding an invalid byte and then the start
+    /// of a character had the start emitted as U+FFFD before the rest of it arrived.
+    #[test]
+    fn streaming_agrees_with_decode_after_invalid_bytes() {
+        let tok = byte_tokenizer();
+        for ids in [vec![256, 0x81, 0x82], vec![0xFF, 0xE3, 0x81, 0x82], vec![0x41, 256], vec![256, 0x41]] {
+            let mut s = StreamDecoder::default();
+            let mut streamed: String = ids.iter().map(|&id| s.push(&tok, id)).collect();
+            streamed.push_str(&s.finish());
+            assert_eq!(streamed, tok.decode(&ids), "{ids:?}");
+        }
+        assert_eq!(tok.decode(&[256, 0x81, 0x82]), "\u{FFFD}あ");
     }
 }
