@@ -148,6 +148,9 @@ SMALL_TEMPLATES = [
     "{% macro f(x) %}[{{ x | tojson }}]{% endmacro %}{{ f(messages) }}{{ tools | tojson(indent=2) }}",
     "{% if messages[0].role == 'system' %}{{ raise_exception('no system') }}{% endif %}{{ bos_token }}",
     "{{ messages | map(attribute='content') | join(', ') | upper }}{{ 'ab' * 3 }}{{ range(5) | list }}",
+    # Nesting a value once per loop turn: printing or dropping it recursed past the stack.
+    "{% set ns = namespace(x=[]) %}{% for i in range(100000) %}{% set ns.x = [ns.x] %}{% endfor %}{{ ns.x }}",
+    "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}{% include 'chat' %}",
 ]
 
 TEXTS = [

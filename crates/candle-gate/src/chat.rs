@@ -119,11 +119,19 @@ fn tojson(value: minijinja::Value, kwargs: minijinja::value::Kwargs) -> std::res
 }
 
 /// Instructions a template may run for a chat: a base for its own logic plus a share per
-/// message and per tool. Qwen2.5's template spends about 100 instructions and 31 per further
-/// message, SmolLM2's 60 and 23 (`real_templates_fit_the_fuel`); a template that
-/// loops without end (a GGUF's template is untrusted) stops with an error instead of hanging.
-pub const FUEL_BASE: u64 = 1_000_000;
-pub const FUEL_PER_ITEM: u64 = 10_000;
+/// message and per tool, at most [`FUEL_MAX`]. Qwen2.5's template spends about 100 instructions
+/// and 31 per further message, SmolLM2's 60 and 23 (`real_templates_fit_the_fuel`); a template
+/// that loops without end (a GGUF's template is untrusted) stops with an error instead of hanging.
+pub const FUEL_BASE: u64 = 100_000;
+pub const FUEL_PER_ITEM: u64 = 1_000;
+pub const FUEL_MAX: u64 = 1_000_000;
+/// Rendering runs on a thread of its own whose stack grows with the fuel: a template can nest a
+/// value one level deeper per instruction (`{% set ns.x = [ns.x] %}` in a loop), and printing,
+/// serializing or dropping such a value recurses once per level (up to ~390 bytes of stack per
+/// level measured in release builds; more without optimizations). Found by the fuzzer: a few
+/// hundred thousand levels overflowed the caller's stack.
+const STACK_BASE: usize = 16 << 20;
+const STACK_PER_FUEL: usize = if cfg!(debug_assertions) { 4096 } else { 1024 };
 /// Bytes a rendered chat may take: a base plus a multiple of the caller's own text, so a
 /// template cannot write without bound.
 pub const OUTPUT_BASE: usize = 16 << 20;
@@ -205,33 +213,47 @@ impl ChatTemplate {
 
         let items = list.len() as u64 + tools.as_ref().and_then(Json::as_array).map_or(0, |t| t.len() as u64);
         let input_bytes: usize = seen.iter().map(|s| s.len()).sum();
-        let mut env = minijinja::Environment::new();
-        env.set_fuel(Some(FUEL_BASE.saturating_add(FUEL_PER_ITEM.saturating_mul(items))));
-        env.set_trim_blocks(true);
-        env.set_lstrip_blocks(true);
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_filter("tojson", tojson);
-        env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
-            Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
-        });
-        env.add_template("chat", &self.source).map_err(|e| Error::Tokenizer(format!("chat template: {e}")))?;
-        let t = env.get_template("chat").map_err(|e| Error::Tokenizer(e.to_string()))?;
-        let limit = OUTPUT_BASE.saturating_add(OUTPUT_PER_INPUT_BYTE.saturating_mul(input_bytes));
-        let mut out = Capped { buf: Vec::new(), limit, over: false };
-        let ctx = minijinja::context! {
-            messages => minijinja::Value::from_serialize(&messages),
-            tools => tools.map(|t| minijinja::Value::from_serialize(&t)),
-            add_generation_prompt => add_generation_prompt,
-            bos_token => self.bos_text,
-            eos_token => self.eos_text,
-        };
-        if let Err(e) = t.render_captured_to(ctx, &mut out) {
-            if out.over {
-                return Err(Error::BadInput(format!("chat template: the rendered chat exceeds {limit} bytes")));
+        let fuel = FUEL_BASE.saturating_add(FUEL_PER_ITEM.saturating_mul(items)).min(FUEL_MAX);
+        let work = || -> Result<String> {
+            let mut env = minijinja::Environment::new();
+            env.set_fuel(Some(fuel));
+            env.set_trim_blocks(true);
+            env.set_lstrip_blocks(true);
+            env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+            env.add_filter("tojson", tojson);
+            env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
+            });
+            env.add_template("chat", &self.source).map_err(|e| Error::Tokenizer(format!("chat template: {e}")))?;
+            let t = env.get_template("chat").map_err(|e| Error::Tokenizer(e.to_string()))?;
+            let limit = OUTPUT_BASE.saturating_add(OUTPUT_PER_INPUT_BYTE.saturating_mul(input_bytes));
+            let mut out = Capped { buf: Vec::new(), limit, over: false };
+            let ctx = minijinja::context! {
+                messages => minijinja::Value::from_serialize(&messages),
+                tools => tools.as_ref().map(minijinja::Value::from_serialize),
+                add_generation_prompt => add_generation_prompt,
+                bos_token => self.bos_text,
+                eos_token => self.eos_text,
+            };
+            if let Err(e) = t.render_captured_to(ctx, &mut out) {
+                if out.over {
+                    return Err(Error::BadInput(format!("chat template: the rendered chat exceeds {limit} bytes")));
+                }
+                return Err(Error::BadInput(format!("chat template: {e}")));
             }
-            return Err(Error::BadInput(format!("chat template: {e}")));
-        }
-        let text = String::from_utf8(out.buf).map_err(|_| Error::BadInput("chat template: rendered invalid UTF-8".into()))?;
+            String::from_utf8(out.buf).map_err(|_| Error::BadInput("chat template: rendered invalid UTF-8".into()))
+        };
+        // Every value the template makes is made and dropped on this thread (see STACK_BASE).
+        let stack = STACK_BASE.saturating_add((fuel as usize).saturating_mul(STACK_PER_FUEL));
+        let text = std::thread::scope(|s| {
+            std::thread::Builder::new()
+                .name("chat-template".into())
+                .stack_size(stack)
+                .spawn_scoped(s, work)
+                .map_err(|e| Error::Tokenizer(format!("chat template: cannot start its thread: {e}")))?
+                .join()
+                .map_err(|_| Error::BadInput("chat template: rendering panicked".into()))?
+        })?;
         Ok(Rendered { text, marker })
     }
 }
@@ -256,6 +278,32 @@ mod tests {
         let e = r.err().expect("refused").to_string();
         assert!(e.contains("fuel"), "{e}");
         assert!(took < Duration::from_secs(5), "{took:?}");
+    }
+
+    /// Found by the `chat_template` fuzz target (SIGSEGV): a value nested once per loop turn
+    /// overflowed the stack when printed, serialized or dropped.
+    #[test]
+    fn a_template_that_nests_values_deeply_does_not_overflow_the_stack() {
+        for body in ["", "{{ ns.x }}", "{{ ns.x|tojson }}", "{{ [ns.x, ns.x]|sort }}"] {
+            let src = format!(
+                "{{% set ns = namespace(x=[]) %}}{{% for a in range(1000) %}}{{% for b in range(1000) %}}{{% set ns.x = [ns.x] %}}{{% endfor %}}{{% endfor %}}{body}"
+            );
+            let (r, took) = render(&src);
+            // Out of fuel after ~12k levels: refused, or rendered; either way, no crash.
+            if let Err(e) = r {
+                assert!(e.to_string().contains("fuel"), "{e}");
+            }
+            assert!(took < Duration::from_secs(20), "{took:?}");
+        }
+        // Deeper, with fuel for it: 1000 messages give the template FUEL_MAX.
+        let msgs = Json::Array((0..1000).map(|i| json!({"role": "user", "content": format!("m{i}")})).collect());
+        for body in ["{{ ns.x }}", "{{ ns.x|tojson }}"] {
+            let src = format!(
+                "{{% set ns = namespace(x=[]) %}}{{% for a in range(100) %}}{{% for b in range(1000) %}}{{% set ns.x = [ns.x] %}}{{% endfor %}}{{% endfor %}}{body}"
+            );
+            let r = ChatTemplate::new(src, String::new(), String::new()).render(&msgs, None, true, &[]).unwrap();
+            assert_eq!(r.text.len(), 2 * 100_001);
+        }
     }
 
     #[test]
