@@ -33,8 +33,12 @@ fuzz_target!(|data: &[u8]| {
     assert_eq!(content.tensor_data_offset, summary.tensor_data_offset);
     assert!(content.tensor_infos.len() as u64 <= summary.tensor_count);
     let mut cur = Cursor::new(data);
-    for name in content.tensor_infos.keys() {
-        let _ = content.tensor(&mut cur, name, &Device::Cpu);
+    for (name, info) in &content.tensor_infos {
+        // Candle reads a tensor of no elements through an unaligned dangling pointer (UB, caught
+        // by debug assertions); `GgufFile::tensor` refuses those, so the library never does.
+        if info.shape.elem_count() > 0 {
+            let _ = content.tensor(&mut cur, name, &Device::Cpu);
+        }
     }
 
     // The library's path: open the file, read its tensors and metadata.

@@ -12,8 +12,8 @@
 //! * arrays nested deeper than [`MAX_ARRAY_DEPTH`], more than [`MAX_ARRAY_ELEMENTS`] array
 //!   elements in all, more than [`MAX_TENSORS`] tensors, keys or tensor names over
 //!   [`MAX_NAME_LEN`] bytes;
-//! * a tensor with more than [`MAX_TENSOR_DIMS`] dims, an element count that overflows or
-//!   exceeds [`MAX_TENSOR_ELEMS`], a count not a multiple of its dtype's block, an extent that
+//! * a tensor with more than [`MAX_TENSOR_DIMS`] dims, dims whose product (zeros left out)
+//!   overflows or exceeds [`MAX_TENSOR_ELEMS`], a count not a multiple of its dtype's block, an extent that
 //!   overflows or lies past the end of the file;
 //! * a `general.alignment` of 0 or not a power of two (llama.cpp's rule).
 //!
@@ -322,13 +322,17 @@ impl<R: Read> Walker<R> {
             if n_dims > MAX_TENSOR_DIMS {
                 return Err(format!("{} has {n_dims} dims, more than {MAX_TENSOR_DIMS}", what()));
             }
-            let mut elems = 1u64;
+            // The product of the dims other than 0 is bounded, not only the element count: Candle
+            // multiplies the dims in its own order, and [2^40, 2^40, 0] overflows before the 0.
+            let (mut nonzero, mut zero) = (1u64, false);
             for d in 0..n_dims {
                 let dim = self.len(&|| format!("dim {d} of {}", what()))?;
-                elems = elems.checked_mul(dim).filter(|&e| e <= MAX_TENSOR_ELEMS).ok_or_else(|| {
+                zero |= dim == 0;
+                nonzero = nonzero.checked_mul(dim.max(1)).filter(|&e| e <= MAX_TENSOR_ELEMS).ok_or_else(|| {
                     format!("{} has more than {MAX_TENSOR_ELEMS} elements", what())
                 })?;
             }
+            let elems = if zero { 0 } else { nonzero };
             let id = self.u32(&|| format!("the dtype of {}", what()))?;
             let Some(dt) = dtype(id) else {
                 return Err(format!("{} has unknown dtype {id}", what()));
@@ -475,6 +479,18 @@ mod tests {
         b.extend(0u32.to_le_bytes());
         b.extend(0u64.to_le_bytes());
         refused(&b, "elements");
+        // A zero dim does not excuse the others (found by the `gguf_header` fuzz target with
+        // overflow checks: Candle's element count overflowed on [2^40, 2^40, 0]).
+        let mut b = header(1, 0);
+        string(&mut b, "w");
+        b.extend(3u32.to_le_bytes());
+        b.extend(0u64.to_le_bytes());
+        b.extend((1u64 << 40).to_le_bytes());
+        b.extend((1u64 << 40).to_le_bytes());
+        b.extend(0u32.to_le_bytes());
+        b.extend(0u64.to_le_bytes());
+        b.extend([0u8; 64]);
+        refused(&b, "more than 281474976710656 elements");
     }
 
     #[test]
@@ -530,6 +546,29 @@ mod tests {
         // What the check keeps Candle's reader from: `position.div_ceil(0)`.
         let candle = std::panic::catch_unwind(|| Content::read(&mut Cursor::new(&b)));
         assert!(candle.is_err(), "Candle 0.11.1 panics on a zero alignment; if no longer, keep the check anyway");
+    }
+
+    /// Found by the `gguf_header` fuzz target (with debug assertions): Candle reads a tensor of
+    /// no elements through an unaligned dangling pointer. Such a file still opens; reading that
+    /// tensor is an error.
+    #[test]
+    fn a_tensor_of_no_elements_is_an_error_not_undefined_behaviour() {
+        let mut b = header(1, 0);
+        string(&mut b, "empty");
+        b.extend(2u32.to_le_bytes());
+        b.extend(0u64.to_le_bytes());
+        b.extend(4u64.to_le_bytes());
+        b.extend(0u32.to_le_bytes());
+        b.extend(0u64.to_le_bytes());
+        b.resize(b.len().div_ceil(32) * 32, 0);
+        check_bytes(&b).unwrap();
+        let path = std::env::temp_dir().join(format!("candle-gate-empty-tensor-{}.gguf", std::process::id()));
+        std::fs::write(&path, &b).unwrap();
+        let mut f = crate::gguf::GgufFile::open(&path).unwrap();
+        let _ = std::fs::remove_file(&path);
+        assert_eq!(f.tensor_dims("empty").unwrap(), vec![4, 0]);
+        let e = f.tensor("empty").err().expect("refused").to_string();
+        assert!(e.contains("has no elements"), "{e}");
     }
 
     #[test]
