@@ -1,9 +1,11 @@
-"""candle-gate: greedy decoding that gives the same tokens whatever shares the batch.
+"""candle-gate: greedy and seeded decoding that give the same tokens whatever shares the batch.
 
     import candle_gate
     model = candle_gate.Model.load()                 # SmolLM2-135M-Instruct Q4_1, downloaded once
     [r] = model.generate(["The capital of France is"], max_new_tokens=8)
     r.text, r.token_ids, r.margins, r.fingerprint
+    params = candle_gate.SamplingParams(max_new_tokens=32, temperature=0.8, top_p=0.95, seed=7)
+    [r] = model.generate(["Once upon a time"], params=params)   # the same text in any batch
 
     report = candle_gate.run_probe(model, mode="split_k_f16", compositions="batch2,batch8")
 
@@ -12,11 +14,11 @@ the JSON and the PNG); ``candle_gate.run_probe`` is ``candle_gate.probe.run_prob
 """
 from ._native import CandleGateError, CUDA_AVAILABLE, METAL_AVAILABLE, __version__
 from .models import DEFAULT_MODEL, cache_dir, fetch, resolve
-from .engine import Engine, Model, Result, MODES, GATES
+from .engine import Engine, Model, Result, SamplingParams, MODES, GATES
 from .probe import run_probe
 
 __all__ = [
     "CandleGateError", "CUDA_AVAILABLE", "METAL_AVAILABLE", "__version__",
     "DEFAULT_MODEL", "cache_dir", "fetch", "resolve",
-    "Engine", "Model", "Result", "MODES", "GATES", "run_probe",
+    "Engine", "Model", "Result", "SamplingParams", "MODES", "GATES", "run_probe",
 ]

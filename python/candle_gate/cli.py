@@ -26,24 +26,45 @@ def _gate_args(p: argparse.ArgumentParser) -> None:
                         "lane (default: the profile's, else tau/2)")
 
 
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=None, help="0 (default): greedy")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=None)
+    p.add_argument("--presence-penalty", type=float, default=None)
+    p.add_argument("--frequency-penalty", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None,
+                   help="key of every draw (default: one drawn per request and reported)")
+
+
 def cmd_generate(a: argparse.Namespace) -> int:
-    from .engine import Engine, Model
+    from .engine import Engine, Model, SamplingParams
+    from .probe import sampling_args
+    # Checked before the model loads: a bad parameter should not wait for a download.
+    params = SamplingParams(max_new_tokens=a.max_new_tokens, stop=a.stop, n=a.n, **sampling_args(a))
     model = Model.load(a.model, mode=a.mode, profile=a.profile)
     eng = Engine(model, gate=a.gate, tau=a.tau, deep_tau=a.deep_tau, profile=a.profile)
-    rid = eng.submit(a.prompt, max_new_tokens=a.max_new_tokens, stop=a.stop or None, chat=a.chat)
+    rid = eng.submit(a.prompt, chat=a.chat, params=params)
     if a.json:
         [r] = eng.run([rid])
-        out = r.to_json()
-        out.update({"model": model.path, "mode": a.mode, "gate": a.gate})
-        print(json.dumps(out))
+        choices = []
+        for c in r.choices:
+            out = c.to_json()
+            out.update({"model": model.path, "mode": a.mode, "gate": a.gate, "index": c.index})
+            choices.append(out)
+        print(json.dumps(choices[0] if params.n == 1 else choices))
         return 0
     for ev in eng.stream():
-        if ev["type"] == "token":
+        if ev["type"] == "token" and ev["index"] == 0:
             sys.stdout.write(ev["text"])
             sys.stdout.flush()
     r = eng.result(rid)
     sys.stdout.write("\n")
-    print(f"[{len(r.token_ids)} tokens, finish={r.finish_reason}, fingerprint={r.fingerprint}]", file=sys.stderr)
+    for c in r.choices[1:]:
+        sys.stdout.write(f"--- choice {c.index}\n{c.text}\n")
+    print(f"[{len(r.token_ids)} tokens, finish={r.finish_reason}, seed={r.seed}, fingerprint={r.fingerprint}]",
+          file=sys.stderr)
     return 0
 
 
@@ -78,10 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--version", action="version", version=f"candle-gate {_native.__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
-    g = sub.add_parser("generate", help="greedy generation for one prompt")
+    g = sub.add_parser("generate", help="generation for one prompt (greedy unless --temperature)")
     g.add_argument("prompt")
     _common(g)
     _gate_args(g)
+    _sampling_args(g)
+    g.add_argument("--n", type=int, default=1, help="choices from the one prompt")
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
@@ -113,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", dest="json_out", default=None, help="write the report here")
     p.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")
     p.add_argument("--compositions", default=None, help="comma-separated subset of composition names")
+    _sampling_args(p)
     p.set_defaults(func=cmd_probe)
 
     b = sub.add_parser("bench", help="benchmarks")

@@ -18,12 +18,19 @@ from .models import resolve
 MODES = tuple(_native.MODES)  # the Rust enums own the names
 GATES = tuple(_native.GATES)
 
+#: How a request decodes: ``max_new_tokens``, ``stop``, ``temperature`` (0: greedy), ``top_k``,
+#: ``top_p``, ``min_p``, ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``,
+#: ``seed``, ``n``, ``logprobs``, ``top_logprobs``. Rust's type: validated when built.
+SamplingParams = _native.SamplingParams
+
 Chat = List[Dict[str, str]]
 Prompt = Union[str, Chat, Sequence[int]]
 
 
-@dataclass
+@dataclass(eq=False)
 class Result:
+    """One choice of a finished request (choice 0 for a request of ``n`` choices, whose
+    :attr:`choices` holds all of them)."""
     text: str
     token_ids: np.ndarray
     margins: np.ndarray
@@ -39,10 +46,25 @@ class Result:
     id: int = 0
     #: why the engine failed this request alone (``finish_reason == "error"``), else None
     error: Optional[str] = None
+    #: which of the request's choices this is
+    index: int = 0
+    #: the seed the request's draws were keyed by (its own, or the one drawn at submit)
+    seed: int = 0
+    #: per step, the chosen token's log-probability (empty unless ``logprobs``)
+    logprobs: np.ndarray = field(repr=False, default_factory=lambda: np.zeros(0, np.float32))
+    #: ``[steps, top_logprobs]``: the most likely tokens per step and their log-probabilities
+    top_logprob_ids: np.ndarray = field(repr=False, default_factory=lambda: np.zeros((0, 0), np.uint32))
+    top_logprobs: np.ndarray = field(repr=False, default_factory=lambda: np.zeros((0, 0), np.float32))
+    #: every choice of the request, in index order (this one first)
+    choices: List["Result"] = field(repr=False, default_factory=list)
 
     @classmethod
     def _from(cls, d: Dict[str, Any]) -> "Result":
-        return cls(**d)
+        shared = {"id": d["id"], "prompt_tokens": d["prompt_tokens"], "seed": d["seed"]}
+        choices = [cls(**shared, **c) for c in d["choices"]]
+        for c in choices:
+            c.choices = choices
+        return choices[0]
 
     def to_json(self) -> Dict[str, Any]:
         return {
@@ -53,6 +75,7 @@ class Result:
             "finish_reason": self.finish_reason,
             "rechecked": int(self.rechecked.sum()),
             "corrected": int(self.corrected.sum()),
+            "seed": self.seed,
         }
 
 
@@ -134,9 +157,12 @@ class Model:
         return Engine(self, **kwargs)
 
     def generate(self, prompts: Union[Prompt, List[Prompt]], max_new_tokens: int = 64,
-                 stop: Optional[Sequence[str]] = None, chat: bool = False, **engine_kwargs: Any) -> List[Result]:
-        """Greedy generation for a list of prompts, batched together; results in input order."""
-        return Engine(self, **engine_kwargs).generate(prompts, max_new_tokens=max_new_tokens, stop=stop, chat=chat)
+                 stop: Optional[Sequence[str]] = None, chat: bool = False,
+                 params: Optional[SamplingParams] = None, **engine_kwargs: Any) -> List[Result]:
+        """Generation for a list of prompts, batched together; results in input order. Greedy
+        unless ``params`` (a :class:`SamplingParams`) says otherwise."""
+        return Engine(self, **engine_kwargs).generate(prompts, max_new_tokens=max_new_tokens, stop=stop,
+                                                      chat=chat, params=params)
 
 
 class Engine:
@@ -160,21 +186,21 @@ class Engine:
             prefill_chunk=prefill_chunk, kv_budget_tokens=kv_budget_tokens, threads=threads,
             record_logit_hashes=record_logit_hashes, row_split_max=row_split_max)
 
-    def submit(self, prompt: Prompt, max_new_tokens: int = 64, stop: Optional[Sequence[str]] = None,
-               chat: bool = False, forced_tokens: Optional[Sequence[int]] = None) -> int:
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)):
-            raise TypeError(f"max_new_tokens must be an int, got {type(max_new_tokens).__name__}")
-        if stop is None:
-            stop = []
-        elif isinstance(stop, str):
-            stop = [stop]
-        if not all(isinstance(s, str) for s in stop):
-            raise TypeError("stop must be a string or a list of strings")
-        if any(s == "" for s in stop):
-            raise ValueError("stop strings must not be empty")
+    def submit(self, prompt: Prompt, max_new_tokens: int = 64, stop: Union[str, Sequence[str], None] = None,
+               chat: bool = False, forced_tokens: Optional[Sequence[int]] = None,
+               params: Optional[SamplingParams] = None, **sampling: Any) -> int:
+        """Queues a prompt; returns its request id. Decoding is ``params``, or a
+        :class:`SamplingParams` built from ``max_new_tokens``, ``stop`` and the keyword
+        arguments (``temperature``, ``top_p``, ``seed``, ``n``, ``logprobs``, ...)."""
+        if params is None:
+            params = SamplingParams(max_new_tokens=max_new_tokens, stop=stop, **sampling)
+        elif sampling:
+            raise TypeError(f"pass either params= or sampling keywords, not both ({', '.join(sampling)})")
+        elif not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         ids = self.model.encode_prompt(prompt, chat=chat)
         forced = None if forced_tokens is None else [int(t) for t in forced_tokens]
-        return self._native.submit(ids, int(max_new_tokens), list(stop), forced)
+        return self._native.submit(ids, params, forced)
 
     def step(self) -> int:
         return self._native.step()
@@ -203,13 +229,15 @@ class Engine:
         return self._native.gate_stats()
 
     def result(self, request_id: int) -> Optional[Result]:
+        """The finished request's result (choice 0; ``.choices`` has all), or None."""
         d = self._native.take_output(int(request_id))
         return None if d is None else Result._from(d)
 
     def stream(self) -> Iterator[Dict[str, Any]]:
         """Steps until no work is left, yielding events as they happen: ``{"type": "token",
-        "id", "token", "text"}`` (text is a UTF-8-safe delta) and ``{"type": "finished",
-        "id", "reason"}``."""
+        "id", "index", "token", "text"}`` (text is a UTF-8-safe delta; with ``logprobs``, also
+        ``logprob``, ``top_logprob_ids``, ``top_logprobs``) and ``{"type": "finished", "id",
+        "index", "reason"}``."""
         while True:
             for ev in self._native.events():
                 yield ev
@@ -223,12 +251,15 @@ class Engine:
         return [Result._from(d) for d in self._native.run([int(i) for i in ids])]
 
     def generate(self, prompts: Union[Prompt, List[Prompt]], max_new_tokens: int = 64,
-                 stop: Optional[Sequence[str]] = None, chat: bool = False) -> List[Result]:
+                 stop: Optional[Sequence[str]] = None, chat: bool = False,
+                 params: Optional[SamplingParams] = None) -> List[Result]:
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
             raise TypeError("prompts must be a list of prompts")
-        ids = [self.submit(p, max_new_tokens=max_new_tokens, stop=stop, chat=chat) for p in prompts]
+        if params is None:
+            params = SamplingParams(max_new_tokens=max_new_tokens, stop=stop)
+        ids = [self.submit(p, chat=chat, params=params) for p in prompts]
         return self.run(ids)
 
 

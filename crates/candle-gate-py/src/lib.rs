@@ -8,15 +8,15 @@ use std::str::FromStr;
 use std::sync::{Arc, Mutex};
 
 use candle_gate::dispatch::Backend;
-use candle_gate::engine::{Event, Output};
+use candle_gate::engine::{Choice, Event, Output};
 use candle_gate::profile::Profile;
 use candle_gate::reference::ReferenceWeights;
 use candle_gate::{Engine as RsEngine, EngineConfig, GateConfig, GateMode, Mode, Model as RsModel, Policy, Request};
-use numpy::{IntoPyArray, PyArray1};
+use numpy::{IntoPyArray, PyArray1, PyArray2};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList};
+use pyo3::types::{PyDict, PyList, PyString};
 
 mod testing;
 
@@ -212,27 +212,184 @@ struct Engine {
     inner: Mutex<RsEngine>,
 }
 
+/// `(ids, logprobs)` of a choice's top alternatives as `[steps, k]` arrays.
+fn top_arrays<'py>(py: Python<'py>, top: &[Vec<(u32, f32)>]) -> (Bound<'py, PyArray2<u32>>, Bound<'py, PyArray2<f32>>) {
+    let k = top.first().map_or(0, |t| t.len());
+    let ids: Vec<Vec<u32>> = top.iter().map(|t| t.iter().map(|x| x.0).collect()).collect();
+    let lps: Vec<Vec<f32>> = top.iter().map(|t| t.iter().map(|x| x.1).collect()).collect();
+    let ids = numpy::ndarray::Array2::from_shape_vec((top.len(), k), ids.concat()).expect("k alternatives per step");
+    let lps = numpy::ndarray::Array2::from_shape_vec((top.len(), k), lps.concat()).expect("k alternatives per step");
+    (ids.into_pyarray(py), lps.into_pyarray(py))
+}
+
+fn gate_dict<'py>(py: Python<'py>, g: &candle_gate::engine::GateStats) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("steps", g.steps)?;
+    d.set_item("rechecks", g.rechecks)?;
+    d.set_item("corrections", g.corrections)?;
+    d.set_item("deep_rechecks", g.deep_rechecks)?;
+    Ok(d)
+}
+
+fn choice_dict<'py>(py: Python<'py>, c: Choice) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("index", c.index)?;
+    d.set_item("text", c.text)?;
+    d.set_item("token_ids", c.token_ids.into_pyarray(py))?;
+    d.set_item("margins", c.margins.into_pyarray(py))?;
+    d.set_item("reference_margins", c.reference_margins.into_pyarray(py))?;
+    d.set_item("rechecked", c.rechecked.into_iter().map(|b| b as u8).collect::<Vec<_>>().into_pyarray(py))?;
+    d.set_item("corrected", c.corrected.into_iter().map(|b| b as u8).collect::<Vec<_>>().into_pyarray(py))?;
+    d.set_item("logit_hashes", c.logit_hashes.into_pyarray(py))?;
+    d.set_item("logprobs", c.logprobs.into_pyarray(py))?;
+    let (ids, lps) = top_arrays(py, &c.top_logprobs);
+    d.set_item("top_logprob_ids", ids)?;
+    d.set_item("top_logprobs", lps)?;
+    d.set_item("finish_reason", c.finish_reason.name())?;
+    d.set_item("fingerprint", c.fingerprint)?;
+    d.set_item("error", c.error)?;
+    d.set_item("gate", gate_dict(py, &c.gate)?)?;
+    Ok(d)
+}
+
 fn output_dict<'py>(py: Python<'py>, o: Output) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("id", o.id)?;
-    d.set_item("text", o.text)?;
-    d.set_item("token_ids", o.token_ids.into_pyarray(py))?;
     d.set_item("prompt_tokens", o.prompt_tokens.len())?;
-    d.set_item("margins", o.margins.into_pyarray(py))?;
-    d.set_item("reference_margins", o.reference_margins.into_pyarray(py))?;
-    d.set_item("rechecked", o.rechecked.into_iter().map(|b| b as u8).collect::<Vec<_>>().into_pyarray(py))?;
-    d.set_item("corrected", o.corrected.into_iter().map(|b| b as u8).collect::<Vec<_>>().into_pyarray(py))?;
-    d.set_item("logit_hashes", o.logit_hashes.into_pyarray(py))?;
-    d.set_item("finish_reason", o.finish_reason.name())?;
-    d.set_item("fingerprint", o.fingerprint)?;
-    d.set_item("error", o.error)?;
-    let g = PyDict::new(py);
-    g.set_item("steps", o.gate.steps)?;
-    g.set_item("rechecks", o.gate.rechecks)?;
-    g.set_item("corrections", o.gate.corrections)?;
-    g.set_item("deep_rechecks", o.gate.deep_rechecks)?;
-    d.set_item("gate", g)?;
+    d.set_item("seed", o.seed)?;
+    let choices = PyList::empty(py);
+    for c in o.choices {
+        choices.append(choice_dict(py, c)?)?;
+    }
+    d.set_item("choices", choices)?;
     Ok(d)
+}
+
+/// How a request decodes (`candle_gate::SamplingParams`): built and validated here, once.
+#[pyclass(frozen, module = "candle_gate._native", name = "SamplingParams")]
+#[derive(Clone)]
+pub(crate) struct SamplingParams {
+    pub(crate) inner: candle_gate::SamplingParams,
+}
+
+#[pymethods]
+impl SamplingParams {
+    #[new]
+    #[pyo3(signature = (*, max_new_tokens = 64, stop = None, temperature = 0.0, top_k = 0, top_p = 1.0, min_p = 0.0,
+        repetition_penalty = 1.0, presence_penalty = 0.0, frequency_penalty = 0.0, seed = None, n = 1,
+        logprobs = false, top_logprobs = 0))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        max_new_tokens: i64,
+        stop: Option<&Bound<'_, PyAny>>,
+        temperature: f64,
+        top_k: i64,
+        top_p: f64,
+        min_p: f64,
+        repetition_penalty: f64,
+        presence_penalty: f64,
+        frequency_penalty: f64,
+        seed: Option<i128>,
+        n: i64,
+        logprobs: bool,
+        top_logprobs: i64,
+    ) -> PyResult<Self> {
+        let stop = match stop {
+            None => Vec::new(),
+            Some(s) if s.is_instance_of::<PyString>() => vec![s.extract::<String>()?],
+            Some(s) => s
+                .extract::<Vec<String>>()
+                .map_err(|_| PyTypeError::new_err("stop must be a string or a list of strings"))?,
+        };
+        let seed = seed
+            .map(|s| u64::try_from(s).map_err(|_| PyValueError::new_err(format!("seed must be in [0, 2**64), got {s}"))))
+            .transpose()?;
+        if max_new_tokens <= 0 {
+            return Err(PyValueError::new_err(format!("max_new_tokens must be positive, got {max_new_tokens}")));
+        }
+        if n <= 0 {
+            return Err(PyValueError::new_err(format!("n must be positive, got {n}")));
+        }
+        let inner = candle_gate::SamplingParams {
+            max_new_tokens: max_new_tokens as usize,
+            stop,
+            temperature: temperature as f32,
+            top_k: count("top_k", top_k)?,
+            top_p: top_p as f32,
+            min_p: min_p as f32,
+            repetition_penalty: repetition_penalty as f32,
+            presence_penalty: presence_penalty as f32,
+            frequency_penalty: frequency_penalty as f32,
+            seed,
+            n: n as usize,
+            logprobs,
+            top_logprobs: count("top_logprobs", top_logprobs)?,
+        };
+        inner.validate().map_err(to_py)?;
+        Ok(SamplingParams { inner })
+    }
+
+    #[getter]
+    fn max_new_tokens(&self) -> usize {
+        self.inner.max_new_tokens
+    }
+    #[getter]
+    fn stop(&self) -> Vec<String> {
+        self.inner.stop.clone()
+    }
+    #[getter]
+    fn temperature(&self) -> f32 {
+        self.inner.temperature
+    }
+    #[getter]
+    fn top_k(&self) -> usize {
+        self.inner.top_k
+    }
+    #[getter]
+    fn top_p(&self) -> f32 {
+        self.inner.top_p
+    }
+    #[getter]
+    fn min_p(&self) -> f32 {
+        self.inner.min_p
+    }
+    #[getter]
+    fn repetition_penalty(&self) -> f32 {
+        self.inner.repetition_penalty
+    }
+    #[getter]
+    fn presence_penalty(&self) -> f32 {
+        self.inner.presence_penalty
+    }
+    #[getter]
+    fn frequency_penalty(&self) -> f32 {
+        self.inner.frequency_penalty
+    }
+    #[getter]
+    fn seed(&self) -> Option<u64> {
+        self.inner.seed
+    }
+    #[getter]
+    fn n(&self) -> usize {
+        self.inner.n
+    }
+    #[getter]
+    fn logprobs(&self) -> bool {
+        self.inner.logprobs
+    }
+    #[getter]
+    fn top_logprobs(&self) -> usize {
+        self.inner.top_logprobs
+    }
+    fn __repr__(&self) -> String {
+        let p = &self.inner;
+        format!(
+            "SamplingParams(max_new_tokens={}, stop={:?}, temperature={}, top_k={}, top_p={}, min_p={}, repetition_penalty={}, presence_penalty={}, frequency_penalty={}, seed={}, n={}, logprobs={}, top_logprobs={})",
+            p.max_new_tokens, p.stop, p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty,
+            p.presence_penalty, p.frequency_penalty, p.seed.map_or("None".into(), |s| s.to_string()), p.n,
+            if p.logprobs { "True" } else { "False" }, p.top_logprobs
+        )
+    }
 }
 
 impl Engine {
@@ -305,20 +462,10 @@ impl Engine {
         })
     }
 
-    #[pyo3(signature = (prompt_tokens, max_new_tokens, stop = Vec::new(), forced_tokens = None))]
-    fn submit(
-        &self,
-        py: Python<'_>,
-        prompt_tokens: Vec<u32>,
-        max_new_tokens: i64,
-        stop: Vec<String>,
-        forced_tokens: Option<Vec<u32>>,
-    ) -> PyResult<u64> {
+    #[pyo3(signature = (prompt_tokens, params, forced_tokens = None))]
+    fn submit(&self, py: Python<'_>, prompt_tokens: Vec<u32>, params: &SamplingParams, forced_tokens: Option<Vec<u32>>) -> PyResult<u64> {
         guarded("Engine.submit", || {
-            if max_new_tokens <= 0 {
-                return Err(PyValueError::new_err(format!("max_new_tokens must be positive, got {max_new_tokens}")));
-            }
-            let req = Request { prompt_tokens, max_new_tokens: max_new_tokens as usize, stop, forced_tokens };
+            let req = Request { prompt_tokens, params: params.inner.clone(), forced_tokens };
             py.detach(|| self.lock().map(|mut e| e.submit(req)))?.map_err(to_py)
         })
     }
@@ -366,32 +513,35 @@ impl Engine {
     }
 
     fn gate_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.lock()?.gate_stats();
-        let d = PyDict::new(py);
-        d.set_item("steps", s.steps)?;
-        d.set_item("rechecks", s.rechecks)?;
-        d.set_item("corrections", s.corrections)?;
-        d.set_item("deep_rechecks", s.deep_rechecks)?;
-        Ok(d)
+        gate_dict(py, &self.lock()?.gate_stats())
     }
 
-    /// Events since the last call: dicts with `type` "token" (id, token, text) or "finished"
-    /// (id, reason).
+    /// Events since the last call: dicts with `type` "token" (id, index, token, text, and
+    /// `logprob`, `top_logprob_ids`, `top_logprobs` when asked for) or "finished" (id, index,
+    /// reason).
     fn events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let evs = self.lock()?.drain_events();
         let out = PyList::empty(py);
         for ev in evs {
             let d = PyDict::new(py);
             match ev {
-                Event::Token { id, token, text } => {
+                Event::Token { id, index, token, text, logprob, top_logprobs } => {
                     d.set_item("type", "token")?;
                     d.set_item("id", id)?;
+                    d.set_item("index", index)?;
                     d.set_item("token", token)?;
                     d.set_item("text", text)?;
+                    if let Some(lp) = logprob {
+                        d.set_item("logprob", lp)?;
+                        let (ids, lps): (Vec<u32>, Vec<f32>) = top_logprobs.into_iter().unzip();
+                        d.set_item("top_logprob_ids", ids.into_pyarray(py))?;
+                        d.set_item("top_logprobs", lps.into_pyarray(py))?;
+                    }
                 }
-                Event::Finished { id, reason } => {
+                Event::Finished { id, index, reason } => {
                     d.set_item("type", "finished")?;
                     d.set_item("id", id)?;
+                    d.set_item("index", index)?;
                     d.set_item("reason", reason.name())?;
                 }
             }
@@ -515,6 +665,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Model>()?;
     m.add_function(wrap_pyfunction!(calibrate_kernels, m)?)?;
     m.add_class::<Engine>()?;
+    m.add_class::<SamplingParams>()?;
+    m.add("MAX_TOP_LOGPROBS", candle_gate::sampling::MAX_TOP_LOGPROBS)?;
+    m.add("MAX_N", candle_gate::sampling::MAX_N)?;
     testing::register(m)?; // _native._testing: test scaffolding
     Ok(())
 }

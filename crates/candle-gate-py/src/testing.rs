@@ -10,7 +10,9 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::{guarded, to_py, CandleGateError};
+use candle_gate::sampling::{self, DrawKey};
+
+use crate::{guarded, to_py, CandleGateError, SamplingParams};
 
 /// Deterministic inputs for property tests without seeding Candle's RNG (the CPU device has
 /// no seed): xorshift64*.
@@ -62,11 +64,49 @@ fn kernel_outputs<'py>(py: Python<'py>, dtype: &str, n: usize, k: usize, m: usiz
     Ok(d)
 }
 
+/// The sampler's decision for one step: `(token, margin)`.
+#[pyfunction]
+#[pyo3(signature = (logits, params, seed, index = 0, position = 0, prompt = Vec::new(), output = Vec::new()))]
+fn decide(logits: Vec<f32>, params: &SamplingParams, seed: u64, index: u32, position: u32, prompt: Vec<u32>, output: Vec<u32>) -> PyResult<(u32, f32)> {
+    guarded("decide", || {
+        let key = DrawKey { seed, index, position };
+        let d = sampling::decide(&params.inner, key, &prompt, &output, &logits);
+        Ok((d.token, d.margin))
+    })
+}
+
+/// The tokens drawn for `logits` with seeds `seed0 .. seed0 + draws` (position 0, choice 0).
+#[pyfunction]
+fn sample_tokens<'py>(py: Python<'py>, logits: Vec<f32>, params: &SamplingParams, seed0: u64, draws: usize) -> PyResult<Bound<'py, numpy::PyArray1<u32>>> {
+    use rayon::prelude::*;
+    let toks = guarded("sample_tokens", || {
+        Ok(py.detach(|| {
+            (0..draws as u64)
+                .into_par_iter()
+                .map(|d| {
+                    let key = DrawKey { seed: seed0.wrapping_add(d), index: 0, position: 0 };
+                    sampling::decide(&params.inner, key, &[], &[], &logits).token
+                })
+                .collect::<Vec<u32>>()
+        }))
+    })?;
+    Ok(toks.into_pyarray(py))
+}
+
+/// The candidate set the filters leave, token ids in increasing order.
+#[pyfunction]
+fn candidates(logits: Vec<f32>, params: &SamplingParams) -> PyResult<Vec<u32>> {
+    guarded("candidates", || Ok(sampling::candidates(&params.inner, &logits)))
+}
+
 /// Adds the `_testing` submodule to `parent` (also importable as `candle_gate._native._testing`).
 pub(crate) fn register(parent: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = parent.py();
     let m = PyModule::new(py, "_testing")?;
     m.add_function(wrap_pyfunction!(kernel_outputs, &m)?)?;
+    m.add_function(wrap_pyfunction!(decide, &m)?)?;
+    m.add_function(wrap_pyfunction!(sample_tokens, &m)?)?;
+    m.add_function(wrap_pyfunction!(candidates, &m)?)?;
     parent.add_submodule(&m)?;
     py.import("sys")?.getattr("modules")?.set_item("candle_gate._native._testing", &m)?;
     Ok(())

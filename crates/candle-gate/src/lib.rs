@@ -8,6 +8,7 @@
 //!   sequences at once, in the fast lane or the [`reference`] lane.
 //! * [`host`]: what the compile target and the host's run-time dispatch add to fingerprints.
 //! * [`engine::Engine`]: continuous batching with a margin gate and a reference lane.
+//! * [`sampling`]: seeded sampling whose draws depend on the request alone; logprobs.
 //! * [`profile`]: measured crossover profiles.
 
 pub mod chat;
@@ -25,6 +26,7 @@ pub mod ops;
 pub mod profile;
 pub mod reference;
 pub mod registry;
+pub mod sampling;
 pub mod tokenizer;
 
 #[allow(deprecated)]
@@ -33,5 +35,6 @@ pub use dispatch::{Backend, Kernel, Mode, Policy, QMatMul};
 pub use engine::{Engine, EngineConfig, GateConfig, GateMode, Output, Request};
 pub use error::{Error, Result};
 pub use model::Model;
+pub use sampling::SamplingParams;
 
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use candle_gate::engine::{FinishReason, InjectedFault};
+use candle_gate::engine::{Choice, FinishReason, InjectedFault};
 use candle_gate::llama::{KvCache, SeqRows};
 use candle_gate::*;
 
@@ -174,17 +174,17 @@ fn engine_outputs_do_not_depend_on_batch_in_invariant_mode() {
     let (m, p) = model(Mode::Invariant);
     let m = Arc::new(m);
     let prompts = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The best way to learn"];
-    let req = |s: &str| Request { prompt_tokens: m.tokenizer.encode(s).unwrap(), max_new_tokens: 12, ..Default::default() };
+    let req = |s: &str| Request::new(m.tokenizer.encode(s).unwrap(), SamplingParams::greedy(12));
     let cfg = EngineConfig { record_logit_hashes: true, ..Default::default() };
     let mut alone = vec![];
     for s in prompts {
         let mut e = Engine::new(m.clone(), p.clone(), cfg.clone()).unwrap();
         let id = e.submit(req(s)).unwrap();
-        alone.push(e.run_to_completion(&[id]).unwrap().remove(0));
+        alone.push(e.run_to_completion(&[id]).unwrap().remove(0).choices.remove(0));
     }
     let mut e = Engine::new(m.clone(), p.clone(), cfg.clone()).unwrap();
     let ids: Vec<_> = prompts.iter().map(|s| e.submit(req(s)).unwrap()).collect();
-    let together = e.run_to_completion(&ids).unwrap();
+    let together: Vec<_> = e.run_to_completion(&ids).unwrap().into_iter().map(|mut o| o.choices.remove(0)).collect();
     for (a, b) in alone.iter().zip(&together) {
         assert_eq!(a.token_ids, b.token_ids);
         assert_eq!(a.logit_hashes, b.logit_hashes);
@@ -248,13 +248,13 @@ fn a_failing_step_harms_no_other_request() {
     let (m, p) = model(Mode::Invariant);
     let m = Arc::new(m);
     let prompts = ["The capital of France is", "Once upon a time", "def fibonacci(n):"];
-    let run = |fault: Option<InjectedFault>| -> (Vec<Output>, usize) {
+    let run = |fault: Option<InjectedFault>| -> (Vec<Choice>, usize) {
         let gate = GateConfig::new(GateMode::Always, 0.0).unwrap();
         let cfg = EngineConfig { record_logit_hashes: true, inject_fault: fault, gate, prefill_chunk: 4, ..Default::default() };
         let mut e = Engine::new(m.clone(), p.clone(), cfg).unwrap();
         let ids: Vec<_> = prompts
             .iter()
-            .map(|s| e.submit(Request { prompt_tokens: m.tokenizer.encode(s).unwrap(), max_new_tokens: 8, ..Default::default() }).unwrap())
+            .map(|s| e.submit(Request::new(m.tokenizer.encode(s).unwrap(), SamplingParams::greedy(8))).unwrap())
             .collect();
         let mut failed_steps = 0;
         while ids.iter().any(|id| !e.is_finished(*id)) {
@@ -263,27 +263,27 @@ fn a_failing_step_harms_no_other_request() {
                 failed_steps += 1;
             }
         }
-        (ids.iter().map(|id| e.take_output(*id).unwrap()).collect(), failed_steps)
+        (ids.iter().map(|id| e.take_output(*id).unwrap().choices.remove(0)).collect(), failed_steps)
     };
     let (clean, _) = run(None);
-    let same = |a: &Output, b: &Output| a.token_ids == b.token_ids && a.logit_hashes == b.logit_hashes && a.text == b.text;
+    let same = |a: &Choice, b: &Choice| a.token_ids == b.token_ids && a.logit_hashes == b.logit_hashes && a.text == b.text;
     // Step 2 still prefills (chunks of 4), step 5 decodes every request.
     for step in [2, 5] {
         let (out, failed) = run(Some(InjectedFault::Forward { step }));
         assert_eq!(failed, 1);
-        for (a, b) in clean.iter().zip(&out) {
-            assert!(same(a, b), "after a failed forward at step {step}, request {} changed", a.id);
+        for (k, (a, b)) in clean.iter().zip(&out).enumerate() {
+            assert!(same(a, b), "after a failed forward at step {step}, request {} changed", k + 1);
         }
     }
     let (out, failed) = run(Some(InjectedFault::Gate { step: 6, id: 2 }));
     assert_eq!(failed, 0);
-    for (a, b) in clean.iter().zip(&out) {
-        if b.id == 2 {
+    for (k, (a, b)) in clean.iter().zip(&out).enumerate() {
+        if k + 1 == 2 {
             assert_eq!(b.finish_reason, FinishReason::Error);
             assert!(b.error.as_deref().unwrap().contains("injected fault"));
             assert!(b.token_ids.len() < a.token_ids.len() && a.token_ids.starts_with(&b.token_ids));
         } else {
-            assert!(same(a, b), "a failure in request 2's gate changed request {}", a.id);
+            assert!(same(a, b), "a failure in request 2's gate changed request {}", k + 1);
         }
     }
 }

@@ -25,6 +25,8 @@ the number of distinct token sequences over the baseline and all free-running co
 ``flip_margins`` (per composition, the baseline margins at the flipped steps) and
 ``baseline_margins`` (min, 1st and 10th percentile and median of the baseline's margins: how
 close the near-ties come).
+``sampling`` is null for greedy decoding, else the sampling keywords and the base ``seed``
+(prompt i is keyed by seed + i); the step flip rate then compares the sampled decisions.
 ``gate`` sums ``gate_stats`` over every free-running engine (baseline included), or is null when
 the gate is off: ``mode``, ``tau``, ``steps``, ``rechecks``, ``corrections``, then any further
 counter the engine reports (``deep_rechecks``) and the ``deep_tau`` in use.
@@ -59,7 +61,8 @@ def measure(model: Union[None, str, Model] = None, prompts: Optional[Sequence[An
             compositions: Union[None, str, Sequence[str]] = None, progress: bool = True,
             row_split_max: Optional[int] = None,
             mixed_prefill_every: int = MIXED_PREFILL_EVERY,
-            deep_tau: Optional[float] = None) -> Tuple[Dict[str, Any], Runs]:
+            deep_tau: Optional[float] = None,
+            sampling: Optional[Dict[str, Any]] = None) -> Tuple[Dict[str, Any], Runs]:
     """:func:`run_probe`'s report and the runs behind it (for :func:`plot_report`'s margins)."""
     names = parse_compositions(compositions)
     prompts = check_prompts(DEFAULT_PROMPTS if prompts is None else prompts)
@@ -69,7 +72,7 @@ def measure(model: Union[None, str, Model] = None, prompts: Optional[Sequence[An
     if not isinstance(model, Model):
         model = Model.load(model, mode=mode, profile=profile)
     runner = Runner(model, prompts, max_new_tokens, mode, gate, tau_v, profile, row_split_max,
-                    mixed_prefill_every, deep_tau)
+                    mixed_prefill_every, deep_tau, sampling)
     runs = runner.run_all(names, progress=progress)
     return summarize(runs, runner), runs
 
@@ -80,17 +83,27 @@ def run_probe(model: Union[None, str, Model] = None, prompts: Optional[Sequence[
               compositions: Union[None, str, Sequence[str]] = None, progress: bool = True,
               row_split_max: Optional[int] = None,
               mixed_prefill_every: int = MIXED_PREFILL_EVERY,
-              deep_tau: Optional[float] = None) -> Dict[str, Any]:
+              deep_tau: Optional[float] = None,
+              sampling: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Runs ``prompts`` (default :data:`DEFAULT_PROMPTS`) alone and under ``compositions``
     (default all of :data:`COMPOSITIONS`) and returns the report (see the module docstring).
 
     ``model``: a name, a path or a loaded :class:`Model` (its fast lane is replaced by ``mode``
     in every engine). ``row_split_max`` overrides the row-split threshold; ``mixed_prefill_every``
     the decode steps between two filler prefills in ``mixed_prefill``; ``deep_tau`` is passed to
-    every engine when given."""
+    every engine when given. ``sampling``: :class:`SamplingParams` keywords (``temperature``,
+    ``top_p``, ``top_k``, ``min_p``, ``seed``, ...) for every request; prompt i is keyed by
+    ``seed + i`` (seed 0 when sampling without one)."""
     report, _ = measure(model, prompts, max_new_tokens, mode, gate, tau, profile, compositions,
-                        progress, row_split_max, mixed_prefill_every, deep_tau)
+                        progress, row_split_max, mixed_prefill_every, deep_tau, sampling)
     return report
+
+
+def sampling_args(args) -> Dict[str, Any]:
+    """The sampling keywords the CLI was given (``--temperature``, ``--top-p``, ...)."""
+    names = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+             "frequency_penalty", "seed")
+    return {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}
 
 
 def main(args) -> int:
@@ -103,7 +116,8 @@ def main(args) -> int:
         prompts = (DEFAULT_PROMPTS if prompts is None else prompts)[:k]
     report, runs = measure(model=args.model, prompts=prompts, max_new_tokens=args.max_new_tokens,
                            mode=args.mode, gate=args.gate, tau=args.tau, profile=args.profile,
-                           compositions=args.compositions, progress=True, deep_tau=args.deep_tau)
+                           compositions=args.compositions, progress=True, deep_tau=args.deep_tau,
+                           sampling=sampling_args(args))
     print(format_report(report))
     if getattr(args, "json_out", None):
         write_json(report, args.json_out)

@@ -12,7 +12,7 @@ import numpy as np
 from ..engine import Result
 from .runner import Runner, Runs
 
-REPORT_KEYS = ("model", "mode", "prompts", "max_new_tokens", "compositions", "gate")
+REPORT_KEYS = ("model", "mode", "prompts", "max_new_tokens", "sampling", "compositions", "gate")
 EXTRA_KEYS = ("scored_steps", "distinct_outputs", "identical_sequences_share",
               "pairwise_diverging", "flip_margins", "baseline_margins")
 COMPOSITION_KEYS = ("name", "step_flip_rate", "diverging_sequences", "logit_bit_mismatches",
@@ -98,6 +98,7 @@ def summarize(runs: Runs, runner: Runner) -> Dict[str, Any]:
         "mode": runner.mode,
         "prompts": n,
         "max_new_tokens": runner.max_new_tokens,
+        "sampling": runner.sampling_report(),
         "compositions": entries,
         "gate": None if runner.gate == "off" else {"mode": runner.gate, "tau": runner.tau,
                                                    **runner.gate_totals,
@@ -145,6 +146,8 @@ def _fmt_list(xs: Sequence[Any], fmt: str = "{}", limit: int = 6) -> str:
 def format_report(r: Dict[str, Any]) -> str:
     lines = [f"model {os.path.basename(r['model'])}  mode {r['mode']}  prompts {r['prompts']}  "
              f"max_new_tokens {r['max_new_tokens']}  steps/composition {r.get('scored_steps', '?')}"]
+    if r.get("sampling"):
+        lines.append("sampling " + "  ".join(f"{k} {v}" for k, v in r["sampling"].items()))
     hdr = f"{'composition':<14} {'flip rate':>9} {'diverging':>9} {'bit mism.':>9}  {'first divergence':<22} margins there"
     lines += [hdr, "-" * len(hdr)]
     for c in r["compositions"]:

@@ -30,7 +30,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import numpy as np
 
 from .. import _native
-from ..engine import Engine, Model, Result
+from ..engine import Engine, Model, Result, SamplingParams
 
 COMPOSITIONS = ("batch2", "batch3", "batch4", "batch5", "batch8", "batch16", "staggered",
                 "mixed_prefill", "reversed", "threads1", "threads2")
@@ -220,13 +220,20 @@ class Runner:
     def __init__(self, model: Model, prompts: Sequence[Any], max_new_tokens: int, mode: str,
                  gate: str = "off", tau: float = 0.0, profile: Optional[str] = None,
                  row_split_max: Optional[int] = None, mixed_prefill_every: int = MIXED_PREFILL_EVERY,
-                 deep_tau: Optional[float] = None):
+                 deep_tau: Optional[float] = None, sampling: Optional[Dict[str, Any]] = None):
         if isinstance(mixed_prefill_every, bool) or not isinstance(mixed_prefill_every, int) or mixed_prefill_every <= 0:
             raise ValueError(f"mixed_prefill_every must be a positive int, got {mixed_prefill_every!r}")
         self.mixed_prefill_every = mixed_prefill_every
         self.model, self.mode, self.gate, self.tau = model, mode, gate, float(tau)
         self.profile, self.row_split_max, self.deep_tau = profile, row_split_max, deep_tau
         self.max_new_tokens = max_new_tokens
+        # Sampling keywords (temperature, top_p, ..., seed); prompt i is keyed by seed + i, so
+        # that the prompts do not share their draws.
+        self.sampling = dict(sampling or {})
+        self.seed = self.sampling.pop("seed", None)
+        if self.sampling.get("temperature", 0) and self.seed is None:
+            self.seed = 0
+        SamplingParams(max_new_tokens=max_new_tokens, seed=self.seed, **self.sampling)  # checked once, here
         self.ids: List[List[int]] = []
         for i, p in enumerate(prompts):
             try:
@@ -244,6 +251,12 @@ class Runner:
     def n(self) -> int:
         return len(self.ids)
 
+    def sampling_report(self) -> Optional[Dict[str, Any]]:
+        """The sampling keywords and the base seed (prompt i: seed + i); None when greedy."""
+        if not self.sampling.get("temperature", 0):
+            return None
+        return {**self.sampling, "seed": self.seed}
+
     def engine(self, n_seqs: int, threads: Optional[int] = None, budget: int = MAX_TOKENS_PER_STEP) -> Engine:
         extra = {} if self.deep_tau is None else {"deep_tau": self.deep_tau}
         eng = Engine(self.model, mode=self.mode, profile=self.profile, gate=self.gate, tau=self.tau,
@@ -254,10 +267,13 @@ class Runner:
         return eng
 
     def _submit(self, eng: Engine, i: int, forced: Optional[Sequence[np.ndarray]]) -> int:
+        kw = dict(self.sampling)
+        if self.seed is not None:
+            kw["seed"] = (int(self.seed) + i) % (1 << 64)
         if forced is None:
-            return eng.submit(self.ids[i], max_new_tokens=self.max_new_tokens)
+            return eng.submit(self.ids[i], max_new_tokens=self.max_new_tokens, **kw)
         f = [int(t) for t in forced[i]]
-        return eng.submit(self.ids[i], max_new_tokens=max(len(f), 1), forced_tokens=f)
+        return eng.submit(self.ids[i], max_new_tokens=max(len(f), 1), forced_tokens=f, **kw)
 
     def _done(self, eng: Engine, forced: Optional[Sequence[np.ndarray]]) -> None:
         if forced is None:

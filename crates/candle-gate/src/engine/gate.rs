@@ -7,11 +7,12 @@ use std::str::FromStr;
 use serde::Serialize;
 
 use crate::error::{Error, Result};
-use crate::llama::{argmax_margin, KvCache};
+use crate::llama::KvCache;
 use crate::ops::hash_bits;
 use crate::model::Model;
 use crate::profile::Profile;
 use crate::reference::ReferenceWeights;
+use crate::sampling::{self, Decision};
 
 use super::sequence::{Sequence, StepRecord};
 
@@ -140,47 +141,67 @@ impl Gate {
     /// The step's record for `s`, whose latest position (just written by the fast lane) is the
     /// last of `cache`. An error leaves that position's K/V undefined: the caller fails the
     /// sequence, and only it.
-    pub fn decide(&self, model: &Model, s: &mut Sequence, cache: &mut KvCache, logits: &[f32]) -> Result<StepRecord> {
-        let (fast_token, margin) = argmax_margin(logits);
+    /// `fast` is [`fast_decision`] of `logits` (computed for every sequence in parallel).
+    pub fn decide(&self, model: &Model, s: &mut Sequence, cache: &mut KvCache, logits: &[f32], fast: Decision) -> Result<StepRecord> {
+        let key = s.draw_key();
+        let output = s.fed_output();
+        let params = &s.req.params;
+        let choose = |lg: &[f32]| -> Decision { sampling::decide(params, key, &s.req.prompt_tokens, &output, lg) };
         let rechecked = match self.cfg.mode {
             GateMode::Off | GateMode::Shadow => false,
             GateMode::Always => true,
-            GateMode::Gated => margin < self.cfg.tau,
+            GateMode::Gated => fast.margin < self.cfg.tau,
         };
         let mut record = StepRecord {
-            token: fast_token,
-            margin,
+            token: fast.token,
+            margin: fast.margin,
             reference_margin: f32::NAN,
             rechecked,
             corrected: false,
             deep: false,
             logit_hash: self.record_logit_hashes.then(|| hash_bits(logits)),
+            logprob: None,
+            top_logprobs: Vec::new(),
         };
         let pos = cache.len() - 1;
         let fed = s.fed_at(pos);
         let kvd = model.llama.cfg.kv_dim();
+        let mut deciding: Option<Vec<f32>> = None;
         if rechecked {
             let mut ref_logits = model.llama.reference_step(cache, fed, self.reference)?;
-            if argmax_margin(&ref_logits).1 < self.cfg.deep_tau {
+            let mut reference = choose(&ref_logits);
+            if reference.margin < self.cfg.deep_tau {
                 ref_logits = rebuild_in_reference_lane(model, s, cache, self.reference)?;
+                reference = sampling::decide(&s.req.params, key, &s.req.prompt_tokens, &output, &ref_logits);
                 record.deep = true;
             }
-            let (ref_token, ref_margin) = argmax_margin(&ref_logits);
-            record.token = ref_token;
-            record.reference_margin = ref_margin;
-            record.corrected = ref_token != fast_token;
+            record.token = reference.token;
+            record.reference_margin = reference.margin;
+            record.corrected = reference.token != fast.token;
+            deciding = Some(ref_logits);
         } else if self.cfg.mode == GateMode::Shadow {
             // The fast lane's K/V must stay as they are: save the one position the recheck
             // overwrites and put it back.
             let saved = cache.save_position(pos, kvd);
             let ref_logits = model.llama.reference_step(cache, fed, self.reference);
             cache.restore_position(saved);
-            let (ref_token, ref_margin) = argmax_margin(&ref_logits?);
-            record.reference_margin = ref_margin;
-            record.corrected = ref_token != fast_token;
+            let reference = choose(&ref_logits?);
+            record.reference_margin = reference.margin;
+            record.corrected = reference.token != fast.token;
+        }
+        let params = &s.req.params;
+        if params.wants_logprobs() {
+            let (lp, top) = sampling::logprobs(deciding.as_deref().unwrap_or(logits), record.token, params.top_logprobs);
+            record.logprob = Some(lp);
+            record.top_logprobs = top;
         }
         Ok(record)
     }
+}
+
+/// The decision `s`'s next step would take from `logits`, before any recheck.
+pub(crate) fn fast_decision(s: &Sequence, logits: &[f32]) -> Decision {
+    sampling::decide(&s.req.params, s.draw_key(), &s.req.prompt_tokens, &s.fed_output(), logits)
 }
 
 /// Recomputes the cache in the reference lane from `reference_exact` on (the prompt, then every

@@ -15,6 +15,8 @@ mod sequence;
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use rayon::prelude::*;
+
 use crate::dispatch::Policy;
 use crate::error::{Error, Result};
 use crate::model::{fingerprint, Model};
@@ -26,7 +28,7 @@ use scheduler::Scheduler;
 use sequence::Sequence;
 
 pub use gate::{GateConfig, GateMode, DEEP_TAU_FRACTION};
-pub use request::{EngineConfig, Event, FinishReason, GateStats, InjectedFault, Output, Request, RequestId};
+pub use request::{Choice, EngineConfig, Event, FinishReason, GateStats, InjectedFault, Output, Request, RequestId};
 
 /// Upper bound on `max_new_tokens` accepted at submit: a bigger value is a bug, not a plan.
 pub const MAX_NEW_TOKENS_LIMIT: usize = 1 << 20;
@@ -40,6 +42,8 @@ pub struct Engine {
     gate: Gate,
     pool: Option<rayon::ThreadPool>,
     finished: HashMap<RequestId, Output>,
+    /// Requests with a choice still running: their choices finished so far.
+    pending: HashMap<RequestId, Pending>,
     events: Vec<Event>,
     next_id: RequestId,
     steps_run: u64,
@@ -87,6 +91,7 @@ impl Engine {
             cfg,
             pool,
             finished: HashMap::new(),
+            pending: HashMap::new(),
             events: Vec::new(),
             next_id: 1,
             steps_run: 0,
@@ -117,7 +122,11 @@ impl Engine {
         let reserve = self.validate(&req)?;
         let id = self.next_id;
         self.next_id += 1;
-        self.scheduler.waiting.push_back(Sequence::new(id, req, reserve));
+        let seed = req.params.seed.unwrap_or_else(|| fresh_seed(id));
+        let n = req.params.n;
+        let pending = Pending { prompt_tokens: req.prompt_tokens.clone(), seed, choices: vec![None; n] };
+        self.pending.insert(id, pending);
+        self.scheduler.waiting.push_back(Sequence::new(id, req, seed, reserve * n));
         Ok(id)
     }
 
@@ -131,10 +140,18 @@ impl Engine {
         if let Some(t) = req.prompt_tokens.iter().find(|&&t| t >= vocab) {
             return Err(Error::BadInput(format!("prompt token id {t} is outside the vocabulary of {vocab}")));
         }
-        if req.max_new_tokens == 0 || req.max_new_tokens > MAX_NEW_TOKENS_LIMIT {
+        let p = &req.params;
+        p.validate()?;
+        if p.max_new_tokens == 0 || p.max_new_tokens > MAX_NEW_TOKENS_LIMIT {
             return Err(Error::BadInput(format!(
                 "max_new_tokens must be between 1 and {MAX_NEW_TOKENS_LIMIT}, got {}",
-                req.max_new_tokens
+                p.max_new_tokens
+            )));
+        }
+        if p.n > self.cfg.max_num_seqs {
+            return Err(Error::BadInput(format!(
+                "n = {} choices cannot run at once with max_num_seqs = {}",
+                p.n, self.cfg.max_num_seqs
             )));
         }
         if req.prompt_tokens.len() >= ctx {
@@ -143,32 +160,35 @@ impl Engine {
                 req.prompt_tokens.len()
             )));
         }
-        if req.stop.iter().any(|s| s.is_empty()) {
-            return Err(Error::BadInput("stop strings must not be empty".into()));
-        }
         if let Some(f) = &req.forced_tokens {
             if let Some(t) = f.iter().find(|&&t| t >= vocab) {
                 return Err(Error::BadInput(format!("forced token id {t} is outside the vocabulary")));
             }
         }
-        let reserve = (req.prompt_tokens.len() + req.max_new_tokens).min(ctx);
-        if reserve > self.cfg.kv_budget_tokens {
+        let reserve = (req.prompt_tokens.len() + p.max_new_tokens).min(ctx);
+        if reserve * p.n > self.cfg.kv_budget_tokens {
             return Err(Error::BadInput(format!(
-                "the request needs {reserve} tokens of KV cache (prompt + max_new_tokens) but the whole budget is {}",
+                "the request needs {} tokens of KV cache ((prompt + max_new_tokens) x n) but the whole budget is {}",
+                reserve * p.n,
                 self.cfg.kv_budget_tokens
             )));
         }
         Ok(reserve)
     }
 
+    /// Cancels every choice of request `id`; its output keeps what they had generated.
     pub fn cancel(&mut self, id: RequestId) -> Result<()> {
         if let Some(mut s) = self.scheduler.take_waiting(id) {
             s.finish = Some(FinishReason::Cancelled);
             self.retire(s);
             return Ok(());
         }
-        if let Some(s) = self.scheduler.running.iter_mut().find(|s| s.id == id) {
-            s.finish = Some(FinishReason::Cancelled);
+        let mut found = false;
+        for s in self.scheduler.running.iter_mut().filter(|s| s.request == id) {
+            s.finish.get_or_insert(FinishReason::Cancelled);
+            found = true;
+        }
+        if found {
             self.retire_finished();
             return Ok(());
         }
@@ -232,12 +252,34 @@ impl Engine {
         let fail_midway = self.cfg.inject_fault == Some(InjectedFault::Forward { step: self.steps_run });
         let model = self.model.clone();
         let (rows, logits) = self.runner.run(&model, &self.policy, &mut self.scheduler.running, &plan, fail_midway)?;
-        for (i, lg) in logits {
+        // A request of n choices prefills once; its other choices start here, each with a
+        // copy of the prompt's K/V, deciding from the same logits.
+        let mut deciding: Vec<(usize, usize)> = Vec::with_capacity(logits.len());
+        for (k, (i, _)) in logits.iter().enumerate() {
+            deciding.push((*i, k));
+            let s = &mut self.scheduler.running[*i];
+            if s.index == 0 && s.steps.is_empty() && s.req.params.n > 1 {
+                let (parent, n) = (s.id, s.req.params.n);
+                let share = s.reserved_tokens / n;
+                let forks: Vec<Sequence> = (1..n as u32).map(|index| s.fork(self.next_id + index as u64 - 1, index, share)).collect();
+                self.next_id += n as u64 - 1;
+                for f in forks {
+                    self.runner.fork(parent, f.id);
+                    deciding.push((self.scheduler.running.len(), k));
+                    self.scheduler.running.push(f);
+                }
+            }
+        }
+        // The sampling itself runs for every sequence at once; the gate's rechecks follow.
+        let running = &self.scheduler.running;
+        let fast: Vec<_> = deciding.par_iter().map(|&(i, k)| gate::fast_decision(&running[i], &logits[k].1)).collect();
+        let steps_run = self.steps_run;
+        for (&(i, k), fast) in deciding.iter().zip(fast) {
             let s = &mut self.scheduler.running[i];
-            let fault = self.cfg.inject_fault == Some(InjectedFault::Gate { step: self.steps_run, id: s.id });
+            let fault = self.cfg.inject_fault == Some(InjectedFault::Gate { step: steps_run, id: s.id });
             let decided = match fault {
-                true => Err(Error::Engine(format!("injected fault in the gate of step {}", self.steps_run))),
-                false => self.gate.decide(&model, s, self.runner.cache_mut(s.id), &lg),
+                true => Err(Error::Engine(format!("injected fault in the gate of step {steps_run}"))),
+                false => self.gate.decide(&model, s, self.runner.cache_mut(s.id), &logits[k].1, fast),
             };
             match decided {
                 Ok(record) => {
@@ -269,27 +311,45 @@ impl Engine {
         let reason = s.finish.unwrap_or(FinishReason::Cancelled);
         let token_ids = s.output();
         let fp = fingerprint(&self.model_sha, &self.policy.describe(), &self.cfg.gate.describe(), &self.host, &token_ids);
-        self.events.push(Event::Finished { id: s.id, reason });
-        let gate = s.gate_stats();
         let steps = &s.steps;
-        self.finished.insert(
-            s.id,
-            Output {
-                id: s.id,
-                token_ids,
-                margins: steps.iter().map(|r| r.margin).collect(),
-                reference_margins: steps.iter().map(|r| r.reference_margin).collect(),
-                rechecked: steps.iter().map(|r| r.rechecked).collect(),
-                corrected: steps.iter().map(|r| r.corrected).collect(),
-                logit_hashes: steps.iter().filter_map(|r| r.logit_hash).collect(),
-                finish_reason: reason,
-                fingerprint: fp,
-                gate,
-                error: s.error.map(|e| e.to_string()),
-                text: s.text.text,
-                prompt_tokens: s.req.prompt_tokens,
+        let choice = Choice {
+            index: s.index,
+            token_ids,
+            margins: steps.iter().map(|r| r.margin).collect(),
+            reference_margins: steps.iter().map(|r| r.reference_margin).collect(),
+            rechecked: steps.iter().map(|r| r.rechecked).collect(),
+            corrected: steps.iter().map(|r| r.corrected).collect(),
+            logit_hashes: steps.iter().filter_map(|r| r.logit_hash).collect(),
+            logprobs: steps.iter().filter_map(|r| r.logprob).collect(),
+            top_logprobs: match s.req.params.top_logprobs {
+                0 => Vec::new(),
+                _ => steps.iter().map(|r| r.top_logprobs.clone()).collect(),
             },
-        );
+            finish_reason: reason,
+            fingerprint: fp,
+            gate: s.gate_stats(),
+            error: s.error.map(|e| e.to_string()),
+            text: s.text.text,
+        };
+        let Some(p) = self.pending.get_mut(&s.request) else { return };
+        // A request that ends before its prefill forked it ends every choice the same way.
+        let unforked = s.index == 0 && steps.is_empty();
+        for (index, slot) in p.choices.iter_mut().enumerate() {
+            if index == s.index as usize || (unforked && slot.is_none()) {
+                *slot = Some(Choice { index: index as u32, ..choice.clone() });
+                self.events.push(Event::Finished { id: s.request, index: index as u32, reason });
+            }
+        }
+        if p.choices.iter().all(Option::is_some) {
+            let p = self.pending.remove(&s.request).unwrap();
+            let output = Output {
+                id: s.request,
+                prompt_tokens: p.prompt_tokens,
+                seed: p.seed,
+                choices: p.choices.into_iter().map(Option::unwrap).collect(),
+            };
+            self.finished.insert(s.request, output);
+        }
     }
 
     /// Runs until every submitted request is done; outputs in submission order.
@@ -303,4 +363,21 @@ impl Engine {
             .map(|id| self.take_output(*id).ok_or_else(|| Error::Engine(format!("request {id} did not finish"))))
             .collect()
     }
+}
+
+/// A request whose choices are not all finished.
+struct Pending {
+    prompt_tokens: Vec<u32>,
+    seed: u64,
+    choices: Vec<Option<Choice>>,
+}
+
+/// A seed for a request that gave none: fresh per request and per process.
+fn fresh_seed(id: RequestId) -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(id);
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    h.write_u128(now.as_nanos());
+    h.finish()
 }

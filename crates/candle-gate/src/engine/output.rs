@@ -32,7 +32,7 @@ pub(crate) fn after_token(model: &Model, s: &mut Sequence) {
 fn check_stop(model: &Model, s: &mut Sequence, fed: u32, new_bytes: usize) {
     let ctx = model.llama.cfg.context_length;
     let text = &mut s.text.text;
-    let longest = s.req.stop.iter().map(|st| st.len()).max().unwrap_or(0);
+    let longest = s.req.params.stop.iter().map(|st| st.len()).max().unwrap_or(0);
     let mut from = text.len().saturating_sub(new_bytes + longest.saturating_sub(1));
     while !text.is_char_boundary(from) {
         from -= 1;
@@ -40,10 +40,10 @@ fn check_stop(model: &Model, s: &mut Sequence, fed: u32, new_bytes: usize) {
     let tail = &text[from..];
     if model.tokenizer.stop_ids.contains(&fed) {
         s.finish = Some(FinishReason::Eos);
-    } else if let Some(pos) = s.req.stop.iter().filter_map(|st| tail.find(st.as_str())).min().map(|p| from + p) {
+    } else if let Some(pos) = s.req.params.stop.iter().filter_map(|st| tail.find(st.as_str())).min().map(|p| from + p) {
         text.truncate(pos);
         s.finish = Some(FinishReason::StopString);
-    } else if s.steps.len() >= s.req.max_new_tokens {
+    } else if s.steps.len() >= s.req.params.max_new_tokens {
         s.finish = Some(FinishReason::Length);
     } else if s.cached() + 1 >= ctx {
         s.finish = Some(FinishReason::ContextFull);
@@ -55,12 +55,13 @@ pub(crate) fn emit(events: &mut Vec<Event>, s: &mut Sequence) {
     if !std::mem::take(&mut s.text.new_token) {
         return;
     }
-    let Some(tok) = s.steps.last().map(|r| r.token) else { return };
+    let Some(last) = s.steps.last() else { return };
+    let (id, index, token, logprob, top_logprobs) = (s.request, s.index, last.token, last.logprob, last.top_logprobs.clone());
     let t = &mut s.text;
     if s.finish.is_none() {
         let tail = t.text.get(t.emitted..).unwrap_or("");
         let mut hold = 0;
-        for st in &s.req.stop {
+        for st in &s.req.params.stop {
             for l in (1..st.len().min(tail.len() + 1)).rev() {
                 if tail.is_char_boundary(tail.len() - l) && st.starts_with(&tail[tail.len() - l..]) {
                     hold = hold.max(l);
@@ -71,7 +72,7 @@ pub(crate) fn emit(events: &mut Vec<Event>, s: &mut Sequence) {
         let safe = t.text.len() - hold;
         let text = t.text[t.emitted..safe].to_string();
         t.emitted = safe;
-        events.push(Event::Token { id: s.id, token: tok, text });
+        events.push(Event::Token { id, index, token, text, logprob, top_logprobs });
     } else {
         if s.finish != Some(FinishReason::StopString) {
             let rest = t.decoder.finish();
@@ -79,6 +80,6 @@ pub(crate) fn emit(events: &mut Vec<Event>, s: &mut Sequence) {
         }
         let text = t.text.get(t.emitted.min(t.text.len())..).unwrap_or("").to_string();
         t.emitted = t.text.len();
-        events.push(Event::Token { id: s.id, token: tok, text });
+        events.push(Event::Token { id, index, token, text, logprob, top_logprobs });
     }
 }

@@ -4,6 +4,7 @@ use serde::Serialize;
 
 use super::gate::GateConfig;
 use super::sequence::StepRecord;
+use crate::sampling::SamplingParams;
 
 pub type RequestId = u64;
 
@@ -55,11 +56,17 @@ impl Default for EngineConfig {
 #[derive(Clone, Debug, Default)]
 pub struct Request {
     pub prompt_tokens: Vec<u32>,
-    pub max_new_tokens: usize,
-    pub stop: Vec<String>,
+    /// How it decodes: length, stops, temperature and filters, seed, choices, logprobs.
+    pub params: SamplingParams,
     /// Teacher forcing: feed these tokens instead of the chosen ones (the choice is still
     /// recorded), to count step flips against another run's tokens.
     pub forced_tokens: Option<Vec<u32>>,
+}
+
+impl Request {
+    pub fn new(prompt_tokens: Vec<u32>, params: SamplingParams) -> Self {
+        Request { prompt_tokens, params, forced_tokens: None }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -89,8 +96,10 @@ impl FinishReason {
 
 #[derive(Clone, Debug)]
 pub enum Event {
-    Token { id: RequestId, token: u32, text: String },
-    Finished { id: RequestId, reason: FinishReason },
+    /// Choice `index` of request `id` took a token. `text` is the text that can no longer turn
+    /// into a stop string; `logprob`/`top_logprobs` when the request asked for them.
+    Token { id: RequestId, index: u32, token: u32, text: String, logprob: Option<f32>, top_logprobs: Vec<(u32, f32)> },
+    Finished { id: RequestId, index: u32, reason: FinishReason },
 }
 
 #[derive(Clone, Debug, Default)]
@@ -110,13 +119,23 @@ impl GateStats {
     }
 }
 
-/// A finished request.
+/// A finished request: its prompt, the seed its draws were keyed by, and its `n` choices.
 #[derive(Clone, Debug)]
 pub struct Output {
     pub id: RequestId,
     pub prompt_tokens: Vec<u32>,
+    /// The request's seed, or the one drawn at submit: passing it back replays the output.
+    pub seed: u64,
+    pub choices: Vec<Choice>,
+}
+
+/// One choice of a finished request.
+#[derive(Clone, Debug)]
+pub struct Choice {
+    pub index: u32,
     pub token_ids: Vec<u32>,
     pub text: String,
+    /// Per step, the decision's margin in logit units (`sampling::Decision::margin`).
     pub margins: Vec<f32>,
     /// The reference lane's margin on rechecked steps (after a deep recheck, the rebuilt
     /// lane's); NaN on steps the gate let through.
@@ -125,6 +144,10 @@ pub struct Output {
     /// Steps whose token the reference lane changed (with `GateMode::Shadow`: would have).
     pub corrected: Vec<bool>,
     pub logit_hashes: Vec<u64>,
+    /// Per step, the chosen token's log-probability (empty unless asked for).
+    pub logprobs: Vec<f32>,
+    /// Per step, the most likely tokens and their log-probabilities (empty unless asked for).
+    pub top_logprobs: Vec<Vec<(u32, f32)>>,
     pub finish_reason: FinishReason,
     pub fingerprint: String,
     pub gate: GateStats,

@@ -22,6 +22,11 @@ impl Runner {
     pub fn open(&mut self, id: RequestId, model: &Model) {
         self.caches.insert(id, model.llama.new_cache());
     }
+    /// A copy of `from`'s cache for `to` (another choice of the same prompt).
+    pub fn fork(&mut self, from: RequestId, to: RequestId) {
+        let c = self.caches[&from].clone();
+        self.caches.insert(to, c);
+    }
     pub fn close(&mut self, id: RequestId) {
         self.caches.remove(&id);
     }

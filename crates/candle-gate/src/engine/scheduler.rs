@@ -48,12 +48,14 @@ impl Scheduler {
     }
 
     /// Moves waiting sequences to running, in arrival order, while the sequence limit and the
-    /// KV budget (reserved for each request's prompt + max_new_tokens) allow.
+    /// KV budget (reserved for each request's prompt + max_new_tokens, times its choices) allow.
     fn admit(&mut self) -> Vec<RequestId> {
         let mut admitted = Vec::new();
-        while self.running.len() < self.max_num_seqs {
-            let Some(front) = self.waiting.front() else { break };
-            if self.reserved_tokens + front.reserved_tokens > self.kv_budget_tokens {
+        // A request's `n` choices count from its admission (they fork from it after prefill).
+        while let Some(front) = self.waiting.front() {
+            if self.running.len() + front.req.params.n > self.max_num_seqs
+                || self.reserved_tokens + front.reserved_tokens > self.kv_budget_tokens
+            {
                 break;
             }
             let s = self.waiting.pop_front().unwrap();

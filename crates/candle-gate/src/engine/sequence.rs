@@ -7,10 +7,10 @@ use super::output::TextState;
 use super::{FinishReason, GateStats, Request, RequestId};
 
 /// What one decode step decided for a sequence: the gate's record.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub(crate) struct StepRecord {
     pub token: u32,
-    /// The fast lane's top1 − top2 margin.
+    /// The fast lane's decision margin (greedy: top1 − top2).
     pub margin: f32,
     /// The reference lane's margin where it ran (the rebuilt lane's after a deep recheck);
     /// NaN where the gate let the step through.
@@ -20,10 +20,20 @@ pub(crate) struct StepRecord {
     pub corrected: bool,
     pub deep: bool,
     pub logit_hash: Option<u64>,
+    /// The chosen token's log-probability under the deciding lane's logits, when asked for.
+    pub logprob: Option<f32>,
+    pub top_logprobs: Vec<(u32, f32)>,
 }
 
 pub(crate) struct Sequence {
+    /// The engine's id for this sequence: the request's own for choice 0, a fresh one for the
+    /// other choices.
     pub id: RequestId,
+    /// The request it is a choice of, and which.
+    pub request: RequestId,
+    pub index: u32,
+    /// The key of its draws (the request's seed, or the one drawn at submit).
+    pub seed: u64,
     pub req: Request,
     /// Prompt tokens already through the model.
     pub prefilled: usize,
@@ -41,9 +51,12 @@ pub(crate) struct Sequence {
 }
 
 impl Sequence {
-    pub fn new(id: RequestId, req: Request, reserved_tokens: usize) -> Self {
+    pub fn new(id: RequestId, req: Request, seed: u64, reserved_tokens: usize) -> Self {
         Sequence {
             id,
+            request: id,
+            index: 0,
+            seed,
             req,
             prefilled: 0,
             steps: Vec::new(),
@@ -53,6 +66,38 @@ impl Sequence {
             error: None,
             reserved_tokens,
         }
+    }
+
+    /// Choice `index` of the same request, as this one is after its prefill and before its
+    /// first token: it takes `reserved_tokens` of this one's reservation.
+    pub fn fork(&mut self, id: RequestId, index: u32, reserved_tokens: usize) -> Sequence {
+        debug_assert!(!self.in_prefill() && self.steps.is_empty());
+        self.reserved_tokens -= reserved_tokens;
+        Sequence {
+            id,
+            request: self.request,
+            index,
+            seed: self.seed,
+            req: self.req.clone(),
+            prefilled: self.prefilled,
+            steps: Vec::new(),
+            reference_exact: self.reference_exact,
+            text: TextState::default(),
+            finish: None,
+            error: None,
+            reserved_tokens,
+        }
+    }
+
+    /// The draw key of its next decision.
+    pub fn draw_key(&self) -> crate::sampling::DrawKey {
+        crate::sampling::DrawKey { seed: self.seed, index: self.index, position: self.steps.len() as u32 }
+    }
+
+    /// The tokens its output has put into the context so far (the forced ones when forcing).
+    pub fn fed_output(&self) -> Vec<u32> {
+        let p = self.req.prompt_tokens.len();
+        (p..p + self.steps.len()).map(|i| self.fed_at(i)).collect()
     }
 
     pub fn in_prefill(&self) -> bool {
