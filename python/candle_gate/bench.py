@@ -1,5 +1,6 @@
 """``candle-gate bench throughput``: aggregate decode tok/s at several concurrencies.
 ``candle-gate bench gate``: the margin gate's cost, off / gated / always in one run.
+``candle-gate bench sampling``: seeded sampling's cost against greedy decoding, side by side.
 
 For each concurrency c a fresh engine gets c requests with distinct prompts. The engine is
 stepped until every request has produced its first token (the prefill, not timed); then the
@@ -12,7 +13,11 @@ The gate benchmark runs the same requests (concurrency c) with the gate off, gat
 ``repeats`` times in turn, and keeps each setting's fastest run. From the time per decoded token
 it reports the time the gate adds over off and the time always adds, and their ratio
 (gated's added time / always's added time: 0 = free, 1 = as costly as checking every step),
-with the recheck rate of the gated run.
+with the recheck rate of the gated run. With sampling arguments (``--temperature 0.8 --top-p
+0.95``) every request samples, keyed by ``seed + i``.
+
+The sampling benchmark runs the same requests greedy and sampled in turn at each concurrency,
+``repeats`` times, keeps each side's fastest run and prints sampled tok/s / greedy tok/s.
 """
 from __future__ import annotations
 
@@ -53,11 +58,21 @@ def parse_concurrency(spec: Union[str, Sequence[int]]) -> List[int]:
     return vals
 
 
+def _sampling_for(sampling: Optional[Dict[str, Any]], i: int) -> Dict[str, Any]:
+    """Request i's sampling keywords: ``sampling`` with its seed offset by i."""
+    kw = dict(sampling or {})
+    if kw.get("temperature"):
+        kw["seed"] = int(kw.get("seed") or 0) + i
+    return kw
+
+
 def _measure(model: Model, mode: str, c: int, max_new_tokens: int, gate: str,
-             tau: Optional[float], profile: Optional[str], deep_tau: Optional[float] = None) -> Dict[str, Any]:
+             tau: Optional[float], profile: Optional[str], deep_tau: Optional[float] = None,
+             sampling: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     eng = Engine(model, mode=mode, profile=profile, gate=gate, tau=tau, deep_tau=deep_tau,
                  max_num_seqs=max(16, c), max_tokens_per_step=max(256, 64 * c))
-    ids = [eng.submit(bench_prompt(i), max_new_tokens=max_new_tokens, chat=True) for i in range(c)]
+    ids = [eng.submit(bench_prompt(i), max_new_tokens=max_new_tokens, chat=True, **_sampling_for(sampling, i))
+           for i in range(c)]
     started = set()
     while len(started) < c and eng.has_work:
         eng.step()
@@ -99,7 +114,8 @@ def throughput(model: Union[None, str, Model] = None, mode: str = "invariant",
 
 def gate_cost(model: Union[None, str, Model] = None, mode: str = "split_k_f16", concurrency: int = 4,
               max_new_tokens: int = 64, tau: Optional[float] = None, deep_tau: Optional[float] = None,
-              profile: Optional[str] = None, repeats: int = 2) -> Dict[str, Any]:
+              profile: Optional[str] = None, repeats: int = 2,
+              sampling: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Off / gated / always side by side (see the module docstring). The mode and the gate's
     numbers are checked by the Rust side (Model.load, the engines)."""
     if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency <= 0:
@@ -116,7 +132,7 @@ def gate_cost(model: Union[None, str, Model] = None, mode: str = "split_k_f16", 
     for _ in range(max(1, repeats)):
         for gate in ("off", "gated", "always"):
             m = _measure(model, mode, concurrency, max_new_tokens, gate,
-                         tau if gate == "gated" else None, profile, deep_tau)
+                         tau if gate == "gated" else None, profile, deep_tau, sampling)
             if gate not in best or m["tok_per_s"] > best[gate]["tok_per_s"]:
                 best[gate] = m
     ms = {g: 1000.0 / best[g]["tok_per_s"] for g in best}
@@ -124,6 +140,7 @@ def gate_cost(model: Union[None, str, Model] = None, mode: str = "split_k_f16", 
     st = best["gated"]["gate_stats"]
     return {
         "mode": mode, "concurrency": concurrency, "tau": tau, "deep_tau": deep_tau,
+        "sampling": sampling or None,
         "tok_per_s": {g: best[g]["tok_per_s"] for g in ("off", "gated", "always")},
         "ms_per_token": ms,
         "added_ms_gated": added_gated,
@@ -134,8 +151,42 @@ def gate_cost(model: Union[None, str, Model] = None, mode: str = "split_k_f16", 
     }
 
 
+def sampling_cost(model: Union[None, str, Model] = None, mode: str = "invariant",
+                  concurrency_list: Union[str, Sequence[int]] = (1, 8), max_new_tokens: int = 32,
+                  sampling: Optional[Dict[str, Any]] = None, repeats: int = 2) -> Dict[str, Any]:
+    """Greedy and sampled decoding of the same requests in turn (see the module docstring)."""
+    sampling = dict(sampling or {"temperature": 0.8, "top_p": 0.95, "seed": 0})
+    if not sampling.get("temperature"):
+        raise ValueError("the sampling benchmark needs a temperature > 0")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 2:
+        raise ValueError(f"max_new_tokens must be an int >= 2, got {max_new_tokens!r}")
+    cs = parse_concurrency(concurrency_list)
+    if not isinstance(model, Model):
+        model = Model.load(model, mode=mode)
+    _measure(model, mode, 1, 2, "off", None, None, sampling=sampling)
+    results = []
+    for c in cs:
+        best = {"greedy": 0.0, "sampled": 0.0}
+        for _ in range(max(1, repeats)):
+            for name, kw in (("greedy", None), ("sampled", sampling)):
+                best[name] = max(best[name], _measure(model, mode, c, max_new_tokens, "off", None, None,
+                                                      sampling=kw)["tok_per_s"])
+        ratio = best["sampled"] / best["greedy"] if best["greedy"] > 0 else float("nan")
+        results.append({"concurrency": c, **best, "ratio": ratio})
+    return {"mode": mode, "sampling": sampling, "results": results}
+
+
+def format_sampling_cost(r: Dict[str, Any]) -> str:
+    lines = [f"mode {r['mode']}  sampling " + " ".join(f"{k}={v}" for k, v in r["sampling"].items()),
+             f"{'concurrency':>11} {'greedy tok/s':>13} {'sampled tok/s':>14} {'sampled/greedy':>15}"]
+    for x in r["results"]:
+        lines.append(f"{x['concurrency']:>11} {x['greedy']:13.1f} {x['sampled']:14.1f} {x['ratio']:14.3f}x")
+    return "\n".join(lines)
+
+
 def format_gate_cost(r: Dict[str, Any]) -> str:
-    lines = [f"mode {r['mode']}  concurrency {r['concurrency']}  tau {r['tau']:.4g}  deep_tau {r['deep_tau']:.4g}",
+    lines = [f"mode {r['mode']}  concurrency {r['concurrency']}  tau {r['tau']:.4g}  deep_tau {r['deep_tau']:.4g}"
+             + ("  sampling " + " ".join(f"{k}={v}" for k, v in r["sampling"].items()) if r.get("sampling") else ""),
              f"{'gate':>7} {'tok/s':>8} {'ms/token':>9}"]
     for g in ("off", "gated", "always"):
         lines.append(f"{g:>7} {r['tok_per_s'][g]:8.1f} {r['ms_per_token'][g]:9.2f}")
@@ -157,11 +208,18 @@ def format_table(r: Dict[str, Any]) -> str:
 
 
 def main(args) -> int:
+    from .probe import sampling_args
     which = getattr(args, "bench", "throughput")
+    if which == "sampling":
+        r = sampling_cost(model=args.model, mode=args.mode, concurrency_list=args.concurrency,
+                          max_new_tokens=args.max_new_tokens, sampling=sampling_args(args) or None)
+        print(json.dumps(r) if args.json else format_sampling_cost(r))
+        sys.stdout.flush()
+        return 0
     if which == "gate":
         r = gate_cost(model=args.model, mode=args.mode, concurrency=args.concurrency,
                       max_new_tokens=args.max_new_tokens, tau=args.tau, deep_tau=args.deep_tau,
-                      profile=args.profile)
+                      profile=args.profile, sampling=sampling_args(args) or None)
         print(json.dumps(r) if args.json else format_gate_cost(r))
         sys.stdout.flush()
         return 0

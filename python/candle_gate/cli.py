@@ -155,7 +155,15 @@ def build_parser() -> argparse.ArgumentParser:
     gb.add_argument("--concurrency", type=int, default=4)
     gb.add_argument("--max-new-tokens", type=int, default=64)
     gb.add_argument("--json", action="store_true")
+    _sampling_args(gb)
     gb.set_defaults(func=cmd_bench)
+    sb = bsub.add_parser("sampling", help="seeded sampling's cost against greedy decoding, side by side")
+    _common(sb)
+    sb.add_argument("--concurrency", default="1,8")
+    sb.add_argument("--max-new-tokens", type=int, default=32)
+    sb.add_argument("--json", action="store_true")
+    _sampling_args(sb)
+    sb.set_defaults(func=cmd_bench)
     return ap
 
 

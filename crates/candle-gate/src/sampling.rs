@@ -347,11 +347,15 @@ fn sample(p: &SamplingParams, key: DrawKey, logits: &[f32]) -> Decision {
         if w > 0.0 { -ln_f64(key.uniform(j)) / w } else { f64::INFINITY }
     };
     let (mut best, mut r1, mut r2) = (u32::MAX, f64::INFINITY, f64::INFINITY);
+    let candidate = |j: usize| j < logits.len() && f.cut[j] == Cut::In && f.w[j] > 0.0;
     for pair in 0..logits.len().div_ceil(2) as u32 {
+        if !candidate(2 * pair as usize) && !candidate(2 * pair as usize + 1) {
+            continue; // no draw needed (a filter left few candidates)
+        }
         let u = key.uniform_pair(pair);
         for (k, &u) in u.iter().enumerate() {
             let j = 2 * pair + k as u32;
-            if j as usize >= logits.len() || f.cut[j as usize] != Cut::In || f.w[j as usize] <= 0.0 {
+            if !candidate(j as usize) {
                 continue;
             }
             let r = -ln_f64(u) / f.w[j as usize];

@@ -194,6 +194,33 @@ fn engine_outputs_do_not_depend_on_batch_in_invariant_mode() {
 }
 
 #[test]
+fn seeded_sampling_does_not_depend_on_batch_in_invariant_mode() {
+    let (m, p) = model(Mode::Invariant);
+    let m = Arc::new(m);
+    let prompts = ["Once upon a time", "The three primary colors are", "def fibonacci(n):"];
+    let params = |i: u64| SamplingParams { temperature: 0.9, top_p: 0.95, seed: Some(100 + i), n: 2, ..SamplingParams::greedy(16) };
+    let req = |i: usize| Request::new(m.tokenizer.encode(prompts[i]).unwrap(), params(i as u64));
+    let mut alone = vec![];
+    for i in 0..prompts.len() {
+        let mut e = Engine::new(m.clone(), p.clone(), EngineConfig::default()).unwrap();
+        let id = e.submit(req(i)).unwrap();
+        alone.push(e.run_to_completion(&[id]).unwrap().remove(0));
+    }
+    let mut e = Engine::new(m.clone(), p.clone(), EngineConfig::default()).unwrap();
+    let ids: Vec<_> = (0..prompts.len()).rev().map(|i| e.submit(req(i)).unwrap()).collect();
+    let mut together = e.run_to_completion(&ids).unwrap();
+    together.reverse();
+    for (a, b) in alone.iter().zip(&together) {
+        assert_eq!(a.seed, b.seed);
+        assert_eq!(a.choices.len(), 2);
+        for (x, y) in a.choices.iter().zip(&b.choices) {
+            assert_eq!((x.index, &x.token_ids), (y.index, &y.token_ids));
+        }
+        assert_ne!(a.choices[0].token_ids, a.choices[1].token_ids, "two choices drew the same 16 tokens");
+    }
+}
+
+#[test]
 fn bad_forward_input_is_an_error_not_a_panic() {
     let (m, p) = model(Mode::Invariant);
     let mut c = m.llama.new_cache();
