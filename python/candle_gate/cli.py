@@ -94,6 +94,15 @@ def cmd_bench(a: argparse.Namespace) -> int:
     return bench.main(a)
 
 
+def cmd_serve(a: argparse.Namespace) -> int:
+    try:
+        from . import server
+    except ImportError as e:  # fastapi/uvicorn are the `serve` extra
+        print(f"candle-gate serve: {e}; install with: pip install 'candle-gate[serve]'", file=sys.stderr)
+        return 2
+    return server.serve(a)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="candle-gate", description=__doc__)
     ap.add_argument("--version", action="version", version=f"candle-gate {_native.__version__}")
@@ -164,6 +173,23 @@ def build_parser() -> argparse.ArgumentParser:
     sb.add_argument("--json", action="store_true")
     _sampling_args(sb)
     sb.set_defaults(func=cmd_bench)
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (docs/SERVER.md)")
+    _common(s)
+    _gate_args(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--max-num-seqs", type=int, default=16, help="sequences in the running batch")
+    s.add_argument("--max-queue", type=int, default=64,
+                   help="waiting requests beyond which new ones get 429 with Retry-After")
+    s.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 and /tokenize")
+    s.add_argument("--served-model-name", default=None,
+                   help="the model's name in the API (default: the known-model name, else the file stem)")
+    s.add_argument("--threads", type=int, default=None)
+    s.add_argument("--drain-timeout", type=int, default=30,
+                   help="seconds SIGTERM waits for in-flight requests before cancelling them")
+    s.add_argument("--log-level", default="info")
+    s.add_argument("--access-log", action="store_true")
+    s.set_defaults(func=cmd_serve)
     return ap
 
 

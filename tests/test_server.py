@@ -1,0 +1,392 @@
+"""The OpenAI-compatible server (``candle-gate serve``), run for real as a subprocess and spoken to
+with the official ``openai`` client and with httpx for raw HTTP."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+import candle_gate  # noqa: E402
+
+PROMPT = "The capital of France is"
+CHAT = [{"role": "user", "content": "Name three colors."}]
+KEY = "sk-test-7f3a"
+M = candle_gate.DEFAULT_MODEL
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, *extra: str):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "candle_gate", "serve", "--port", str(self.port), *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.log = []
+        threading.Thread(target=self._read, daemon=True).start()
+        deadline = time.time() + 120
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n" + "".join(self.log))
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline:
+                self.stop()
+                raise RuntimeError("the server did not become healthy:\n" + "".join(self.log))
+            time.sleep(0.2)
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.log.append(line)
+
+    def client(self, key: str = "unused") -> "openai.OpenAI":
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(self.url + "/metrics", timeout=30).text
+        for line in text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " ") or (
+                    name.endswith("}") and line.startswith(name)):
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(name)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()
+
+
+@pytest.fixture(scope="module")
+def keyed():
+    """One sequence at a time, one waiting at most, an API key: for 401, 429 and SIGTERM."""
+    s = Server("--api-key", KEY, "--max-num-seqs", "1", "--max-queue", "1", "--drain-timeout", "60")
+    yield s
+    s.stop()
+
+
+def _post(server, path, body, **kw):
+    return httpx.post(server.url + path, content=body if isinstance(body, (bytes, str)) else json.dumps(body),
+                      headers={"Content-Type": "application/json", **kw.pop("headers", {})}, timeout=120, **kw)
+
+
+def _assert_error(r, status, param=None):
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    if param is not None:
+        assert body["error"]["param"] == param
+
+
+def _stream_text(stream):
+    texts, finish, chunks = {}, {}, []
+    for ch in stream:
+        chunks.append(ch)
+        for c in ch.choices:
+            delta = c.delta.content if hasattr(c, "delta") else c.text
+            texts[c.index] = texts.get(c.index, "") + (delta or "")
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    return texts, finish, chunks
+
+
+def _one(client, req):
+    """The text of one request, {"kind": "chat"|"completion", "stream": bool, ...openai kwargs}."""
+    req = dict(req)
+    kind, stream = req.pop("kind"), req.pop("stream")
+    api = client.chat.completions if kind == "chat" else client.completions
+    if stream:
+        texts, _, _ = _stream_text(api.create(model=M, stream=True, **req))
+        return texts[0]
+    r = api.create(model=M, **req)
+    return r.choices[0].message.content if kind == "chat" else r.choices[0].text
+
+
+# ---------------------------------------------------------------------------------------------
+
+def test_models_lists_the_served_model(server, client):
+    models = client.models.list().data
+    assert [m.id for m in models] == [candle_gate.DEFAULT_MODEL]
+    r = httpx.get(server.url + "/health", timeout=10)
+    assert r.status_code == 200
+
+
+def test_greedy_completion_equals_the_in_process_engine(client, model):
+    r = client.completions.create(model=candle_gate.DEFAULT_MODEL, prompt=PROMPT, max_tokens=16, temperature=0)
+    [ref] = candle_gate.Engine(model).generate([PROMPT], max_new_tokens=16)
+    c = r.choices[0]
+    assert c.text == ref.text
+    assert c.model_extra["fingerprint"] == ref.fingerprint
+    assert c.finish_reason == {"eos": "stop", "stop": "stop"}.get(ref.finish_reason, "length")
+    assert r.usage.prompt_tokens == len(model.tokenize(PROMPT))
+    assert r.usage.completion_tokens == len(ref.token_ids)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert isinstance(r.system_fingerprint, str) and len(r.system_fingerprint) >= 16
+    # token ids as the prompt, and the model field omitted, give the same
+    raw = httpx.post(str(client.base_url).rstrip("/") + "/completions", timeout=60,
+                     json={"prompt": model.tokenize(PROMPT), "max_tokens": 16, "temperature": 0,
+                           "return_margins": True}).json()
+    ch = raw["choices"][0]
+    assert ch["text"] == ref.text
+    assert len(ch["margins"]) == len(ch["rechecked"]) == len(ref.token_ids)
+    assert raw["system_fingerprint"] == r.system_fingerprint
+
+
+def test_chat_stream_and_non_stream_agree(client):
+    kw = dict(model=candle_gate.DEFAULT_MODEL, messages=CHAT, max_tokens=16, temperature=0)
+    r = client.chat.completions.create(**kw)
+    texts, finish, chunks = _stream_text(client.chat.completions.create(
+        stream=True, stream_options={"include_usage": True}, **kw))
+    assert texts[0] == r.choices[0].message.content
+    assert r.choices[0].message.role == "assistant"
+    assert finish[0] == r.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
+    assert all(ch.system_fingerprint == r.system_fingerprint for ch in chunks)
+
+
+def test_raw_stream_ends_with_done(server):
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                      json={"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "stream": True}) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert events[-1] == "data: [DONE]"
+    assert all(e.startswith("data: ") for e in events)
+    chunks = [json.loads(e[6:]) for e in events[:-1]]
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert "usage" not in chunks[-1]
+
+
+def test_seeded_sampling_is_reproducible(client):
+    kw = dict(model=M, prompt="Once upon a time", max_tokens=16, temperature=0.8, seed=1234)
+    a = client.completions.create(**kw).choices[0].text
+    b = client.completions.create(**kw).choices[0].text
+    c = client.completions.create(**{**kw, "seed": 99}).choices[0].text
+    assert a == b
+    assert a != c  # 16 sampled tokens at 0.8: another seed differs (fixed seeds, so not flaky)
+
+
+def test_concurrent_requests_match_their_solo_runs(client):
+    prompts = [PROMPT, "Once upon a time", "def fibonacci(n):"]
+    reqs = []
+    for i in range(8):
+        stream = i % 2 == 0
+        if i % 3 == 0:
+            reqs.append({"kind": "chat", "stream": stream, "messages": [{"role": "user", "content": prompts[i % 3]}],
+                         "max_tokens": 12, "temperature": 0.8, "seed": i})
+        else:
+            reqs.append({"kind": "completion", "stream": stream, "prompt": prompts[i % 3], "max_tokens": 12,
+                         "temperature": 0.8 if i % 2 else 0, "seed": 100 + i})
+    solo = [_one(client, r) for r in reqs]
+    with ThreadPoolExecutor(len(reqs)) as ex:
+        together = list(ex.map(lambda r: _one(client, r), reqs))
+    assert together == solo
+
+
+def test_n_choices(client):
+    kw = dict(model=M, prompt="Once upon a time", max_tokens=10, temperature=0.8, seed=5, n=2)
+    r = client.completions.create(**kw)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.choices[0].text != r.choices[1].text
+    toks = httpx.post(str(client.base_url).rstrip("/") + "/completions", timeout=60,
+                      json={**kw, "logprobs": 0}).json()
+    assert [c["text"] for c in toks["choices"]] == [c.text for c in r.choices]
+    assert toks["usage"]["completion_tokens"] == sum(len(c["logprobs"]["tokens"]) for c in toks["choices"])
+    assert r.usage.completion_tokens == toks["usage"]["completion_tokens"]
+    texts, finish, _ = _stream_text(client.completions.create(stream=True, **kw))
+    assert [texts[0], texts[1]] == [c.text for c in r.choices]
+    assert set(finish) == {0, 1}
+
+
+def test_logprobs_shapes(client):
+    r = client.chat.completions.create(model=M, messages=CHAT, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    assert "".join(e.token for e in content) == r.choices[0].message.content
+    for e in content:
+        assert e.logprob <= 0 and e.bytes == list(e.token.encode())
+        assert len(e.top_logprobs) == 2
+        assert e.top_logprobs[0].logprob == e.logprob  # greedy: the chosen one is the most likely
+    c = client.completions.create(model=M, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3).choices[0]
+    lp = c.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    assert "".join(lp.tokens) == c.text
+    assert lp.text_offset[0] == 0 and all(1 <= len(d) <= 3 for d in lp.top_logprobs)
+    # streamed chat logprobs: one entry per token
+    _, _, chunks = _stream_text(client.chat.completions.create(
+        model=M, messages=CHAT, max_tokens=6, temperature=0, logprobs=True, top_logprobs=1, stream=True))
+    entries = [e for ch in chunks for c in ch.choices if c.logprobs for e in c.logprobs.content]
+    assert [e.token for e in entries] == [e.token for e in content]
+
+
+@pytest.mark.parametrize("path,body,status,param", [
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}', 400, None),
+    ("/v1/chat/completions", b"", 400, None),
+    ("/v1/chat/completions", {"messages": CHAT, "temperature": "hot"}, 400, "temperature"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": "8"}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": CHAT, "top_p": 0}, 400, "top_p"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": CHAT, "n": 1000}, 400, None),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": CHAT, "model": "gpt-4"}, 404, "model"),
+    ("/v1/completions", {"prompt": [42] * 9000, "max_tokens": 4}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [10 ** 7], "max_tokens": 4}, 400, "prompt"),
+    ("/v1/completions", {"prompt": PROMPT, "seed": -1}, 400, "seed"),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 2 ** 70}, 400, None),
+    ("/v1/completions", {"max_tokens": 4}, 400, "prompt"),
+    ("/v1/completions", [1, 2], 400, None),
+])
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, path, body, status, param):
+    _assert_error(_post(server, path, body), status, param)
+    r = _post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_the_openai_client_sees_the_errors(client):
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4", messages=CHAT, max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=M, messages=CHAT, max_tokens=2, top_p=0)
+    assert "top_p" in str(e.value)
+
+
+def test_control_token_text_in_a_message_is_fine(client):
+    r = client.chat.completions.create(
+        model=M, messages=[{"role": "user", "content": "what does <|im_end|><|im_start|>system mean?"}],
+        max_tokens=4, temperature=0)
+    assert r.usage.completion_tokens >= 1
+    # content parts are accepted too
+    r2 = client.chat.completions.create(model=M, messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                                        max_tokens=2, temperature=0)
+    assert r2.usage.completion_tokens >= 1
+
+
+def test_unknown_fields_are_ignored(server):
+    r = _post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "temperature": 0,
+                                          "best_of": 1, "suffix": None, "user": "u1", "whatever": {"a": 1}})
+    assert r.status_code == 200, r.text
+
+
+def test_a_disconnected_stream_is_cancelled(server):
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                      json={"prompt": PROMPT, "max_tokens": 4000, "temperature": 0, "stream": True,
+                            "stop": []}) as r:
+        it = r.iter_lines()
+        got = [next(it) for _ in range(3)]
+        assert got[0].startswith("data: ")
+        assert server.metric("candle_gate:num_requests_running") >= 1
+    deadline = time.time() + 5
+    while server.metric("candle_gate:num_requests_running") != 0:
+        assert time.time() < deadline, "the disconnected request is still running"
+        time.sleep(0.1)
+    assert server.metric('candle_gate:request_success_total{model_name="%s",finished_reason="cancelled"}'
+                         % candle_gate.DEFAULT_MODEL) >= 1
+
+
+def test_metrics_have_the_names(server, client):
+    client.completions.create(model=M, prompt=PROMPT, max_tokens=3, temperature=0)
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    for name in ("candle_gate:num_requests_running", "candle_gate:num_requests_waiting",
+                 "candle_gate:prompt_tokens_total", "candle_gate:generation_tokens_total",
+                 "candle_gate:time_to_first_token_seconds_bucket", "candle_gate:inter_token_latency_seconds_sum",
+                 "candle_gate:e2e_request_latency_seconds_count", "candle_gate:gate_steps_total",
+                 "candle_gate:gate_rechecks_total", "candle_gate:gate_corrections_total"):
+        assert name in text, name
+    assert "# TYPE candle_gate:time_to_first_token_seconds histogram" in text
+    assert server.metric("candle_gate:generation_tokens_total") >= 3
+    assert server.metric("candle_gate:e2e_request_latency_seconds_count") >= 1
+    assert server.metric("candle_gate:gate_steps_total") >= 1
+
+
+def test_tokenize_detokenize_round_trip(server, model):
+    text = "Hello, world! Grüße 🙂"
+    r = _post(server, "/tokenize", {"prompt": text}).json()
+    assert r["tokens"] == model.tokenize(text) and r["count"] == len(r["tokens"])
+    back = _post(server, "/detokenize", {"tokens": r["tokens"]}).json()
+    assert back == {"prompt": text}
+    _assert_error(_post(server, "/detokenize", {"tokens": ["a"]}), 400, "tokens")
+    _assert_error(_post(server, "/detokenize", {"tokens": [10 ** 7]}), 400, "tokens")
+
+
+# --- the second server: --api-key, --max-num-seqs 1 --max-queue 1 ----------------------------
+
+def test_api_key(keyed):
+    with pytest.raises(openai.AuthenticationError):
+        keyed.client("wrong").completions.create(model=M, prompt=PROMPT, max_tokens=2)
+    _assert_error(_post(keyed, "/v1/completions", {"prompt": PROMPT}), 401)
+    r = keyed.client(KEY).completions.create(model=M, prompt=PROMPT, max_tokens=2, temperature=0)
+    assert r.usage.completion_tokens == 2
+    assert httpx.get(keyed.url + "/health", timeout=10).status_code == 200
+
+
+def test_a_full_queue_gets_429_with_retry_after(keyed):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    with httpx.stream("POST", keyed.url + "/v1/completions", headers=auth, timeout=60,
+                      json={"prompt": PROMPT, "max_tokens": 4000, "temperature": 0, "stream": True}) as r:
+        lines = r.iter_lines()  # (kept: a dropped iterator closes the response)
+        next(lines)  # running: it holds the only sequence
+        with ThreadPoolExecutor(1) as ex:
+            waiting = ex.submit(_post, keyed, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2},
+                                headers=auth)
+            deadline = time.time() + 30
+            while keyed.metric("candle_gate:num_requests_waiting") < 1:
+                assert time.time() < deadline
+                time.sleep(0.05)
+            full = _post(keyed, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2}, headers=auth)
+            _assert_error(full, 429)
+            assert int(full.headers["Retry-After"]) >= 1
+            r.close()  # the stream goes away: the waiting request runs
+            assert waiting.result(timeout=60).status_code == 200
+
+
+def test_sigterm_lets_the_request_in_flight_finish_then_exits_0(keyed):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    with ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(_post, keyed, "/v1/completions",
+                        {"prompt": PROMPT, "max_tokens": 48, "temperature": 0, "stop": []}, headers=auth)
+        deadline = time.time() + 30
+        while keyed.metric("candle_gate:num_requests_running") < 1:
+            assert time.time() < deadline
+            time.sleep(0.02)
+        keyed.proc.send_signal(signal.SIGTERM)
+        r = fut.result(timeout=90)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 48
+    assert keyed.proc.wait(timeout=60) == 0, "".join(keyed.log)
