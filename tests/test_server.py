@@ -218,6 +218,44 @@ def test_concurrent_requests_match_their_solo_runs(client):
     assert together == solo
 
 
+def test_32_clients_with_bad_traffic_mixed_in(server, client):
+    """32 requests at once, a quarter of them bad: the bad ones get their errors, every good one
+    the text it gets alone."""
+    good = [
+        {"kind": "completion", "stream": False, "prompt": PROMPT, "max_tokens": 8, "temperature": 0},
+        {"kind": "completion", "stream": True, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0.8,
+         "seed": 11},
+        {"kind": "chat", "stream": False, "messages": CHAT, "max_tokens": 8, "temperature": 0.8, "seed": 12},
+        {"kind": "chat", "stream": True, "messages": [{"role": "user", "content": "def fibonacci(n):"}],
+         "max_tokens": 8, "temperature": 0},
+    ]
+    bad = [
+        ("/v1/completions", b'{"prompt": "x", "max_tokens": 4', 400),
+        ("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "top_p": 0}, 400),
+        ("/v1/completions", {"prompt": [42] * 9000, "max_tokens": 4}, 400),
+        ("/v1/chat/completions", {"messages": CHAT, "model": "nope"}, 404),
+    ]
+    solo = [_one(client, r) for r in good]
+    jobs = [("good", i % len(good)) for i in range(24)] + [("bad", i % len(bad)) for i in range(8)]
+    jobs = jobs[::3] + jobs[1::3] + jobs[2::3]  # interleaved
+
+    def run(job):
+        kind, i = job
+        if kind == "good":
+            return _one(client, good[i])
+        path, body, _ = bad[i]
+        return _post(server, path, body)
+
+    with ThreadPoolExecutor(len(jobs)) as ex:
+        out = list(ex.map(run, jobs))
+    for (kind, i), got in zip(jobs, out):
+        if kind == "good":
+            assert got == solo[i]
+        else:
+            _assert_error(got, bad[i][2])
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
 def test_n_choices(client):
     kw = dict(model=M, prompt="Once upon a time", max_tokens=10, temperature=0.8, seed=5, n=2)
     r = client.completions.create(**kw)

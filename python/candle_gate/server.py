@@ -260,7 +260,13 @@ class EngineWorker:
             for rid, items in per.items():
                 if isinstance(items[-1], tuple):
                     del self.tracks[rid]
-        self.loop.call_soon_threadsafe(self._deliver, batch)
+        self._post(batch)
+
+    def _post(self, batch: List[Tuple[asyncio.Queue, List[Any]]]) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self._deliver, batch)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            pass
 
     def _refresh(self) -> None:
         nat = self.eng._native
@@ -279,7 +285,7 @@ class EngineWorker:
                 self.eng.cancel(rid)
             except Exception:
                 pass
-        self.loop.call_soon_threadsafe(self._deliver, batch)
+        self._post(batch)
 
     def _run(self) -> None:
         while not self.stopping:
