@@ -398,6 +398,12 @@ impl Engine {
             .lock()
             .map_err(|_| CandleGateError::new_err("the engine is unusable after an internal error"))
     }
+
+    /// `f` on the engine with the GIL released: the lock may wait for a step in another thread,
+    /// and holding the GIL meanwhile would stall every Python thread.
+    fn with<T: Send>(&self, py: Python<'_>, f: impl FnOnce(&mut RsEngine) -> T + Send) -> PyResult<T> {
+        py.detach(|| self.lock().map(|mut e| f(&mut e)))
+    }
 }
 
 #[pymethods]
@@ -484,43 +490,43 @@ impl Engine {
     }
 
     #[getter]
-    fn has_work(&self) -> PyResult<bool> {
-        Ok(self.lock()?.has_work())
+    fn has_work(&self, py: Python<'_>) -> PyResult<bool> {
+        self.with(py, |e| e.has_work())
     }
     #[getter]
-    fn num_running(&self) -> PyResult<usize> {
-        Ok(self.lock()?.num_running())
+    fn num_running(&self, py: Python<'_>) -> PyResult<usize> {
+        self.with(py, |e| e.num_running())
     }
     #[getter]
-    fn num_waiting(&self) -> PyResult<usize> {
-        Ok(self.lock()?.num_waiting())
+    fn num_waiting(&self, py: Python<'_>) -> PyResult<usize> {
+        self.with(py, |e| e.num_waiting())
     }
     #[getter]
-    fn policy(&self) -> PyResult<String> {
-        Ok(self.lock()?.policy().describe())
+    fn policy(&self, py: Python<'_>) -> PyResult<String> {
+        self.with(py, |e| e.policy().describe())
     }
     #[getter]
-    fn gate(&self) -> PyResult<String> {
-        Ok(self.lock()?.config().gate.describe())
+    fn gate(&self, py: Python<'_>) -> PyResult<String> {
+        self.with(py, |e| e.config().gate.describe())
     }
     #[getter]
-    fn tau(&self) -> PyResult<f32> {
-        Ok(self.lock()?.config().gate.tau)
+    fn tau(&self, py: Python<'_>) -> PyResult<f32> {
+        self.with(py, |e| e.config().gate.tau)
     }
     #[getter]
-    fn deep_tau(&self) -> PyResult<f32> {
-        Ok(self.lock()?.config().gate.deep_tau)
+    fn deep_tau(&self, py: Python<'_>) -> PyResult<f32> {
+        self.with(py, |e| e.config().gate.deep_tau)
     }
 
     fn gate_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        gate_dict(py, &self.lock()?.gate_stats())
+        gate_dict(py, &self.with(py, |e| e.gate_stats())?)
     }
 
     /// Events since the last call: dicts with `type` "token" (id, index, token, text, and
     /// `logprob`, `top_logprob_ids`, `top_logprobs` when asked for) or "finished" (id, index,
     /// reason).
     fn events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let evs = self.lock()?.drain_events();
+        let evs = self.with(py, |e| e.drain_events())?;
         let out = PyList::empty(py);
         for ev in evs {
             let d = PyDict::new(py);
@@ -550,12 +556,12 @@ impl Engine {
         Ok(out)
     }
 
-    fn is_finished(&self, id: u64) -> PyResult<bool> {
-        Ok(self.lock()?.is_finished(id))
+    fn is_finished(&self, py: Python<'_>, id: u64) -> PyResult<bool> {
+        self.with(py, |e| e.is_finished(id))
     }
 
     fn take_output<'py>(&self, py: Python<'py>, id: u64) -> PyResult<Option<Bound<'py, PyDict>>> {
-        let o = self.lock()?.take_output(id);
+        let o = self.with(py, |e| e.take_output(id))?;
         o.map(|o| output_dict(py, o)).transpose()
     }
 
