@@ -85,6 +85,14 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
 
 
 def cmd_probe(a: argparse.Namespace) -> int:
+    if getattr(a, "endpoint", None):
+        from . import endpoint_probe
+        return endpoint_probe.main(a)
+    given = [f for f in ("repeats", "concurrency", "max_tokens", "api_key_env", "extract", "json_field",
+                         "top_logprobs", "orders") if getattr(a, f, None) is not None]
+    if given:
+        print(f"candle-gate probe: --{given[0].replace('_', '-')} needs --endpoint URL", file=sys.stderr)
+        return 2
     from . import probe
     return probe.main(a)
 
@@ -146,6 +154,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")
     p.add_argument("--compositions", default=None, help="comma-separated subset of composition names")
     _sampling_args(p)
+    ep = p.add_argument_group("endpoint probe (docs/ENDPOINT_PROBE.md): probe an OpenAI-compatible server")
+    ep.add_argument("--endpoint", default=None, metavar="URL",
+                    help="probe this OpenAI-compatible server (http://host:port/v1) instead of the in-process engine")
+    ep.add_argument("--repeats", type=int, default=None, help="requests per prompt per load (default 3)")
+    ep.add_argument("--concurrency", default=None, help="comma-separated thread-pool sizes (default 1,4)")
+    ep.add_argument("--max-tokens", type=int, default=None, help="max_tokens per request (default 32)")
+    ep.add_argument("--api-key-env", default=None, metavar="VAR",
+                    help="read the API key from this environment variable (never printed)")
+    ep.add_argument("--top-logprobs", type=int, default=None,
+                    help="top_logprobs to ask for (default 2; -1: no logprobs)")
+    ep.add_argument("--orders", default=None, help="comma-separated subset of alone,burst,interleaved")
+    ans = ep.add_mutually_exclusive_group()
+    ans.add_argument("--extract", default=None, metavar="REGEX",
+                     help="the answer: the regex's first group (else the whole match)")
+    ans.add_argument("--json-field", default=None, metavar="PATH",
+                     help="the answer: this dotted path (a.b.0) in the completion parsed as JSON")
     p.set_defaults(func=cmd_probe)
 
     b = sub.add_parser("bench", help="benchmarks")

@@ -1,0 +1,327 @@
+"""The endpoint probe (``candle-gate probe --endpoint``, ``candle_gate.endpoint_probe``): against
+real ``candle-gate serve`` subprocesses on loopback (invariant and split_k_f16), the scoring on
+constructed completions, and the retry loop against a small stub server (faults only)."""
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+import candle_gate  # noqa: E402
+from candle_gate import endpoint_probe as ep  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_gate import CHATS  # noqa: E402
+from test_server import Server  # noqa: E402
+
+M = candle_gate.DEFAULT_MODEL
+PROMPTS = ["The capital of France is", "The three primary colors are",
+           [{"role": "user", "content": "Name three colors."}],
+           [{"role": "user", "content": "What is 2 + 2?"}]]
+FAST = ep.RetryPolicy(max_retries=3, backoff=0.05, max_backoff=0.2, max_retry_after=5)
+
+
+@pytest.fixture(scope="module")
+def invariant_server():
+    s = Server("--mode", "invariant")
+    yield s
+    s.stop()
+
+
+# ------------------------------------------------------------------------- real servers
+
+def test_invariant_server_gives_one_completion_per_prompt_at_every_load(invariant_server):
+    r = ep.probe_endpoint(invariant_server.url + "/v1", M, PROMPTS, repeats=3, concurrency="1,4",
+                          max_tokens=8, temperature=0, seed=0)
+    assert r["errors"] == 0 and r["completions"] == len(PROMPTS) * 3 * 4
+    assert r["all_identical"] is True and r["prompts_with_flips"] == 0 and r["prose_flips"] == 0
+    assert len(r["fingerprints"]) == 1 and r["fingerprint_change"] is False
+    assert r["logprobs"] == {"requested": True, "used": True, "note": None}
+    for e in r["prompts"]:
+        assert e["distinct"] == 1 and e["k_of_n"] == [12, 12] and e["first_divergence"] is None
+        assert set(e["by_concurrency"]) == {"1", "4"}
+        assert all(v["distinct"] == 1 for v in e["by_concurrency"].values())
+        assert set(e["by_order"]) == {"alone", "burst", "interleaved"}
+    json.dumps(r)
+    assert "all identical: yes" in ep.format_report(r)
+
+
+def test_split_k_f16_divergences_match_the_in_process_engine():
+    """Ungated split_k_f16: the eight chats alone and in one burst of 8. The burst reproduces the
+    in-process batch of 8 once every request decodes (the lane's bits follow the row count), so a
+    chat that the in-process engine sends off its batch-1 path at token p diverges at p here too,
+    and the gap there is the engine's own top1-top2 margin of the alone run."""
+    s = Server("--mode", "split_k_f16", "--max-num-seqs", "16")
+    try:
+        r = ep.probe_endpoint(s.url, M, CHATS, repeats=1, concurrency=8, max_tokens=64, temperature=0,
+                              orders="alone,burst", top_logprobs=2)
+    finally:
+        s.stop()
+    assert r["errors"] == 0 and r["all_identical"] is False
+    diverging = {e["index"]: e for e in r["prompts"] if e["distinct"] > 1}
+    assert diverging
+    for e in diverging.values():
+        assert e["divergence_unit"] == "tokens" and e["k_of_n"] == [1, 2]
+        assert e["by_order"]["alone"]["flips"] == 0 and e["by_order"]["burst"]["flips"] == 1
+        assert e["gap_at_divergence"] is not None and 0 <= e["gap_at_divergence"] < 0.5
+        assert not e["fingerprint_change"] and e["flip_under_one_fingerprint"]
+
+    model = candle_gate.Model.load(mode="split_k_f16")
+    batched = candle_gate.Engine(model).generate(CHATS, max_new_tokens=64)
+    matched = []
+    for i, e in diverging.items():
+        [alone] = candle_gate.Engine(model).generate([CHATS[i]], max_new_tokens=64)
+        assert alone.text == e["majority"]  # the endpoint's alone run is the engine's batch-1 run
+        a, b = alone.token_ids.tolist(), batched[i].token_ids.tolist()
+        p = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if p is not None and p == e["first_divergence"]:
+            assert abs(e["gap_at_divergence"] - float(alone.margins[p])) < 1e-3
+            matched.append(i)
+    assert matched, {i: e["first_divergence"] for i, e in diverging.items()}
+
+
+def test_cli_writes_json_and_plot(invariant_server, tmp_path):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("The capital of France is\nOnce upon a time\n")
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    env = {**os.environ, "CG_TEST_KEY": "sk-cli-secret-93af"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "candle_gate", "probe", "--endpoint", invariant_server.url + "/v1",
+         "--model", M, "--prompts", str(prompts), "--repeats", "1", "--concurrency", "2",
+         "--max-tokens", "4", "--temperature", "0", "--api-key-env", "CG_TEST_KEY",
+         "--extract", r"(\w+)", "--json", str(out), "--plot", str(png)],
+        capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(out.read_text())
+    assert r["format"] == ep.FORMAT and r["completions"] == 2 * 3 and r["all_identical"] is True
+    assert r["answer_flips"] == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "all identical: yes" in proc.stdout
+    assert "sk-cli-secret-93af" not in proc.stdout + proc.stderr + out.read_text()
+
+
+def _cli(argv, capsys):
+    """``candle-gate probe ARGV`` in-process: (exit code, stderr)."""
+    from candle_gate.cli import main
+    try:
+        rc = main(["probe", *argv])
+    except SystemExit as e:  # argparse's usage errors
+        rc = e.code
+    return rc, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--repeats", "0"], "--repeats must be at least 1"),
+    (["--concurrency", "1,x"], "--concurrency"),
+    (["--concurrency", "0"], "--concurrency"),
+    (["--max-tokens", "0"], "--max-tokens must be at least 1"),
+    (["--extract", "("], "bad regular expression"),
+    (["--orders", "sideways"], "--orders"),
+    (["--api-key-env", "CG_SURELY_UNSET_VAR"], "CG_SURELY_UNSET_VAR is not set"),
+    (["--repeats", "two"], "invalid int value"),
+    (["--extract", "a", "--json-field", "b"], "not allowed with"),
+])
+def test_cli_bad_arguments_exit_2(tmp_path, capsys, monkeypatch, argv, message):
+    monkeypatch.delenv("CG_SURELY_UNSET_VAR", raising=False)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello\n")
+    rc, err = _cli(["--endpoint", "http://127.0.0.1:9/v1", "--prompts", str(prompts), *argv], capsys)
+    assert rc == 2 and message in err, (rc, err)
+
+
+def test_cli_usage_errors_exit_2(tmp_path, capsys):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello\n")
+    for argv, message in ((["--repeats", "2"], "--repeats needs --endpoint"),
+                          (["--endpoint", "http://127.0.0.1:9/v1"], "--endpoint needs --prompts"),
+                          (["--endpoint", "localhost:1", "--prompts", str(prompts)], "expected an http(s) URL"),
+                          (["--endpoint", "http://127.0.0.1:9/v1", "--prompts", str(tmp_path / "nope")],
+                           "does not exist")):
+        rc, err = _cli(argv, capsys)
+        assert rc == 2 and message in err, (argv, rc, err)
+
+
+# ----------------------------------------------------------------- scoring (constructed)
+
+def _c(text, fp="fp_a", order="alone", conc=1, tokens=None, top=None):
+    return {"text": text, "fingerprint": fp, "order": order, "concurrency": conc, "repeat": 0,
+            "tokens": tokens, "top": top}
+
+
+def test_extract_separates_answer_flips_from_prose_flips():
+    ex = ep.make_extractor(extract=r"Label:\s*(\w+)")
+    same_label = [_c("The review is glowing. Label: positive"),
+                  _c("The review is glowing. Label: positive", order="burst", conc=4),
+                  _c("This review sounds happy. Label: positive", order="burst", conc=4)]
+    s = ep.score_completions(same_label, ex)
+    assert s["distinct"] == 2 and s["flips"] == 1 and s["k_of_n"] == [2, 3]
+    assert s["first_divergence"] == 2 and s["divergence_unit"] == "chars"  # "The" vs "This"
+    assert s["answer"]["flips"] == 0 and s["answer"]["distinct"] == 1 and s["answer"]["majority"] == "positive"
+    flipped = same_label + [_c("Hard to say. Label: negative", order="interleaved", conc=4)]
+    s = ep.score_completions(flipped, ex)
+    assert s["answer"]["flips"] == 1 and s["answer"]["values"] == {"positive": 3, "negative": 1}
+    report = ep.summarize(["a", "b"], [ep.score_completions(same_label, ex), s], {})
+    assert report["prose_flips"] == 1 + 2 and report["answer_flips"] == 1 and report["prompts_with_answer_flips"] == 1
+    # No group: the whole match; no match: counted as unparsed.
+    whole = ep.score_completions([_c("x 42"), _c("y 42"), _c("none")], ep.make_extractor(extract=r"\d+"))
+    assert whole["answer"]["values"] == {"42": 2, "null": 1} and whole["answer"]["unparsed"] == 1
+
+
+def test_json_field_answer():
+    ex = ep.make_extractor(json_field="result.labels.0")
+    cs = [_c('{"result": {"labels": ["spam", "x"]}, "why": "links"}'),
+          _c('Sure: {"result": {"labels": ["spam"]}, "why": "many links"}'),
+          _c('{"result": {"labels": ["ham"]}}')]
+    s = ep.score_completions(cs, ex)
+    assert s["flips"] == 2 and s["answer"]["flips"] == 1 and s["answer"]["majority"] == '"spam"'
+    assert ex("not json") is None and ex('{"result": {}}') is None
+    with pytest.raises(ValueError):
+        ep.make_extractor(extract="a", json_field="b")
+
+
+def test_token_divergence_gap_and_fingerprint_grouping():
+    maj = _c("A B C", tokens=["A", " B", " C"], top=[[-0.1, -3.0], [-0.6, -0.8], [-0.2, -2.0]])
+    other = _c("A D C", tokens=["A", " D", " C"], top=[[-0.1, -3.0], [-0.8, -0.6], [-0.2, -2.0]],
+               order="burst", conc=8)
+    s = ep.score_completions([maj, dict(maj, order="burst", concurrency=8), other])
+    assert s["first_divergence"] == 1 and s["divergence_unit"] == "tokens"
+    assert s["gap_at_divergence"] == pytest.approx(0.2)
+    assert s["by_concurrency"] == {"1": {"n": 1, "distinct": 1, "flips": 0}, "8": {"n": 2, "distinct": 2, "flips": 1}}
+    assert s["flip_under_one_fingerprint"] and not s["fingerprint_change"]
+    # A fingerprint change with a different output, each fingerprint stable: not a flip under one.
+    s = ep.score_completions([maj, maj, dict(other, fingerprint="fp_b"), dict(other, fingerprint="fp_b")])
+    assert s["fingerprint_change"] and s["outputs_differ_across_fingerprints"]
+    assert not s["flip_under_one_fingerprint"] and s["fingerprints"] == ["fp_a", "fp_b"]
+    assert s["by_fingerprint"]["fp_b"] == {"n": 2, "distinct": 1, "k_of_n": [2, 2]}
+    # A tie goes to the first completion (the alone run); a prefix diverges at its end.
+    s = ep.score_completions([_c("abc"), _c("abcdef", order="burst")])
+    assert s["majority"] == "abc" and s["first_divergence"] == 3
+
+
+# --------------------------------------------------------------------- faults (stub server)
+
+class _Stub:
+    """Answers /v1/completions and /v1/chat/completions; the prompt (or last message) picks a fault:
+    "rate": 429 with Retry-After: 1 once; "drop": the connection closed once; "err": 500 once;
+    "dead": always 500; anything else: 200. ``reject_logprobs``: 400 on any request with logprobs."""
+
+    def __init__(self, reject_logprobs=False):
+        self.seen = {}
+        self.keys = set()
+        self.times = {}
+        stub = self
+
+        class H(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):
+                pass
+
+            def _send(self, status, body, headers=()):
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                for k, v in headers:
+                    self.send_header(k, v)
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                stub.keys.add(self.headers.get("Authorization"))
+                chat = "messages" in body
+                p = body["messages"][-1]["content"] if chat else body["prompt"]
+                n = stub.seen[p] = stub.seen.get(p, 0) + 1
+                stub.times.setdefault(p, []).append(time.monotonic())
+                err = {"error": {"message": "boom", "type": "x", "param": None, "code": None}}
+                if reject_logprobs and body.get("logprobs"):
+                    return self._send(400, {"error": {"message": "logprobs are not supported", "type":
+                                                      "invalid_request_error", "param": "logprobs", "code": None}})
+                if p == "rate" and n == 1:
+                    return self._send(429, err, [("Retry-After", "1")])
+                if p == "drop" and n == 1:
+                    self.close_connection = True
+                    self.connection.shutdown(2)
+                    return
+                if (p == "err" and n == 1) or p == "dead":
+                    return self._send(500, err)
+                text = f"answer to {p}"
+                if chat:
+                    choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                              "finish_reason": "stop", "logprobs": None}
+                    obj = "chat.completion"
+                else:
+                    choice = {"index": 0, "text": text, "finish_reason": "stop", "logprobs": None}
+                    obj = "text_completion"
+                self._send(200, {"id": "x", "object": obj, "created": 0, "model": body.get("model"),
+                                 "system_fingerprint": "fp_stub", "choices": [choice]})
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def stub():
+    s = _Stub()
+    yield s
+    s.close()
+
+
+def test_faults_are_retried_and_persistent_errors_are_reported(stub, monkeypatch, capsys):
+    key = "sk-stub-secret-4411"
+    monkeypatch.setenv("CG_STUB_KEY", key)
+    prompts = ["rate", "drop", "err", "dead", [{"role": "user", "content": "ok"}]]
+    r = ep.probe_endpoint(stub.url, "m", prompts, repeats=1, concurrency=1, orders="alone", max_tokens=4,
+                          api_key_env="CG_STUB_KEY", retry=FAST)
+    by = {e["index"]: e for e in r["prompts"]}
+    for i in (0, 1, 2, 4):
+        assert by[i]["n"] == 1 and by[i]["errors"] == 0, by[i]
+        assert by[i]["majority"].startswith("answer to")
+    assert stub.seen["rate"] == 2 and stub.times["rate"][1] - stub.times["rate"][0] >= 0.95
+    assert stub.seen["drop"] == 2 and stub.seen["err"] == 2
+    dead = by[3]
+    assert dead["n"] == 0 and dead["errors"] == 1 and dead["distinct"] == 0 and dead["majority"] is None
+    assert dead["error_list"][0]["status"] == 500 and dead["error_list"][0]["attempts"] == 4
+    assert stub.seen["dead"] == 4
+    assert r["completions"] == 4 and r["errors"] == 1 and r["all_identical"] is False
+    assert r["retries"] == {"429": 1, "transport": 1, "5xx": 4}
+    assert stub.keys == {f"Bearer {key}"}
+    text = ep.format_report(r)
+    print(text)
+    out = capsys.readouterr()
+    assert key not in json.dumps(r) + text + out.out + out.err
+    assert "error: prompt 3" in text
+
+
+def test_retry_after_is_bounded(stub):
+    policy = ep.RetryPolicy(max_retries=1, backoff=0.01, max_retry_after=0.1)
+    t = time.monotonic()
+    r = ep.probe_endpoint(stub.url, "m", ["rate"], repeats=1, concurrency=1, orders="alone", retry=policy)
+    assert r["completions"] == 1 and time.monotonic() - t < 0.9
+
+
+def test_logprobs_rejected_falls_back_without():
+    s = _Stub(reject_logprobs=True)
+    try:
+        r = ep.probe_endpoint(s.url, "m", ["a", [{"role": "user", "content": "b"}]], repeats=2, concurrency="1,2",
+                              retry=FAST)
+    finally:
+        s.close()
+    assert r["errors"] == 0 and r["all_identical"] is True
+    assert r["logprobs"]["used"] is False and "rejected logprobs" in r["logprobs"]["note"]
