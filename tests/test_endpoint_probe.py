@@ -27,6 +27,7 @@ M = candle_gate.DEFAULT_MODEL
 PROMPTS = ["The capital of France is", "The three primary colors are",
            [{"role": "user", "content": "Name three colors."}],
            [{"role": "user", "content": "What is 2 + 2?"}]]
+N = 48  # tokens per chat in the split_k_f16 test
 FAST = ep.RetryPolicy(max_retries=3, backoff=0.05, max_backoff=0.2, max_retry_after=5)
 
 
@@ -59,10 +60,12 @@ def test_split_k_f16_divergences_match_the_in_process_engine():
     """Ungated split_k_f16: the eight chats alone and in one burst of 8. The burst reproduces the
     in-process batch of 8 once every request decodes (the lane's bits follow the row count), so a
     chat that the in-process engine sends off its batch-1 path at token p diverges at p here too,
-    and the gap there is the engine's own top1-top2 margin of the alone run."""
+    and the gap there is the engine's own top1-top2 margin of the alone run. 48 tokens, not
+    test_gate's 64, to save time: the diverging chats leave their path at tokens 33 and 39, and a
+    greedy run's first 48 tokens do not depend on max_tokens (the batch is the same until then)."""
     s = Server("--mode", "split_k_f16", "--max-num-seqs", "16")
     try:
-        r = ep.probe_endpoint(s.url, M, CHATS, repeats=1, concurrency=8, max_tokens=64, temperature=0,
+        r = ep.probe_endpoint(s.url, M, CHATS, repeats=1, concurrency=8, max_tokens=N, temperature=0,
                               orders="alone,burst", top_logprobs=2)
     finally:
         s.stop()
@@ -76,10 +79,10 @@ def test_split_k_f16_divergences_match_the_in_process_engine():
         assert not e["fingerprint_change"] and e["flip_under_one_fingerprint"]
 
     model = candle_gate.Model.load(mode="split_k_f16")
-    batched = candle_gate.Engine(model).generate(CHATS, max_new_tokens=64)
+    batched = candle_gate.Engine(model).generate(CHATS, max_new_tokens=N)
     matched = []
     for i, e in diverging.items():
-        [alone] = candle_gate.Engine(model).generate([CHATS[i]], max_new_tokens=64)
+        [alone] = candle_gate.Engine(model).generate([CHATS[i]], max_new_tokens=N)
         assert alone.text == e["majority"]  # the endpoint's alone run is the engine's batch-1 run
         a, b = alone.token_ids.tolist(), batched[i].token_ids.tolist()
         p = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None)
