@@ -590,7 +590,7 @@ def plot_report(r: Dict[str, Any], path: str) -> None:
     w = 0.8 / max(1, len(levels))
     for j, c in enumerate(levels):
         ys = [e["by_concurrency"].get(c, {}).get("distinct", 0) for e in prompts]
-        ax.bar([i + j * w for i in range(len(prompts))], ys, width=w, label=f"C={c}")
+        ax.bar([i - 0.4 + (j + 0.5) * w for i in range(len(prompts))], ys, width=w, label=f"C={c}")
     ax.set_title("distinct completions per prompt and concurrency")
     ax.set_xlabel("prompt")
     ax.set_ylabel("distinct")
@@ -618,8 +618,14 @@ def plot_report(r: Dict[str, Any], path: str) -> None:
     ax.set_title("top-1 minus top-2 logprob in the majority run at the divergence")
     ax.set_xlabel("prompt")
     ax.set_ylabel("gap (nats)")
+    from matplotlib.ticker import MaxNLocator
     for a in axes:
-        a.set_xlim(-0.5, max(len(prompts), 1) - 0.5 + 0.8)
+        a.set_xlim(-0.5, max(len(prompts), 1) - 0.5)
+        a.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes[0].yaxis.set_major_locator(MaxNLocator(integer=True))
+    axes[1].yaxis.set_major_locator(MaxNLocator(integer=True))
+    axes[1].set_ylim(bottom=0)
+    axes[2].set_ylim(bottom=0)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
