@@ -57,12 +57,9 @@ def test_invariant_server_gives_one_completion_per_prompt_at_every_load(invarian
 
 
 def test_split_k_f16_divergences_match_the_in_process_engine():
-    """Ungated split_k_f16: the eight chats alone and in one burst of 8. The burst reproduces the
-    in-process batch of 8 once every request decodes (the lane's bits follow the row count), so a
-    chat that the in-process engine sends off its batch-1 path at token p diverges at p here too,
-    and the gap there is the engine's own top1-top2 margin of the alone run. 48 tokens, not
-    test_gate's 64, to save time: the diverging chats leave their path at tokens 33 and 39, and a
-    greedy run's first 48 tokens do not depend on max_tokens (the batch is the same until then)."""
+    """Ungated split_k_f16: the eight chats alone and in one burst of 8, whose requests share the
+    server's steps (the lane's bits follow the row count), so some chat leaves its batch-1 path
+    (in-process, batched together, two do: at tokens 33 and 39, hence 48 tokens)."""
     s = Server("--mode", "split_k_f16", "--max-num-seqs", "16")
     try:
         r = ep.probe_endpoint(s.url, M, CHATS, repeats=1, concurrency=8, max_tokens=N, temperature=0,
@@ -78,18 +75,17 @@ def test_split_k_f16_divergences_match_the_in_process_engine():
         assert e["gap_at_divergence"] is not None and 0 <= e["gap_at_divergence"] < 0.5
         assert not e["fingerprint_change"] and e["flip_under_one_fingerprint"]
 
+    # The endpoint's alone run is the engine's batch-1 run, and the gap the probe reports at the
+    # divergence is that run's own top1-top2 margin there: the near-tie the engine's probe sees.
+    # (Which chats diverge, and where, depends on how the burst's arrivals share the server's
+    # steps, so positions are not compared with an in-process batch of 8.)
     model = candle_gate.Model.load(mode="split_k_f16")
-    batched = candle_gate.Engine(model).generate(CHATS, max_new_tokens=N)
-    matched = []
     for i, e in diverging.items():
         [alone] = candle_gate.Engine(model).generate([CHATS[i]], max_new_tokens=N)
-        assert alone.text == e["majority"]  # the endpoint's alone run is the engine's batch-1 run
-        a, b = alone.token_ids.tolist(), batched[i].token_ids.tolist()
-        p = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None)
-        if p is not None and p == e["first_divergence"]:
-            assert abs(e["gap_at_divergence"] - float(alone.margins[p])) < 1e-3
-            matched.append(i)
-    assert matched, {i: e["first_divergence"] for i, e in diverging.items()}
+        assert alone.text == e["majority"]
+        p = e["first_divergence"]
+        assert 0 <= p < len(alone.token_ids)
+        assert abs(e["gap_at_divergence"] - float(alone.margins[p])) < 1e-3, (i, p)
 
 
 def test_cli_writes_json_and_plot(invariant_server, tmp_path):
