@@ -45,17 +45,21 @@ def bench_prompt(i: int) -> List[Dict[str, str]]:
     return [{"role": "user", "content": f"Write a long, detailed essay about {topic}{extra}."}]
 
 
-def parse_concurrency(spec: Union[str, Sequence[int]]) -> List[int]:
-    if isinstance(spec, str):
-        try:
+def parse_concurrency(spec: Union[str, int, Sequence[int]]) -> List[int]:
+    """Concurrency levels from ``"1,4,8"``, an int or a list: positive, in order, without repeats."""
+    msg = f"--concurrency must be a comma-separated list of positive ints, got {spec!r}"
+    try:
+        if isinstance(spec, int):
+            vals = [spec]
+        elif isinstance(spec, str):
             vals = [int(x) for x in spec.split(",") if x.strip()]
-        except ValueError:
-            raise ValueError(f"--concurrency must be a comma-separated list of positive ints, got {spec!r}") from None
-    else:
-        vals = [int(x) for x in spec]
+        else:
+            vals = [int(x) for x in spec]
+    except ValueError:
+        raise ValueError(msg) from None
     if not vals or any(v <= 0 for v in vals):
-        raise ValueError(f"concurrency values must be positive ints, got {spec!r}")
-    return vals
+        raise ValueError(msg)
+    return list(dict.fromkeys(vals))
 
 
 def _sampling_for(sampling: Optional[Dict[str, Any]], i: int) -> Dict[str, Any]:

@@ -34,6 +34,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
+from .bench import parse_concurrency
+
 FORMAT = "candle-gate endpoint probe 1"
 ORDERS = ("alone", "burst", "interleaved")
 DEFAULT_TOP_LOGPROBS = 2
@@ -410,21 +412,6 @@ def _logprobs_of(r: Any, chat: bool) -> Tuple[Optional[List[str]], Optional[List
 
 
 # ----------------------------------------------------------------------------------------- probe
-
-def parse_concurrency(spec: Union[str, int, Sequence[int]]) -> List[int]:
-    if isinstance(spec, int):
-        levels = [spec]
-    elif isinstance(spec, str):
-        try:
-            levels = [int(x) for x in spec.split(",") if x.strip()]
-        except ValueError:
-            raise ValueError(f"--concurrency: expected comma-separated positive integers, got {spec!r}") from None
-    else:
-        levels = [int(x) for x in spec]
-    if not levels or any(c < 1 for c in levels):
-        raise ValueError(f"--concurrency: expected comma-separated positive integers, got {spec!r}")
-    return list(dict.fromkeys(levels))
-
 
 def parse_orders(spec: Union[None, str, Sequence[str]]) -> List[str]:
     if spec is None:
