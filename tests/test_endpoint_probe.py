@@ -1,6 +1,7 @@
 """The endpoint probe (``candle-gate probe --endpoint``, ``candle_gate.endpoint_probe``): against
-real ``candle-gate serve`` subprocesses on loopback (invariant and split_k_f16), the scoring on
-constructed completions, and the retry loop against a small stub server (faults only)."""
+real ``candle-gate serve`` subprocesses on loopback (invariant and split_k_f16), non-streaming and
+streaming, with string, chat and token-id prompts; the scoring on constructed completions; and
+the retry loop against a small stub server (faults only)."""
 import json
 import os
 import subprocess
@@ -38,22 +39,77 @@ def invariant_server():
     s.stop()
 
 
+@pytest.fixture(scope="module")
+def token_ids(invariant_server):
+    """PROMPTS[0] as the server's token ids (its /tokenize)."""
+    r = httpx.post(invariant_server.url + "/tokenize", json={"prompt": PROMPTS[0]}, timeout=30)
+    r.raise_for_status()
+    return r.json()["tokens"]
+
+
+@pytest.fixture(scope="module")
+def invariant_reports(invariant_server, token_ids):
+    """The same probe of the invariant server, non-streaming and streaming: PROMPTS and
+    PROMPTS[0] again as token ids (sent to /v1/completions as ``prompt: [int, ...]``)."""
+    prompts = PROMPTS + [token_ids]
+    return {stream: ep.probe_endpoint(invariant_server.url + "/v1", M, prompts, repeats=3, concurrency="1,4",
+                                      max_tokens=8, temperature=0, seed=0, stream=stream)
+            for stream in (False, True)}
+
+
 # ------------------------------------------------------------------------- real servers
 
-def test_invariant_server_gives_one_completion_per_prompt_at_every_load(invariant_server):
-    r = ep.probe_endpoint(invariant_server.url + "/v1", M, PROMPTS, repeats=3, concurrency="1,4",
-                          max_tokens=8, temperature=0, seed=0)
-    assert r["errors"] == 0 and r["completions"] == len(PROMPTS) * 3 * 4
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_invariant_server_gives_one_completion_per_prompt_at_every_load(invariant_reports, stream):
+    r = invariant_reports[stream]
+    n = len(PROMPTS) + 1
+    assert r["stream"] is stream
+    assert r["errors"] == 0 and r["completions"] == n * 3 * 4 and r["retries"] == {}
     assert r["all_identical"] is True and r["prompts_with_flips"] == 0 and r["prose_flips"] == 0
     assert len(r["fingerprints"]) == 1 and r["fingerprint_change"] is False
+    assert r["fingerprints"][0].startswith("fp_")
     assert r["logprobs"] == {"requested": True, "used": True, "note": None}
     for e in r["prompts"]:
         assert e["distinct"] == 1 and e["k_of_n"] == [12, 12] and e["first_divergence"] is None
         assert set(e["by_concurrency"]) == {"1", "4"}
         assert all(v["distinct"] == 1 for v in e["by_concurrency"].values())
         assert set(e["by_order"]) == {"alone", "burst", "interleaved"}
+    assert [e["kind"] for e in r["prompts"]] == ["completion", "completion", "chat", "chat", "token_ids"]
+    # The token ids of PROMPTS[0] give its completion.
+    assert r["prompts"][-1]["majority"] == r["prompts"][0]["majority"] and r["prompts"][0]["majority"]
     json.dumps(r)
-    assert "all identical: yes" in ep.format_report(r)
+    text = ep.format_report(r)
+    assert "all identical: yes" in text and "<" in text and "token ids" in text
+    assert ("streaming" in text.splitlines()[0]) is stream
+
+
+def test_streaming_report_equals_the_non_streaming_one(invariant_reports):
+    """Every field of the report but the elapsed time and the `stream` setting."""
+    plain, streamed = (dict(invariant_reports[s]) for s in (False, True))
+    for r in (plain, streamed):
+        del r["elapsed_s"], r["stream"]
+    assert streamed == plain
+
+
+def test_streamed_completions_logprobs_and_fingerprint_equal_the_non_streamed(invariant_server, token_ids):
+    """One request of each kind, non-streaming and streaming: the assembled text, token strings,
+    top logprobs (so every divergence position and gap), fingerprint and finish reason are the
+    same. The last chat asks for characters that take several byte-level tokens, whose text the
+    server's stream holds back until they are complete."""
+    import openai as oa
+    client = oa.OpenAI(base_url=invariant_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    prompts = [PROMPTS[0], token_ids, PROMPTS[2],
+               [{"role": "user", "content": "Write the word cat in Japanese, Greek and Russian."}]]
+    got = {}
+    for stream in (False, True):
+        sender = ep._Sender(client, M, 24, 0.0, None, 3, FAST, "", stream=stream)
+        got[stream] = [sender.send(p) for p in prompts]
+    for p, a, b in zip(prompts, got[False], got[True]):
+        assert a["ok"] and b["ok"], (a, b)
+        assert a == b, p
+        assert a["text"] and len(a["tokens"]) == len(a["top"]) == 24 and a["finish_reason"] == "length"
+        assert all(len(t) == 3 for t in a["top"]) and a["fingerprint"].startswith("fp_")
+    assert got[False][0]["text"] == got[False][1]["text"]  # token ids = the string
 
 
 def test_split_k_f16_divergences_match_the_in_process_engine():
@@ -62,30 +118,46 @@ def test_split_k_f16_divergences_match_the_in_process_engine():
     (in-process, batched together, two do: at tokens 33 and 39, hence 48 tokens)."""
     s = Server("--mode", "split_k_f16", "--max-num-seqs", "16")
     try:
-        r = ep.probe_endpoint(s.url, M, CHATS, repeats=1, concurrency=8, max_tokens=N, temperature=0,
-                              orders="alone,burst", top_logprobs=2)
+        reports = {stream: ep.probe_endpoint(s.url, M, CHATS, repeats=1, concurrency=8, max_tokens=N,
+                                             temperature=0, orders="alone,burst", top_logprobs=2, stream=stream)
+                   for stream in (False, True)}
     finally:
         s.stop()
-    assert r["errors"] == 0 and r["all_identical"] is False
-    diverging = {e["index"]: e for e in r["prompts"] if e["distinct"] > 1}
-    assert diverging
-    for e in diverging.values():
-        assert e["divergence_unit"] == "tokens" and e["k_of_n"] == [1, 2]
-        assert e["by_order"]["alone"]["flips"] == 0 and e["by_order"]["burst"]["flips"] == 1
-        assert e["gap_at_divergence"] is not None and 0 <= e["gap_at_divergence"] < 0.5
-        assert not e["fingerprint_change"] and e["flip_under_one_fingerprint"]
+    found = {}
+    for stream, r in reports.items():
+        assert r["errors"] == 0 and r["all_identical"] is False, stream
+        diverging = {e["index"]: e for e in r["prompts"] if e["distinct"] > 1}
+        assert diverging, stream
+        for e in diverging.values():
+            assert e["divergence_unit"] == "tokens" and e["k_of_n"] == [1, 2]
+            assert e["by_order"]["alone"]["flips"] == 0 and e["by_order"]["burst"]["flips"] == 1
+            assert e["gap_at_divergence"] is not None and 0 <= e["gap_at_divergence"] < 0.5
+            assert not e["fingerprint_change"] and e["flip_under_one_fingerprint"]
+            found[(stream, e["index"])] = e
+    # Streaming: the same alone completions, and where a chat diverges at the same position in
+    # both runs, the same gap (the bursts' arrivals decide which chats diverge).
+    alone = {s_: [next(c["text"] for c in e["completions"] if "alone@1" in c["loads"]) for e in r["prompts"]]
+             for s_, r in reports.items()}
+    assert alone[True] == alone[False]
+    for (stream, i), e in found.items():
+        other = found.get((not stream, i))
+        if other is not None and other["first_divergence"] == e["first_divergence"]:
+            assert other["gap_at_divergence"] == e["gap_at_divergence"], i
 
     # The endpoint's alone run is the engine's batch-1 run, and the gap the probe reports at the
     # divergence is that run's own top1-top2 margin there: the near-tie the engine's probe sees.
     # (Which chats diverge, and where, depends on how the burst's arrivals share the server's
     # steps, so positions are not compared with an in-process batch of 8.)
     model = candle_gate.Model.load(mode="split_k_f16")
-    for i, e in diverging.items():
-        [alone] = candle_gate.Engine(model).generate([CHATS[i]], max_new_tokens=N)
+    runs = {}
+    for (stream, i), e in found.items():
+        if i not in runs:
+            [runs[i]] = candle_gate.Engine(model).generate([CHATS[i]], max_new_tokens=N)
+        alone = runs[i]
         assert alone.text == e["majority"]
         p = e["first_divergence"]
         assert 0 <= p < len(alone.token_ids)
-        assert abs(e["gap_at_divergence"] - float(alone.margins[p])) < 1e-3, (i, p)
+        assert abs(e["gap_at_divergence"] - float(alone.margins[p])) < 1e-3, (stream, i, p)
 
 
 def test_cli_writes_json_and_plot(invariant_server, tmp_path):
@@ -137,10 +209,41 @@ def test_cli_bad_arguments_exit_2(tmp_path, capsys, monkeypatch, argv, message):
     assert rc == 2 and message in err, (rc, err)
 
 
+def test_cli_stream_with_token_id_prompts_file(invariant_server, token_ids, tmp_path):
+    """--stream, and a JSON prompts file holding a token-id prompt (a list of ints)."""
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps([token_ids, PROMPTS[0], PROMPTS[3]]))
+    out = tmp_path / "r.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "candle_gate", "probe", "--endpoint", invariant_server.url, "--model", M,
+         "--prompts", str(prompts), "--repeats", "1", "--concurrency", "2", "--max-tokens", "6",
+         "--temperature", "0", "--stream", "--json", str(out)],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(out.read_text())
+    assert r["stream"] is True and r["completions"] == 3 * 3 and r["errors"] == 0 and r["all_identical"] is True
+    assert [e["kind"] for e in r["prompts"]] == ["token_ids", "completion", "chat"]
+    assert r["prompts"][0]["prompt"] == token_ids
+    assert r["prompts"][0]["majority"] == r["prompts"][1]["majority"]
+    assert "streaming" in proc.stdout
+
+
+def test_token_id_prompts_are_loaded_and_checked(tmp_path):
+    from candle_gate.probe import load_prompts
+    f = tmp_path / "p.json"
+    f.write_text('[[1, 2, 3], "text", [{"role": "user", "content": "hi"}]]')
+    assert load_prompts(str(f)) == [[1, 2, 3], "text", [{"role": "user", "content": "hi"}]]
+    assert [ep.prompt_kind(p) for p in load_prompts(str(f))] == ["token_ids", "completion", "chat"]
+    for bad in ([[-1, 2]], [[1.5]], [[]], [[True]]):
+        with pytest.raises(ValueError):
+            ep.probe_endpoint("http://127.0.0.1:9/v1", "m", bad)
+
+
 def test_cli_usage_errors_exit_2(tmp_path, capsys):
     prompts = tmp_path / "p.txt"
     prompts.write_text("hello\n")
     for argv, message in ((["--repeats", "2"], "--repeats needs --endpoint"),
+                          (["--stream"], "--stream needs --endpoint"),
                           (["--endpoint", "http://127.0.0.1:9/v1"], "--endpoint needs --prompts"),
                           (["--endpoint", "localhost:1", "--prompts", str(prompts)], "expected an http(s) URL"),
                           (["--endpoint", "http://127.0.0.1:9/v1", "--prompts", str(tmp_path / "nope")],
@@ -211,7 +314,10 @@ def test_token_divergence_gap_and_fingerprint_grouping():
 class _Stub:
     """Answers /v1/completions and /v1/chat/completions; the prompt (or last message) picks a fault:
     "rate": 429 with Retry-After: 1 once; "drop": the connection closed once; "err": 500 once;
-    "dead": always 500; anything else: 200. ``reject_logprobs``: 400 on any request with logprobs."""
+    "dead": always 500; anything else: 200. ``reject_logprobs``: 400 on any request with logprobs.
+    ``"stream": true`` gets SSE (chunked), a chunk per word, and three more faults: "sdrop...": the
+    connection closed after the first chunk once; "serr": an error event once; "scut": a stream
+    that ends ([DONE]) without a finish_reason once."""
 
     def __init__(self, reject_logprobs=False):
         self.seen = {}
@@ -235,6 +341,39 @@ class _Stub:
                 self.end_headers()
                 self.wfile.write(data)
 
+            def _stream(self, body, chat, p, n, text):
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                head = {"id": "x", "object": "chat.completion.chunk" if chat else "text_completion",
+                        "created": 0, "model": body.get("model"), "system_fingerprint": "fp_stub"}
+                words = text.split(" ")
+                pieces = [w if i == 0 else " " + w for i, w in enumerate(words)]
+                if chat:
+                    events = [{**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                    "finish_reason": None}]}]
+                    events += [{**head, "choices": [{"index": 0, "delta": {"content": w}, "finish_reason": None}]}
+                               for w in pieces]
+                    events.append({**head, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+                else:
+                    events = [{**head, "choices": [{"index": 0, "text": w, "finish_reason": None}]} for w in pieces]
+                    events.append({**head, "choices": [{"index": 0, "text": "", "finish_reason": "stop"}]})
+                if p == "scut" and n == 1:
+                    events.pop()
+                if p == "serr" and n == 1:
+                    events.insert(1, {"error": {"message": "engine error: boom", "type": "internal_error",
+                                                "param": None, "code": "engine_error"}})
+                for k, ev in enumerate(events + ["[DONE]"]):
+                    if p.startswith("sdrop") and n == 1 and k == 1:
+                        self.wfile.flush()
+                        self.close_connection = True
+                        self.connection.shutdown(2)
+                        return
+                    data = ("data: " + (ev if isinstance(ev, str) else json.dumps(ev)) + "\n\n").encode()
+                    self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+                self.wfile.write(b"0\r\n\r\n")
+
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 stub.keys.add(self.headers.get("Authorization"))
@@ -255,6 +394,8 @@ class _Stub:
                 if (p == "err" and n == 1) or p == "dead":
                     return self._send(500, err)
                 text = f"answer to {p}"
+                if body.get("stream"):
+                    return self._stream(body, chat, p, n, text)
                 if chat:
                     choice = {"index": 0, "message": {"role": "assistant", "content": text},
                               "finish_reason": "stop", "logprobs": None}
@@ -306,6 +447,23 @@ def test_faults_are_retried_and_persistent_errors_are_reported(stub, monkeypatch
     out = capsys.readouterr()
     assert key not in json.dumps(r) + text + out.out + out.err
     assert "error: prompt 3" in text
+
+
+def test_streaming_faults_are_retried(stub):
+    prompts = ["sdrop", "serr", [{"role": "user", "content": "scut"}], "rate", "drop",
+               [{"role": "user", "content": "sdrop chat"}], "fine words here"]
+    r = ep.probe_endpoint(stub.url, "m", prompts, repeats=1, concurrency=1, orders="alone", max_tokens=4,
+                          retry=FAST, stream=True)
+    assert r["errors"] == 0 and r["completions"] == len(prompts), [e["error_list"] for e in r["prompts"]]
+    for p, e in zip(prompts, r["prompts"]):
+        name = p[-1]["content"] if isinstance(p, list) else p
+        assert e["majority"] == f"answer to {name}" and e["fingerprints"] == ["fp_stub"], e
+    assert stub.seen["sdrop"] == stub.seen["sdrop chat"] == stub.seen["serr"] == stub.seen["scut"] == 2
+    assert r["retries"] == {"transport": 4, "stream_error": 1, "429": 1}
+    # A stream that always fails is an error of its prompt, never a (partial) completion.
+    r = ep.probe_endpoint(stub.url, "m", ["dead"], repeats=1, concurrency=1, orders="alone", retry=FAST,
+                          stream=True)
+    assert r["completions"] == 0 and r["prompts"][0]["errors"] == 1 and r["prompts"][0]["error_list"][0]["status"] == 500
 
 
 def test_retry_after_is_bounded(stub):

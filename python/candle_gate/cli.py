@@ -89,7 +89,7 @@ def cmd_probe(a: argparse.Namespace) -> int:
         from . import endpoint_probe
         return endpoint_probe.main(a)
     given = [f for f in ("repeats", "concurrency", "max_tokens", "api_key_env", "extract", "json_field",
-                         "top_logprobs", "orders") if getattr(a, f, None) is not None]
+                         "top_logprobs", "orders", "stream") if getattr(a, f, None) is not None]
     if given:
         print(f"candle-gate probe: --{given[0].replace('_', '-')} needs --endpoint URL", file=sys.stderr)
         return 2
@@ -165,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     ep.add_argument("--top-logprobs", type=int, default=None,
                     help="top_logprobs to ask for (default 2; -1: no logprobs)")
     ep.add_argument("--orders", default=None, help="comma-separated subset of alone,burst,interleaved")
+    ep.add_argument("--stream", action="store_true", default=None,
+                    help="send streaming requests (SSE) and assemble each completion from its chunks")
     ans = ep.add_mutually_exclusive_group()
     ans.add_argument("--extract", default=None, metavar="REGEX",
                      help="the answer: the regex's first group (else the whole match)")

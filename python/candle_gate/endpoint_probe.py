@@ -10,7 +10,9 @@ times, at every concurrency level, in several arrival orders (``ORDERS``):
   through a thread pool of size C.
 
 It talks to the endpoint with the official ``openai`` client (chat completions for a chat,
-completions for a string), ``max_retries=0``, and retries itself (:class:`RetryPolicy`): a 429
+completions for a string or a list of token ids), ``max_retries=0``, non-streaming or, with
+``stream=True``, streaming (SSE: the completion, its per-token logprobs and
+``system_fingerprint`` are assembled from the chunks), and retries itself (:class:`RetryPolicy`): a 429
 sleeps its ``Retry-After`` (bounded), transport errors and 5xx back off exponentially, a bounded
 number of times; a request that still fails is an error of its prompt, never a completion.
 Logprobs (with ``top_logprobs``) are asked for; if the endpoint rejects them (400/422) the
@@ -243,8 +245,7 @@ def summarize(prompts: Sequence[Any], per_prompt: Sequence[Dict[str, Any]],
     """The top-level report around the per-prompt entries."""
     entries = []
     for i, (p, e) in enumerate(zip(prompts, per_prompt)):
-        entries.append({"index": i, "kind": "chat" if isinstance(p, list) else "completion",
-                        "prompt": p, **e})
+        entries.append({"index": i, "kind": prompt_kind(p), "prompt": p, **e})
     scored = [e for e in entries if e["n"] > 0]
     has_answer = any(e["answer"] is not None for e in entries)
     fps = sorted({f for e in entries for f in e["fingerprints"]})
@@ -287,12 +288,46 @@ def _retry_after(err: Any) -> Optional[float]:
         return None
 
 
+def is_chat(prompt: Any) -> bool:
+    """A chat (a non-empty list of message dicts) goes to /v1/chat/completions; a string or a
+    list of token ids to /v1/completions."""
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
+
+
+def prompt_kind(prompt: Any) -> str:
+    if is_chat(prompt):
+        return "chat"
+    return "completion" if isinstance(prompt, str) else "token_ids"
+
+
+class IncompleteStream(Exception):
+    """A streamed response that ended before its choice's ``finish_reason``."""
+
+
+def _read_errors() -> Tuple[type, ...]:
+    """Transport errors that reading a stream can raise unwrapped (older ``openai`` clients let
+    httpx's through; newer ones raise ``APIConnectionError``)."""
+    try:
+        import httpx
+    except ImportError:
+        return (IncompleteStream,)
+    return (httpx.TransportError, IncompleteStream)
+
+
+def _is_timeout(e: Exception) -> bool:
+    try:
+        import httpx
+    except ImportError:
+        return False
+    return isinstance(e, httpx.TimeoutException)
+
+
 class _Sender:
     def __init__(self, client: Any, model: str, max_tokens: int, temperature: float, seed: Optional[int],
-                 top_logprobs: int, policy: RetryPolicy, secret: str):
+                 top_logprobs: int, policy: RetryPolicy, secret: str, stream: bool = False):
         self.client, self.model, self.max_tokens = client, model, max_tokens
         self.temperature, self.seed, self.top = temperature, seed, top_logprobs
-        self.policy, self.secret = policy, secret
+        self.policy, self.secret, self.stream = policy, secret, stream
         self.logprobs = top_logprobs is not None and top_logprobs >= 0
         self.logprobs_note: Optional[str] = None
         self.retries = Counter()
@@ -305,38 +340,55 @@ class _Sender:
         kw: Dict[str, Any] = {"model": self.model, "max_tokens": self.max_tokens, "temperature": self.temperature}
         if self.seed is not None:
             kw["seed"] = self.seed
-        if isinstance(prompt, list):
+        if self.stream:
+            kw["stream"] = True
+        if is_chat(prompt):
             kw["messages"] = prompt
             if logprobs:
                 kw["logprobs"] = True
                 kw["top_logprobs"] = self.top
             return self.client.chat.completions.create, kw
-        kw["prompt"] = prompt
+        kw["prompt"] = prompt  # a string, or token ids (OpenAI's `prompt: [int, ...]`)
         if logprobs:
             kw["logprobs"] = self.top
         return self.client.completions.create, kw
+
+    def _request(self, prompt: Any, logprobs: bool) -> Dict[str, Any]:
+        """One HTTP request: {text, tokens, top, fingerprint, finish_reason}. Raises the openai
+        client's errors, and while a stream is read httpx's transport errors, an ``APIError``
+        for an error event, or :class:`IncompleteStream`."""
+        fn, kw = self._kwargs(prompt, logprobs)
+        chat = is_chat(prompt)
+        if not self.stream:
+            r = fn(**kw)
+            tokens, top = _logprobs_of(r, chat)
+            c = r.choices[0]
+            text = (c.message.content or "") if chat else (c.text or "")
+            return {"text": text, "tokens": tokens, "top": top,
+                    "fingerprint": getattr(r, "system_fingerprint", None), "finish_reason": c.finish_reason}
+        with fn(**kw) as chunks:
+            return assemble_stream(chunks, chat)
 
     def send(self, prompt: Any) -> Dict[str, Any]:
         """One request with the retry loop: {"ok": True, text, tokens, top, fingerprint, ...}
         or {"ok": False, "error", "status", "attempts"}."""
         import openai
+        read_errors = _read_errors()
         attempts = 0
         retries = Counter()
         while True:
             attempts += 1
             logprobs = self.logprobs
-            fn, kw = self._kwargs(prompt, logprobs)
             try:
-                r = fn(**kw)
+                r = self._request(prompt, logprobs)
             except openai.APIStatusError as e:
                 last: Exception = e
                 status = e.status_code
                 if status in (400, 422) and logprobs:
                     # Perhaps the logprobs: try once without; if that works, go without from now.
-                    fn2, kw2 = self._kwargs(prompt, False)
                     try:
-                        r = fn2(**kw2)
-                    except openai.APIError:
+                        r = self._request(prompt, False)
+                    except (openai.APIError,) + read_errors:
                         return self._fail(e, status, attempts, retries)
                     with self.lock:
                         if self.logprobs:
@@ -344,7 +396,7 @@ class _Sender:
                             self.logprobs_note = ("the endpoint rejected logprobs "
                                                   f"(HTTP {status}: {self.scrub(_msg(e))}); requests "
                                                   "go without, divergences are in characters")
-                    return self._ok(r, prompt, attempts, retries)
+                    return self._ok(r, attempts, retries)
                 if status == 429:
                     wait = _retry_after(e)
                     wait = self.policy.delay(attempts - 1) if wait is None else min(wait, self.policy.max_retry_after)
@@ -357,8 +409,15 @@ class _Sender:
                 last = e
                 wait, kind, status = self.policy.delay(attempts - 1), (
                     "timeout" if isinstance(e, openai.APITimeoutError) else "transport"), None
+            except read_errors as e:  # while a stream was read
+                last = e
+                wait, kind, status = self.policy.delay(attempts - 1), (
+                    "timeout" if _is_timeout(e) else "transport"), None
+            except openai.APIError as e:  # an error event in a stream
+                last = e
+                wait, kind, status = self.policy.delay(attempts - 1), "stream_error", None
             else:
-                return self._ok(r, prompt, attempts, retries)
+                return self._ok(r, attempts, retries)
             if attempts > self.policy.max_retries:
                 return self._fail(last, status, attempts, retries)
             retries[kind] += 1
@@ -370,20 +429,35 @@ class _Sender:
         return {"ok": False, "error": self.scrub(f"{type(e).__name__}: {_msg(e)}"), "status": status,
                 "attempts": attempts, "retries": dict(retries)}
 
-    def _ok(self, r: Any, prompt: Any, attempts: int, retries: Counter) -> Dict[str, Any]:
+    def _ok(self, r: Dict[str, Any], attempts: int, retries: Counter) -> Dict[str, Any]:
         with self.lock:
             self.retries.update(retries)
-        tokens, top = _logprobs_of(r, isinstance(prompt, list))
-        c = r.choices[0]
-        text = (c.message.content or "") if isinstance(prompt, list) else (c.text or "")
-        return {"ok": True, "text": text, "tokens": tokens, "top": top,
-                "fingerprint": getattr(r, "system_fingerprint", None),
-                "finish_reason": c.finish_reason, "attempts": attempts, "retries": dict(retries)}
+        return {"ok": True, **r, "attempts": attempts, "retries": dict(retries)}
 
 
 def _msg(e: Exception) -> str:
     m = getattr(e, "message", None) or str(e)
     return str(m)[:300]
+
+
+def _chat_rows(content: Any) -> Tuple[List[str], List[List[float]]]:
+    """Chat logprob entries: the token strings and, per position, the top logprobs (the
+    sampled token's own when the endpoint gives no top list)."""
+    tokens = [e.token for e in content]
+    top = [[t.logprob for t in (e.top_logprobs or [])] or [e.logprob] for e in content]
+    return tokens, top
+
+
+def _completion_rows(lp: Any) -> Tuple[List[str], List[List[float]]]:
+    """Completions logprobs (``tokens``, ``token_logprobs``, ``top_logprobs`` as dicts)."""
+    tops = lp.top_logprobs or []
+    lps = lp.token_logprobs or []
+    top = []
+    for i, _ in enumerate(lp.tokens):
+        row = tops[i] if i < len(tops) and tops[i] else {}
+        vals = list(row.values()) if isinstance(row, dict) else []
+        top.append(vals or ([lps[i]] if i < len(lps) and lps[i] is not None else []))
+    return list(lp.tokens), top
 
 
 def _logprobs_of(r: Any, chat: bool) -> Tuple[Optional[List[str]], Optional[List[List[float]]]]:
@@ -392,23 +466,57 @@ def _logprobs_of(r: Any, chat: bool) -> Tuple[Optional[List[str]], Optional[List
         if lp is None:
             return None, None
         if chat:
-            content = lp.content
-            if not content:
+            if not lp.content:
                 return None, None
-            tokens = [e.token for e in content]
-            top = [[t.logprob for t in (e.top_logprobs or [])] or [e.logprob] for e in content]
-            return tokens, top
+            return _chat_rows(lp.content)
         if not lp.tokens:
             return None, None
-        tops = lp.top_logprobs or []
-        top = []
-        for i, t in enumerate(lp.tokens):
-            row = tops[i] if i < len(tops) and tops[i] else {}
-            vals = list(row.values()) if isinstance(row, dict) else []
-            top.append(vals or [lp.token_logprobs[i]])
-        return list(lp.tokens), top
+        return _completion_rows(lp)
     except (AttributeError, IndexError, TypeError):
         return None, None
+
+
+def assemble_stream(chunks: Any, chat: bool) -> Dict[str, Any]:
+    """A streamed response's choice 0 from its chunks: the text (the deltas, or the completion
+    chunks' ``text``, joined), the token strings and top logprobs (each chunk's logprob entries,
+    in order; None when no chunk carried any), ``system_fingerprint`` (the first chunk's that has
+    one) and ``finish_reason``. Raises :class:`IncompleteStream` when no chunk gave a
+    ``finish_reason`` (the stream was cut)."""
+    parts: List[str] = []
+    tokens: List[str] = []
+    top: List[List[float]] = []
+    seen_lp = False
+    fingerprint = None
+    finish = None
+    for ch in chunks:
+        if fingerprint is None:
+            fingerprint = getattr(ch, "system_fingerprint", None)
+        for c in getattr(ch, "choices", None) or []:
+            if getattr(c, "index", 0) != 0:
+                continue
+            lp = getattr(c, "logprobs", None)
+            if chat:
+                d = getattr(c, "delta", None)
+                if d is not None and d.content:
+                    parts.append(d.content)
+                if lp is not None and getattr(lp, "content", None):
+                    t, tp = _chat_rows(lp.content)
+                    tokens += t
+                    top += tp
+                    seen_lp = True
+            else:
+                parts.append(getattr(c, "text", None) or "")
+                if lp is not None and getattr(lp, "tokens", None):
+                    t, tp = _completion_rows(lp)
+                    tokens += t
+                    top += tp
+                    seen_lp = True
+            if c.finish_reason:
+                finish = c.finish_reason
+    if finish is None:
+        raise IncompleteStream("the stream ended before a finish_reason")
+    return {"text": "".join(parts), "tokens": tokens if seen_lp else None, "top": top if seen_lp else None,
+            "fingerprint": fingerprint, "finish_reason": finish}
 
 
 # ----------------------------------------------------------------------------------------- probe
@@ -440,17 +548,15 @@ def probe_endpoint(url: str, model: str, prompts: Sequence[Any], repeats: int = 
                    extract: Optional[str] = None, json_field: Optional[str] = None,
                    top_logprobs: int = DEFAULT_TOP_LOGPROBS, orders: Union[None, str, Sequence[str]] = None,
                    shuffle_seed: int = 0, timeout: float = 120.0, retry: Optional[RetryPolicy] = None,
-                   progress: bool = False) -> Dict[str, Any]:
+                   progress: bool = False, stream: bool = False) -> Dict[str, Any]:
     """Probes the OpenAI-compatible endpoint at ``url`` (``http://host:port/v1``; a bare
-    ``http://host:port`` gets ``/v1``) with ``prompts`` (strings or chats) and returns the report
-    (docs/ENDPOINT_PROBE.md). ``api_key`` or the environment variable named ``api_key_env``
-    (never printed); ``top_logprobs`` < 0 asks for no logprobs."""
+    ``http://host:port`` gets ``/v1``) with ``prompts`` (strings, chats or lists of token ids)
+    and returns the report (docs/ENDPOINT_PROBE.md). ``api_key`` or the environment variable
+    named ``api_key_env`` (never printed); ``top_logprobs`` < 0 asks for no logprobs;
+    ``stream``: streaming requests (SSE), each completion assembled from its chunks."""
     import openai
     from .probe import check_prompts
-    prompts = check_prompts(list(prompts))
-    if any(not isinstance(p, (str, list)) or (isinstance(p, list) and not all(isinstance(m, dict) for m in p))
-           for p in prompts):
-        raise ValueError("endpoint prompts must be strings or chats (token-id prompts are not supported)")
+    prompts = check_prompts(list(prompts))  # strings, chats, token ids (normalized to lists of int)
     if repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {repeats}")
     if max_tokens < 1:
@@ -468,7 +574,8 @@ def probe_endpoint(url: str, model: str, prompts: Sequence[Any], repeats: int = 
     policy = retry or RetryPolicy()
     client = openai.OpenAI(base_url=_base_url(url), api_key=api_key or DEFAULT_API_KEY, max_retries=0,
                            timeout=timeout)
-    sender = _Sender(client, model, max_tokens, float(temperature), seed, top_logprobs, policy, secret)
+    sender = _Sender(client, model, max_tokens, float(temperature), seed, top_logprobs, policy, secret,
+                     stream=bool(stream))
 
     passes: List[Tuple[int, str, int]] = []  # (repeat, order, concurrency)
     for r in range(repeats):
@@ -509,7 +616,7 @@ def probe_endpoint(url: str, model: str, prompts: Sequence[Any], repeats: int = 
         "endpoint": _base_url(url), "model": model, "repeats": repeats, "concurrency": levels,
         "orders": order_names, "max_tokens": max_tokens, "temperature": float(temperature), "seed": seed,
         "top_logprobs": top_logprobs, "extract": extract, "json_field": json_field,
-        "shuffle_seed": shuffle_seed,
+        "shuffle_seed": shuffle_seed, "stream": bool(stream),
         "logprobs": {"requested": top_logprobs >= 0, "used": sender.logprobs, "note": sender.logprobs_note},
         "retries": dict(sender.retries), "elapsed_s": round(elapsed, 3),
     }
@@ -519,7 +626,12 @@ def probe_endpoint(url: str, model: str, prompts: Sequence[Any], repeats: int = 
 # ---------------------------------------------------------------------------------------- output
 
 def _short(p: Any, width: int = 34) -> str:
-    s = p[-1]["content"] if isinstance(p, list) else p
+    if is_chat(p):
+        s = p[-1].get("content")
+    elif isinstance(p, str):
+        s = p
+    else:
+        s = f"<{len(p)} token ids: {' '.join(map(str, p[:6]))}{' ...' if len(p) > 6 else ''}>"
     s = str(s).replace("\n", " ")
     return s if len(s) <= width else s[:width - 1] + "…"
 
@@ -527,7 +639,8 @@ def _short(p: Any, width: int = 34) -> str:
 def format_report(r: Dict[str, Any]) -> str:
     lines = [f"endpoint probe: {r['endpoint']} model {r['model']}: {len(r['prompts'])} prompts x {r['repeats']} "
              f"repeats, concurrency {','.join(map(str, r['concurrency']))}, orders {','.join(r['orders'])}, "
-             f"max_tokens {r['max_tokens']}, temperature {r['temperature']}"]
+             f"max_tokens {r['max_tokens']}, temperature {r['temperature']}"
+             + (", streaming" if r.get("stream") else "")]
     ans = r["answer_flips"] is not None
     head = ["#", "prompt", "ok", "err", "distinct", "k/n", "per C (distinct)", "1st div", "gap", "fp"]
     if ans:
@@ -627,7 +740,7 @@ def write_json(obj: Any, path: str) -> None:
 
 
 ENDPOINT_ONLY = ("repeats", "concurrency", "max_tokens", "api_key_env", "extract", "json_field",
-                 "top_logprobs", "orders")
+                 "top_logprobs", "orders", "stream")
 
 
 def main(args: Any) -> int:
@@ -648,7 +761,7 @@ def main(args: Any) -> int:
         temperature=0.0 if args.temperature is None else args.temperature,
         seed=args.seed, api_key_env=args.api_key_env, extract=args.extract, json_field=args.json_field,
         top_logprobs=DEFAULT_TOP_LOGPROBS if args.top_logprobs is None else args.top_logprobs,
-        orders=args.orders, progress=True)
+        orders=args.orders, progress=True, stream=bool(getattr(args, "stream", None)))
     print(format_report(report))
     if getattr(args, "json_out", None):
         write_json(report, args.json_out)
