@@ -1,4 +1,9 @@
+import json
+import socket
+import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -11,3 +16,72 @@ def model():
     import candle_gate
     # Downloads the default model on first use (cached), never skips.
     return candle_gate.Model.load()
+
+
+# --- `candle-gate serve` as a subprocess (tests/test_server.py, tests/test_server_schema.py) -----
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# Starts the server from the CLI's own parser, then sets server options the CLI has no flag for
+# (yet): `vars(args).update(options)`.
+_LAUNCH = ("import json, sys\n"
+           "from candle_gate import cli, server\n"
+           "a = cli.build_parser().parse_args(sys.argv[2:])\n"
+           "vars(a).update(json.loads(sys.argv[1]))\n"
+           "sys.exit(server.serve(a))\n")
+
+
+class Server:
+    """`candle-gate serve --port P *extra` on loopback, ready when /health says 200.
+    `options`: server settings without a CLI flag, set on the parsed arguments."""
+
+    def __init__(self, *extra: str, options: dict = None):
+        import httpx
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        argv = ["serve", "--port", str(self.port), *extra]
+        cmd = ([sys.executable, "-c", _LAUNCH, json.dumps(options), *argv] if options
+               else [sys.executable, "-m", "candle_gate", *argv])
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.log = []
+        threading.Thread(target=self._read, daemon=True).start()
+        deadline = time.time() + 120
+        while True:
+            if self.proc.poll() is not None:
+                time.sleep(0.2)  # the reader thread takes the last lines
+                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n" + "".join(self.log))
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline:
+                self.stop()
+                raise RuntimeError("the server did not become healthy:\n" + "".join(self.log))
+            time.sleep(0.2)
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.log.append(line)
+
+    def client(self, key: str = "unused"):
+        import openai
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+    def metric(self, name: str) -> float:
+        import httpx
+        text = httpx.get(self.url + "/metrics", timeout=30).text
+        for line in text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " ") or (
+                    name.endswith("}") and line.startswith(name)):
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(name)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)

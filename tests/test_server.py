@@ -3,10 +3,6 @@ with the official ``openai`` client and with httpx for raw HTTP."""
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,61 +14,12 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 import candle_gate  # noqa: E402
+from conftest import Server  # noqa: E402
 
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "Name three colors."}]
 KEY = "sk-test-7f3a"
 M = candle_gate.DEFAULT_MODEL
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, *extra: str):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "candle_gate", "serve", "--port", str(self.port), *extra],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.log = []
-        threading.Thread(target=self._read, daemon=True).start()
-        deadline = time.time() + 120
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n" + "".join(self.log))
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                self.stop()
-                raise RuntimeError("the server did not become healthy:\n" + "".join(self.log))
-            time.sleep(0.2)
-
-    def _read(self):
-        for line in self.proc.stdout:
-            self.log.append(line)
-
-    def client(self, key: str = "unused") -> "openai.OpenAI":
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=120)
-
-    def metric(self, name: str) -> float:
-        text = httpx.get(self.url + "/metrics", timeout=30).text
-        for line in text.splitlines():
-            if line.startswith(name + "{") or line.startswith(name + " ") or (
-                    name.endswith("}") and line.startswith(name)):
-                return float(line.rsplit(" ", 1)[1])
-        raise KeyError(name)
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -358,10 +305,47 @@ def test_a_disconnected_stream_is_cancelled(server):
                          % candle_gate.DEFAULT_MODEL) >= 1
 
 
+def test_a_disconnected_non_streaming_request_is_cancelled(server):
+    """A client that goes away while waiting for a non-streaming answer: the request is cancelled
+    and its KV released within a step, long before its 4000 tokens would be done."""
+    import socket
+    cancelled = 'candle_gate:request_success_total{model_name="%s",finished_reason="cancelled"}' % M
+    before = server.metric(cancelled)
+    gen0 = server.metric("candle_gate:generation_tokens_total")
+    assert server.metric("candle_gate:kv_cache_reserved_tokens") == 0
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 4000, "temperature": 0, "stop": []}).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    deadline = time.time() + 30
+    while server.metric("candle_gate:generation_tokens_total") == gen0 or \
+            server.metric("candle_gate:num_requests_running") < 1:
+        assert time.time() < deadline, "the request did not start"
+        time.sleep(0.05)
+    assert server.metric("candle_gate:kv_cache_reserved_tokens") >= 4000
+    assert server.metric("candle_gate:kv_cache_usage_perc") > 0
+    tokens_at_close = server.metric("candle_gate:generation_tokens_total")
+    t0 = time.time()
+    sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
+    while (server.metric("candle_gate:num_requests_running") != 0
+           or server.metric("candle_gate:kv_cache_reserved_tokens") != 0):
+        assert time.time() - t0 < 5, "the disconnected request is still running"
+        time.sleep(0.05)
+    assert server.metric(cancelled) == before + 1
+    assert server.metric("candle_gate:kv_cache_usage_perc") == 0
+    # it stopped: far fewer than 4000 tokens were generated (the counter counts what was delivered)
+    assert server.metric("candle_gate:generation_tokens_total") - tokens_at_close < 200
+    r = _post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    assert server.metric("candle_gate:kv_cache_reserved_tokens") == 0
+
+
 def test_metrics_have_the_names(server, client):
     client.completions.create(model=M, prompt=PROMPT, max_tokens=3, temperature=0)
     text = httpx.get(server.url + "/metrics", timeout=30).text
     for name in ("candle_gate:num_requests_running", "candle_gate:num_requests_waiting",
+                 "candle_gate:kv_cache_reserved_tokens", "candle_gate:kv_cache_usage_perc",
                  "candle_gate:prompt_tokens_total", "candle_gate:generation_tokens_total",
                  "candle_gate:time_to_first_token_seconds_bucket", "candle_gate:inter_token_latency_seconds_sum",
                  "candle_gate:e2e_request_latency_seconds_count", "candle_gate:gate_steps_total",

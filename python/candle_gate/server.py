@@ -21,12 +21,12 @@ import threading
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Annotated, Any, Dict, List, Literal, Optional, Tuple, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, ValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import _native
@@ -59,65 +59,300 @@ def _param_of(msg: str) -> Optional[str]:
 # ---------------------------------------------------------------------------------------------
 # Request models (strict: a string is not a number; unknown fields are ignored)
 
-StopT = Union[str, List[str], None]
+_U64 = 2 ** 64 - 1
+_I64 = 2 ** 63 - 1
+#: the engine's limit on max_new_tokens (it stops at the end of the context anyway)
+_MAX_NEW_TOKENS = 1 << 20
+_StopStr = Annotated[str, StringConstraints(min_length=1)]
+StopT = Union[_StopStr, Annotated[List[_StopStr], Field(max_length=16)], None]
+
+# The bounds below are the engine's own (SamplingParams checks them too): declared here so that
+# the OpenAPI document describes what the server accepts, and refused with the field's name.
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    include_usage: Optional[bool] = None
 
 
 class _Req(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     model: Optional[str] = None
-    max_tokens: Optional[int] = None
+    max_tokens: Optional[Annotated[int, Field(ge=1, le=_MAX_NEW_TOKENS)]] = None
     stop: StopT = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
-    seed: Optional[int] = None
-    n: Optional[int] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    repetition_penalty: Optional[float] = None
+    #: default 1.0 when omitted, as OpenAI; 0 is greedy
+    temperature: Optional[Annotated[float, Field(ge=0, allow_inf_nan=False)]] = None
+    top_p: Optional[Annotated[float, Field(gt=0, le=1)]] = None
+    top_k: Optional[Annotated[int, Field(ge=0, le=_I64)]] = None
+    min_p: Optional[Annotated[float, Field(ge=0, le=1)]] = None
+    seed: Optional[Annotated[int, Field(ge=0, le=_U64)]] = None
+    n: Optional[Annotated[int, Field(ge=1, le=64)]] = None
+    presence_penalty: Optional[Annotated[float, Field(ge=-2, le=2)]] = None
+    frequency_penalty: Optional[Annotated[float, Field(ge=-2, le=2)]] = None
+    repetition_penalty: Optional[Annotated[float, Field(gt=0, le=10)]] = None
     user: Optional[str] = None
     stream: Optional[bool] = False
-    stream_options: Optional[Dict[str, Any]] = None
+    stream_options: Optional[StreamOptions] = None
     #: extension: per choice ``margins`` and ``rechecked`` lists
     return_margins: Optional[bool] = False
 
 
+_TokenIds = Annotated[List[Annotated[int, Field(ge=0, le=_I64)]], Field(min_length=1)]
+
+
 class CompletionRequest(_Req):
-    prompt: Union[str, List[int], List[str]]
-    logprobs: Optional[int] = None
+    #: a string, a list of token ids, or a list of one string
+    prompt: Union[Annotated[str, StringConstraints(min_length=1)], _TokenIds,
+                  Annotated[List[Annotated[str, StringConstraints(min_length=1)]], Field(min_length=1, max_length=1)]]
+    #: the number of alternatives per token (0: only the chosen token's logprob)
+    logprobs: Optional[Annotated[int, Field(ge=0, le=20)]] = None
     echo: Optional[bool] = False
 
 
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """A message as the chat template receives it: other keys (``name``, ...) are passed through;
+    ``content`` may be null only with ``tool_calls`` (and then the model's template decides)."""
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra={"anyOf": [
+        {"properties": {"content": {"type": ["string", "array"]}}},
+        {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array"}}}]})
+    role: str
+    content: Union[str, List[ContentPart], None]
+    tool_calls: Optional[List[Dict[str, Any]]] = None
+
+    @model_validator(mode="after")
+    def _content_or_tool_calls(self) -> "ChatMessage":
+        if self.content is None and self.tool_calls is None:
+            raise ValueError("content may be null only with tool_calls")
+        return self
+
+
 class ChatCompletionRequest(_Req):
-    messages: List[Dict[str, Any]]
-    max_completion_tokens: Optional[int] = None
+    messages: Annotated[List[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Optional[Annotated[int, Field(ge=1, le=_MAX_NEW_TOKENS)]] = None
     logprobs: Optional[bool] = False
-    top_logprobs: Optional[int] = None
+    top_logprobs: Optional[Annotated[int, Field(ge=0, le=20)]] = None
     tools: Optional[List[Dict[str, Any]]] = None
 
 
 class TokenizeRequest(BaseModel):
+    """``prompt`` (a string) or ``messages``."""
     model_config = ConfigDict(extra="ignore", strict=True)
     model: Optional[str] = None
     prompt: Optional[str] = None
-    messages: Optional[List[Dict[str, Any]]] = None
+    messages: Optional[List[ChatMessage]] = None
 
 
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     model: Optional[str] = None
+    tokens: List[Annotated[int, Field(ge=0, le=_I64)]]
+
+
+# ---------------------------------------------------------------------------------------------
+# Response models (documentation: the handlers build plain dicts in these shapes)
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: Optional[str]
+    code: Optional[str]
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error object."""
+    error: ErrorDetail
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class _ChoiceExt(BaseModel):
+    index: int
+    finish_reason: _Finish
+    #: extension: the engine's output fingerprint of the choice (32 hex)
+    fingerprint: str
+    #: extension: the seed the choice's draws were keyed by
+    seed: int
+    #: extension, with ``return_margins``: the gate's per-step margin (null where not finite)
+    margins: Optional[List[Optional[float]]] = None
+    #: extension, with ``return_margins``: 1 where the step was rechecked
+    rechecked: Optional[List[int]] = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: List[str]
+    token_logprobs: List[float]
+    top_logprobs: List[Dict[str, float]]
+    text_offset: List[int]
+
+
+class CompletionChoice(_ChoiceExt):
+    text: str
+    logprobs: Optional[CompletionLogprobs]
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: List[CompletionChoice]
+    usage: Usage
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: List[int]
+
+
+class ChatLogprob(TopLogprob):
+    top_logprobs: List[TopLogprob]
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: List[ChatLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(_ChoiceExt):
+    message: AssistantMessage
+    logprobs: Optional[ChatChoiceLogprobs]
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: List[ChatChoice]
+    usage: Usage
+
+
+_Finish = Literal["stop", "length", "cancelled", "error"]
+
+
+class _StreamExt(BaseModel):
+    index: int
+    #: set on a choice's finish chunk, with the extensions below
+    finish_reason: Optional[_Finish]
+    fingerprint: Optional[str] = None
+    seed: Optional[int] = None
+    margins: Optional[List[Optional[float]]] = None
+    rechecked: Optional[List[int]] = None
+
+
+class CompletionStreamChoice(_StreamExt):
+    text: str
+    logprobs: Optional[CompletionLogprobs]
+
+
+class CompletionChunk(BaseModel):
+    """One streamed event's data (``stream: true``)."""
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    system_fingerprint: str
+    #: empty in the last chunk of ``stream_options.include_usage``
+    choices: List[CompletionStreamChoice]
+    #: with ``stream_options.include_usage``: null, and the usage in the last chunk
+    usage: Optional[Usage] = None
+
+
+class ChatDelta(BaseModel):
+    role: Optional[Literal["assistant"]] = None
+    content: Optional[str] = None
+
+
+class ChatStreamChoice(_StreamExt):
+    delta: ChatDelta
+    logprobs: Optional[ChatChoiceLogprobs]
+
+
+class ChatCompletionChunk(BaseModel):
+    """One streamed event's data (``stream: true``)."""
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: List[ChatStreamChoice]
+    usage: Optional[Usage] = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    #: the GGUF path (in the list)
+    root: Optional[str] = None
+    #: the context the server allows (prompt + new tokens)
+    max_model_len: Optional[int] = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: List[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
     tokens: List[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok", "loading", "error", "draining"]
+    model: Optional[str] = None
+    error: Optional[str] = None
+
+
+_UNION_TAGS = {"str", "int", "float", "bool", "none"}
+
+
+def _clean_loc(loc: Tuple[Any, ...]) -> str:
+    """A field's path without pydantic's union member tags (``constrained-str``, ``list[int]``)."""
+    return ".".join(str(x) for x in loc
+                    if not (isinstance(x, str) and (x in _UNION_TAGS or "[" in x or "-" in x)))
 
 
 def _validation_message(e: ValidationError) -> Tuple[str, Optional[str]]:
-    err = e.errors()[0]
+    errs = e.errors()
+    err = errs[0]
     if err.get("type") == "json_invalid":
         return f"the request body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}", None
-    loc = ".".join(str(x) for x in err.get("loc", ()))
-    # A union reports each alternative; the first element names the field.
-    param = str(err["loc"][0]) if err.get("loc") else None
-    return f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")), param
+    if not err.get("loc"):
+        return str(err.get("msg")), None
+    # A union reports each alternative: say them all (the first element names the field).
+    param = str(err["loc"][0])
+    parts: List[str] = []
+    for x in errs:
+        if x.get("loc") and x["loc"][0] == err["loc"][0]:
+            m = f"{_clean_loc(x['loc'])}: {x.get('msg')}"
+            if m not in parts:
+                parts.append(m)
+    return "; or ".join(parts[:4]), param
 
 
 def _parse(cls: type, raw: bytes) -> Any:
@@ -174,15 +409,21 @@ class Metrics:
 # ---------------------------------------------------------------------------------------------
 # The engine thread
 
+#: the Engine's KV budget (``kv_budget_tokens``; the server keeps the default)
+_KV_BUDGET_TOKENS = 65536
+
+
 class QueueFull(Exception):
     pass
 
 
 class _Track:
-    __slots__ = ("queue", "n", "finished")
+    __slots__ = ("queue", "n", "finished", "reserve")
 
-    def __init__(self, queue: asyncio.Queue, n: int):
-        self.queue, self.n, self.finished = queue, n, 0
+    def __init__(self, queue: asyncio.Queue, n: int, reserve: int):
+        #: ``reserve``: the KV tokens each choice holds (the engine's rule: prompt + max_new_tokens,
+        #: capped at the context), released when the engine reports the choice finished
+        self.queue, self.n, self.finished, self.reserve = queue, n, 0, reserve
 
 
 class EngineWorker:
@@ -202,6 +443,9 @@ class EngineWorker:
         self.num_running = 0
         self.num_waiting = 0
         self.submitted_since_refresh = 0
+        #: KV tokens reserved by the requests the engine holds (see _Track.reserve)
+        self.kv_reserved = 0
+        self.context = int(eng.model.config.get("context_length", 0) or 0)
         self.gate_stats: Dict[str, int] = {"steps": 0, "rechecks": 0, "corrections": 0, "deep_rechecks": 0}
         self.thread = threading.Thread(target=self._run, name="candle-gate-engine", daemon=True)
 
@@ -219,7 +463,11 @@ class EngineWorker:
             if self.num_waiting + self.submitted_since_refresh >= max_queue:
                 raise QueueFull()
             rid = self.eng._native.submit(ids, params, None)
-            self.tracks[rid] = _Track(queue, params.n)
+            reserve = len(ids) + int(params.max_new_tokens)
+            if self.context:
+                reserve = min(reserve, self.context)
+            self.tracks[rid] = _Track(queue, params.n, reserve)
+            self.kv_reserved += reserve * params.n
             self.submitted_since_refresh += 1
         self.wake.set()
         return rid
@@ -253,6 +501,7 @@ class EngineWorker:
                 items.append(ev)
                 if ev["type"] == "finished":
                     tr.finished += 1
+                    self.kv_reserved -= tr.reserve
                     if tr.finished >= tr.n:
                         res = self.eng.result(rid)
                         items.append(("done", res))
@@ -280,6 +529,7 @@ class EngineWorker:
             batch = [(tr.queue, [("error", msg)]) for tr in self.tracks.values()]
             rids = list(self.tracks)
             self.tracks.clear()
+            self.kv_reserved = 0
         for rid in rids:
             try:
                 self.eng.cancel(rid)
@@ -335,6 +585,9 @@ class ServerState:
         self.created = int(time.time())
         self._tok_str: Dict[int, str] = {}
         self.in_flight = 0
+        #: the context a request may use (prompt + new tokens): the model's, or less with
+        #: ``args.max_model_len``
+        self.max_model_len = 0
 
     def load(self, loop: asyncio.AbstractEventLoop) -> None:
         from .models import KNOWN_MODELS, resolve
@@ -342,11 +595,15 @@ class ServerState:
         try:
             self.model = Model.load(a.model, mode=a.mode, profile=a.profile)
             self.eng = Engine(self.model, gate=a.gate, tau=a.tau, deep_tau=a.deep_tau, profile=a.profile,
-                              max_num_seqs=a.max_num_seqs, threads=a.threads)
+                              max_num_seqs=a.max_num_seqs, threads=a.threads,
+                              kv_budget_tokens=_KV_BUDGET_TOKENS)
         except Exception as e:
             self.load_error = str(e)
             print(f"candle-gate serve: error: could not load the model: {e}", file=sys.stderr, flush=True)
             return
+        ctx = int(self.model.config.get("context_length", 0) or 0)
+        cap = getattr(a, "max_model_len", None)
+        self.max_model_len = min(ctx, int(cap)) if cap and ctx else int(cap or ctx)
         path = self.model.path
         stem = Path(path).stem
         self.model_name = a.served_model_name or (a.model if a.model in KNOWN_MODELS else stem)
@@ -360,6 +617,9 @@ class ServerState:
         self.ready = True
         print(f"candle-gate serve: model {self.model_name} ({path}, mode {a.mode}, gate {a.gate}) "
               f"at http://{a.host}:{a.port}/v1 (system_fingerprint {self.system_fingerprint})", flush=True)
+        if self.eng.gate_source:
+            print(f"candle-gate serve: gate tau {self.eng.tau:.4g}, deep_tau {self.eng.deep_tau:.4g} "
+                  f"from {self.eng.gate_source}", flush=True)
 
     def _count_finished(self, res: Any) -> None:
         s = self.metrics.success
@@ -391,10 +651,16 @@ class ServerState:
 # Building requests
 
 def _sampling(st: ServerState, req: _Req, prompt_len: int, max_tokens: Optional[int],
-              logprobs: bool, top_logprobs: int) -> SamplingParams:
-    ctx = int(st.model.config.get("context_length", 0) or 0)
+              logprobs: bool, top_logprobs: int, prompt_param: str = "prompt") -> SamplingParams:
+    ctx = st.max_model_len
+    if ctx and prompt_len >= ctx:
+        raise APIError(400, f"the prompt has {prompt_len} tokens but the context holds {ctx} "
+                            f"(including at least one new token)", prompt_param)
     if max_tokens is None:
-        max_tokens = max(ctx - prompt_len, 1) if ctx else 256
+        max_tokens = ctx - prompt_len if ctx else 256
+    elif ctx:
+        # the engine would stop at the end of the context anyway (finish_reason "length")
+        max_tokens = min(max_tokens, ctx - prompt_len)
     kw: Dict[str, Any] = dict(
         max_new_tokens=max_tokens,
         stop=req.stop,
@@ -420,6 +686,13 @@ def _sampling(st: ServerState, req: _Req, prompt_len: int, max_tokens: Optional[
         raise APIError(400, msg, param) from None
 
 
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone away. The body has been read, so the next ASGI message
+    is ``http.disconnect`` (uvicorn sends it when the connection closes): no polling."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def _content_text(content: Any) -> Any:
     """OpenAI's content parts (``[{"type": "text", "text": ...}]``) as one string."""
     if isinstance(content, list):
@@ -430,6 +703,17 @@ def _content_text(content: Any) -> Any:
             parts.append(p["text"])
         return "".join(parts)
     return content
+
+
+def _messages(msgs: List[ChatMessage]) -> List[Dict[str, Any]]:
+    """The messages as the template receives them: the keys that were sent, content parts joined."""
+    out = []
+    for m in msgs:
+        d = m.model_dump(exclude_unset=True)
+        if "content" in d:
+            d["content"] = _content_text(d["content"])
+        out.append(d)
+    return out
 
 
 async def _submit(st: ServerState, ids: List[int], params: SamplingParams) -> Tuple[int, asyncio.Queue]:
@@ -518,6 +802,75 @@ def _usage(res: Any) -> Dict[str, int]:
 
 
 # ---------------------------------------------------------------------------------------------
+# The OpenAPI document
+
+_ERROR_DESCRIPTIONS = {
+    400: "an invalid request: malformed JSON, wrong types, values out of range, a prompt longer than the context",
+    401: "`--api-key` is set and the Bearer key is missing or wrong",
+    404: "an unknown model",
+    429: "the waiting queue is full; retry after `Retry-After` seconds",
+    500: "an engine failure (the server keeps serving)",
+    503: "the model is loading, or the server is shutting down",
+}
+_REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+_STREAM_MODELS = (CompletionChunk, ChatCompletionChunk)
+
+
+def _sse(chunk: type) -> Dict[str, Any]:
+    """``text/event-stream``: the schema describes each event (Open API 3.1 has no ``itemSchema``):
+    its ``data`` is a JSON chunk (or an error object), and the last one ``[DONE]``."""
+    ref = lambda m: {"$ref": f"#/components/schemas/{m}"}  # noqa: E731
+    return {"text/event-stream": {"schema": {
+        "type": "object", "required": ["data"],
+        "description": "one server-sent event, `data: {chunk}`; the last is `data: [DONE]`",
+        "properties": {"data": {
+            "type": "string",
+            "if": {"const": "[DONE]"},
+            "else": {"contentMediaType": "application/json",
+                     "contentSchema": {"anyOf": [ref(chunk.__name__), ref("ErrorResponse")]}}}}}}}
+
+
+def _errors(*codes: int) -> Dict[int, Dict[str, Any]]:
+    out: Dict[int, Dict[str, Any]] = {}
+    for c in codes:
+        out[c] = {"model": ErrorResponse, "description": _ERROR_DESCRIPTIONS[c]}
+        if c == 429:
+            out[c]["headers"] = {"Retry-After": {"description": "seconds", "schema": {"type": "integer"}}}
+    return out
+
+
+def _body(model: type) -> Dict[str, Any]:
+    """The request body of an endpoint that parses it itself (strictly, with ``model``)."""
+    return {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+def _openapi_document(app: Any, keyed: bool, model_name: str) -> Dict[str, Any]:
+    from fastapi.openapi.utils import get_openapi
+    from pydantic.json_schema import models_json_schema
+
+    doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    _, defs = models_json_schema([(m, "validation") for m in _REQUEST_MODELS + _STREAM_MODELS],
+                                 ref_template="#/components/schemas/{model}")
+    schemas.update(defs.get("$defs", {}))
+    # FastAPI's 422 never reaches a client: validation errors are 400 in OpenAI's shape.
+    schemas.pop("HTTPValidationError", None)
+    schemas.pop("ValidationError", None)
+    if keyed:
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    for path, ops in doc.get("paths", {}).items():
+        for op in ops.values():
+            op.get("responses", {}).pop("422", None)
+            for prm in op.get("parameters", ()):
+                if path == "/v1/models/{name}" and prm.get("name") == "name" and model_name:
+                    prm["schema"]["examples"] = [model_name]
+            if keyed and (path.startswith("/v1/") or path in ("/tokenize", "/detokenize")):
+                op["security"] = [{"bearer": []}]
+    return doc
+
+
+# ---------------------------------------------------------------------------------------------
 # The app
 
 def create_app(args: Any):
@@ -543,8 +896,19 @@ def create_app(args: Any):
                 st.worker.cancel(rid)
             st.worker.stop()
 
-    app = FastAPI(title="candle-gate", version=_native.__version__, lifespan=lifespan)
+    app = FastAPI(title="candle-gate", version=_native.__version__, lifespan=lifespan,
+                  description="An OpenAI-compatible server over one candle-gate engine (docs/SERVER.md).")
     app.state.server = st
+
+    def openapi() -> Dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        doc = _openapi_document(app, bool(args.api_key), st.model_name)
+        if st.ready:  # (before, the served name is not known yet)
+            app.openapi_schema = doc
+        return doc
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
     def err(e: APIError) -> JSONResponse:
         if e.status >= 400:
@@ -579,7 +943,8 @@ def create_app(args: Any):
         if not hmac.compare_digest(given.encode(), key.encode()):
             raise APIError(401, "invalid API key", code="invalid_api_key")
 
-    @app.get("/health")
+    @app.get("/health", responses={200: {"model": HealthResponse, "description": "ready"},
+                                   503: {"model": HealthResponse, "description": "loading, failed to load, or draining"}})
     async def health():
         if st.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
@@ -588,29 +953,34 @@ def create_app(args: Any):
                                  "error": st.load_error}, status_code=503)
         return {"status": "ok", "model": st.model_name}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses={200: {"model": ModelList, "description": "the served model"},
+                                       **_errors(401, 503)})
     async def models(request: Request):
         auth(request)
         st.check_ready()
         return {"object": "list", "data": [{
             "id": st.model_name, "object": "model", "created": st.created, "owned_by": "candle-gate",
-            "root": st.model.path, "max_model_len": int(st.model.config.get("context_length", 0) or 0)}]}
+            "root": st.model.path, "max_model_len": st.max_model_len}]}
 
-    @app.get("/v1/models/{name:path}")
+    @app.get("/v1/models/{name:path}", responses={200: {"model": ModelCard, "description": "the served model"},
+                                                   **_errors(401, 404, 503)})
     async def model_info(name: str, request: Request):
         auth(request)
         st.check_ready()
         st.check_model(name)
         return {"id": st.model_name, "object": "model", "created": st.created, "owned_by": "candle-gate"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text format 0.0.4",
+                              "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics():
         m = st.metrics
-        running = waiting = 0
+        running = waiting = kv = 0
         gs = {"steps": 0, "rechecks": 0, "corrections": 0, "deep_rechecks": 0}
         if st.ready:
             w = st.worker
             running, waiting, gs = w.num_running, w.num_waiting + w.submitted_since_refresh, w.gate_stats
+            kv = w.kv_reserved
         lbl = f'model_name="{st.model_name}"'
         lines = [
             "# HELP candle_gate:num_requests_running Sequences in the running batch.",
@@ -619,6 +989,12 @@ def create_app(args: Any):
             "# HELP candle_gate:num_requests_waiting Sequences waiting to be scheduled.",
             "# TYPE candle_gate:num_requests_waiting gauge",
             f"candle_gate:num_requests_waiting{{{lbl}}} {waiting}",
+            "# HELP candle_gate:kv_cache_reserved_tokens KV cache tokens reserved by the requests in the engine.",
+            "# TYPE candle_gate:kv_cache_reserved_tokens gauge",
+            f"candle_gate:kv_cache_reserved_tokens{{{lbl}}} {kv}",
+            "# HELP candle_gate:kv_cache_usage_perc Reserved KV cache over the engine's KV budget (1 = full).",
+            "# TYPE candle_gate:kv_cache_usage_perc gauge",
+            f"candle_gate:kv_cache_usage_perc{{{lbl}}} {kv / _KV_BUDGET_TOKENS:.6g}",
             "# HELP candle_gate:prompt_tokens_total Prompt tokens submitted.",
             "# TYPE candle_gate:prompt_tokens_total counter",
             f"candle_gate:prompt_tokens_total{{{lbl}}} {m.prompt_tokens}",
@@ -645,7 +1021,9 @@ def create_app(args: Any):
                       f"candle_gate:gate_{k}_total{{{lbl}}} {int(gs.get(k, 0))}"]
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=_body(TokenizeRequest),
+              responses={200: {"model": TokenizeResponse, "description": "the token ids"},
+                         **_errors(400, 401, 404, 503)})
     async def tokenize(request: Request):
         auth(request)
         st.check_ready()
@@ -653,17 +1031,18 @@ def create_app(args: Any):
         st.check_model(req.model)
         try:
             if req.messages is not None:
-                ids = st.model.encode_chat([{**m, "content": _content_text(m.get("content"))} for m in req.messages])
+                ids = st.model.encode_chat(_messages(req.messages))
             elif req.prompt is not None:
                 ids = st.model.tokenize(req.prompt)
             else:
                 raise APIError(400, "pass `prompt` (a string) or `messages`", "prompt")
-        except (ValueError, TypeError) as e:
+        except (ValueError, TypeError, OverflowError) as e:
             raise APIError(400, str(e), "messages" if req.messages is not None else "prompt") from None
-        return {"tokens": ids, "count": len(ids),
-                "max_model_len": int(st.model.config.get("context_length", 0) or 0)}
+        return {"tokens": ids, "count": len(ids), "max_model_len": st.max_model_len}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=_body(DetokenizeRequest),
+              responses={200: {"model": DetokenizeResponse, "description": "the text"},
+                         **_errors(400, 401, 404, 503)})
     async def detokenize(request: Request):
         auth(request)
         st.check_ready()
@@ -691,10 +1070,8 @@ def create_app(args: Any):
             if not req.messages:
                 raise APIError(400, "messages must hold at least one message", "messages")
             try:
-                msgs = [{**m, "content": _content_text(m.get("content"))} if isinstance(m, dict) else m
-                        for m in req.messages]
-                ids = st.model.encode_chat(msgs, tools=req.tools)
-            except (ValueError, TypeError) as e:
+                ids = st.model.encode_chat(_messages(req.messages), tools=req.tools)
+            except (ValueError, TypeError, OverflowError) as e:
                 raise APIError(400, str(e), "messages") from None
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             want_lp = bool(req.logprobs)
@@ -710,12 +1087,12 @@ def create_app(args: Any):
                 p = p[0]
             try:
                 ids = st.model.encode_prompt(p)
-            except (ValueError, TypeError) as e:
+            except (ValueError, TypeError, OverflowError) as e:
                 raise APIError(400, str(e), "prompt") from None
             max_tokens = 16 if req.max_tokens is None else req.max_tokens
             want_lp = req.logprobs is not None
             top = req.logprobs or 0
-        params = _sampling(st, req, len(ids), max_tokens, want_lp, top)
+        params = _sampling(st, req, len(ids), max_tokens, want_lp, top, "messages" if chat else "prompt")
         rid, q = await _submit(st, ids, params)
         timing = _Timing(st, t0)
         rm = bool(req.return_margins)
@@ -724,15 +1101,23 @@ def create_app(args: Any):
         head = {"id": cid, "object": "chat.completion" if chat else "text_completion", "created": created,
                 "model": st.model_name, "system_fingerprint": st.system_fingerprint}
         if req.stream:
-            include_usage = bool((req.stream_options or {}).get("include_usage"))
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(stream(rid, q, params.n, head, chat, want_lp, rm, include_usage, timing),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         res = None
         finished = False
+        gone = asyncio.ensure_future(_disconnected(request))
         try:
             while True:
-                items = await q.get()
+                get = asyncio.ensure_future(q.get())
+                await asyncio.wait((get, gone), return_when=asyncio.FIRST_COMPLETED)
+                if not get.done():
+                    # The client went away: cancel now (the KV is freed at once, the sequence
+                    # leaves the batch within a step); nobody reads the response.
+                    get.cancel()
+                    return Response(status_code=499)
+                items = get.result()
                 k = 0
                 for it in items:
                     if isinstance(it, tuple):
@@ -746,6 +1131,7 @@ def create_app(args: Any):
                     finished = True
                     break
         finally:
+            gone.cancel()
             if not finished:
                 st.worker.cancel(rid)
         timing.done()
@@ -848,11 +1234,17 @@ def create_app(args: Any):
             if not finished:  # the client went away (or the task was cancelled): free the KV now
                 st.worker.cancel(rid)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_body(CompletionRequest),
+              responses={200: {"model": CompletionResponse, "content": _sse(CompletionChunk),
+                               "description": "the completion (JSON), or with `stream` its chunks (SSE)"},
+                         **_errors(400, 401, 404, 429, 500, 503)})
     async def completions(request: Request):
         return await run_request(request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_body(ChatCompletionRequest),
+              responses={200: {"model": ChatCompletionResponse, "content": _sse(ChatCompletionChunk),
+                               "description": "the chat completion (JSON), or with `stream` its chunks (SSE)"},
+                         **_errors(400, 401, 404, 429, 500, 503)})
     async def chat_completions(request: Request):
         return await run_request(request, chat=True)
 
