@@ -2,8 +2,8 @@
 accumulation split over k by the row count, f16 results; the CPU stand-in for a half-precision
 GPU lane, whose bits follow the row count by construction and are the same on every host).
 tau and deep_tau are
-the committed profile's, calibrated by ``candle-gate calibrate --gate`` on
-candle_gate.calibrate.CALIBRATION_PROMPTS; the chats here are not in that set."""
+the packaged profile's (``candle_gate.PACKAGED_PROFILE``), calibrated by ``candle-gate calibrate
+--gate`` on candle_gate.calibrate.CALIBRATION_PROMPTS; the chats here are not in that set."""
 import json
 import os
 
@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 
 import candle_gate
+import candle_gate.calibrate
 from candle_gate import Engine
 
-PROFILE = os.path.join(os.path.dirname(__file__), "..", "benches", "profiles", "dev-machine-cpu.json")
+# The profile shipped in the package: its SmolLM2 split_k_f16 calibration.
+PROFILE = candle_gate.PACKAGED_PROFILE
 
 # Eight chats decoded as one batch; without the gate two of them leave their batch-1 path (the
 # same two on every host: the lane's bits are a function of the values and the row count).
@@ -22,7 +24,7 @@ TOPICS = ["the ocean", "a lost key", "quantum computers", "the Roman empire", "b
 CHATS = [[{"role": "user", "content": f"Explain {t} to a child."}] for t in TOPICS]
 N = 64
 with open(PROFILE) as f:
-    CALIBRATED = json.load(f)["gate"]
+    [CALIBRATED] = [g for g in json.load(f)["gates"] if g["mode"] == "split_k_f16" and g["model"].startswith("SmolLM2")]
 TAU = CALIBRATED["tau"]
 
 
@@ -100,6 +102,26 @@ def test_deep_rechecks_are_the_reference_lane_bit_for_bit(f16_model):
         ids = ids + [int(r.token_ids[i])]
 
 
+def test_gated_without_tau_uses_the_users_calibration_then_the_packaged_one(f16_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("CANDLE_GATE_CACHE", str(tmp_path))  # an empty user cache (the model is loaded)
+    e = Engine(f16_model, gate="gated")
+    assert e.gate_source == f"{PROFILE} ({CALIBRATED['model']}/split_k_f16)"
+    assert (e.tau, e.deep_tau) == (pytest.approx(TAU), pytest.approx(CALIBRATED["deep_tau"]))
+    # a lane nobody calibrated is refused, naming what the profiles have
+    with pytest.raises(candle_gate.CandleGateError, match=r"in mode gemm: .*cpu\.json has .*SmolLM2.*/split_k_f16"):
+        Engine(f16_model, mode="gemm", gate="gated")
+    # what `candle-gate calibrate` writes to the user cache wins over the package's
+    user = candle_gate.engine.user_profile_path()
+    assert user == str(tmp_path / "profile-cpu.json")
+    candle_gate.calibrate.merge_gate(user, {**CALIBRATED, "tau": 0.125, "deep_tau": 0.0625})
+    e = Engine(f16_model, gate="gated")
+    assert (e.tau, e.deep_tau, e.gate_source) == (0.125, 0.0625, f"{user} ({CALIBRATED['model']}/split_k_f16)")
+    assert Engine(f16_model, gate="gated", tau=0.5).gate_source is None
+    # ... but only for the lanes it has: another one still comes from the package
+    candle_gate.calibrate.merge_gate(user, {**CALIBRATED, "mode": "gemm", "tau": 0.25})
+    assert Engine(f16_model, mode="gemm", gate="gated").tau == 0.25
+
+
 def test_always_checks_every_step(f16_model):
     eng = Engine(f16_model, gate="always")
     [r] = eng.generate([CHATS[0]], max_new_tokens=8)
@@ -111,13 +133,11 @@ def test_gate_argument_errors(f16_model, tmp_path):
         Engine(f16_model, gate="gated", tau=-0.5)
     with pytest.raises(ValueError, match="tau"):
         Engine(f16_model, gate="gated", tau=float("nan"))
-    with pytest.raises(ValueError, match="needs tau"):
-        Engine(f16_model, gate="gated")
     with pytest.raises(ValueError, match="unknown gate"):
         Engine(f16_model, gate="maybe")
     prof = tmp_path / "p.json"
     prof.write_text('{"backend": "cpu", "created": "x", "dtypes": {}}')
-    with pytest.raises(candle_gate.CandleGateError, match="no gate tau"):
+    with pytest.raises(candle_gate.CandleGateError, match=r"no gate calibration for this model .*p\.json has none"):
         Engine(f16_model, gate="gated", profile=str(prof))
     prof.write_text('{"backend": "cpu", "created": "x", "dtypes": {}, "gate": {"tau": 0.25}}')
     assert "tau=0.25" in Engine(f16_model, gate="gated", profile=str(prof))._native.gate

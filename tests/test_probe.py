@@ -65,7 +65,8 @@ def test_gate_numbers_are_summed_over_engines(model):
                         compositions=["batch2"], progress=False)
     g = r["gate"]
     assert list(g)[:len(probe.GATE_KEYS)] == list(probe.GATE_KEYS)  # then extra counters, if any
-    assert all(isinstance(g[k], int) for k in g if k not in ("mode", "tau", "deep_tau"))
+    assert all(isinstance(g[k], int) for k in g if k not in ("mode", "tau", "deep_tau", "calibration"))
+    assert g["calibration"] is None  # tau was not looked up: "always" needs none
     assert isinstance(g["deep_tau"], float)
     assert g["mode"] == "always"
     # baseline (2 engines) + batch2 (1 engine), each request's steps all rechecked
@@ -131,11 +132,11 @@ def test_load_prompts_text_and_json(tmp_path):
     assert probe.load_prompts(str(j)) == ["a", chat]
     with pytest.raises(ValueError, match="unknown composition"):
         probe.parse_compositions("batch2,nope")
-    with pytest.raises(ValueError, match="needs tau"):
-        probe.resolve_gate("gated", None, None, None)
+    with pytest.raises(ValueError, match="unknown gate"):
+        probe.resolve_gate("maybe", None, None, None)
     with pytest.raises(ValueError, match="deep_tau"):
         probe.resolve_gate("gated", 0.1, float("nan"), None)
-    assert probe.resolve_gate("gated", 0.1, None, None) == (0.1, None)
+    assert probe.resolve_gate("gated", 0.1, None, None) == (0.1, None, None)
 
 
 def test_default_prompt_sets_are_disjoint_and_run_probe_is_exported():
@@ -200,8 +201,9 @@ def test_bench_gate_json():
     assert all(v > 0 for v in out["tok_per_s"].values())
     assert out["added_ms_gated"] == pytest.approx(out["ms_per_token"]["gated"] - out["ms_per_token"]["off"])
     assert 0 <= out["recheck_rate"] <= 1
-    r = run_cli("bench", "gate", "--mode", "split_k_f16")
-    assert r.returncode == 2 and "needs tau" in r.stderr
+    # without --tau: the packaged profile has no calibration for this model in gemm
+    r = run_cli("bench", "gate", "--mode", "gemm", "--max-new-tokens", "4")
+    assert r.returncode == 2 and "no gate calibration" in r.stderr and "in mode gemm" in r.stderr, r.stderr
 
 
 def test_bench_throughput_json(tmp_path):
@@ -229,15 +231,26 @@ def test_calibrate_gate_merges_into_an_existing_profile(model, tmp_path):
     assert g["calibration_prompts"] == 2 and g["mode"] == "split_k_f16" and g["rule"]
     calibrate.merge_gate(str(out), g)
     prof = json.loads(out.read_text())
-    assert prof["dtypes"]["q4_1"]["row_split_max"] == 4 and prof["gate"]["tau"] == g["tau"]
-    # the engine reads tau back from the profile
+    assert g["model_sha256"] == model.sha256() and g["model"] == os.path.basename(model.path)
+    [entry] = prof["gates"]
+    assert prof["dtypes"]["q4_1"]["row_split_max"] == 4 and entry["tau"] == g["tau"]
+    # the engine reads tau back from the profile, and says from where
     e = candle_gate.Engine(model, mode="split_k_f16", gate="gated", profile=str(out))
     assert "gated" in e._native.gate
     assert (e.tau, e.deep_tau) == (pytest.approx(g["tau"]), pytest.approx(g["deep_tau"]))
+    assert e.gate_source == f"{out} ({g['model']}/split_k_f16)"
+    # one calibration per mode and model: a recalibration replaces it, another mode is added
+    calibrate.merge_gate(str(out), {**g, "tau": 0.5})
+    calibrate.merge_gate(str(out), {**g, "mode": "gemm", "tau": 0.25})
+    prof = json.loads(out.read_text())
+    assert [(x["mode"], x["tau"]) for x in prof["gates"]] == [("split_k_f16", 0.5), ("gemm", 0.25)]
+    assert candle_gate.Engine(model, mode="gemm", gate="gated", profile=str(out)).tau == 0.25
+    with pytest.raises(candle_gate.CandleGateError, match="no gate calibration .* in mode row_split"):
+        candle_gate.Engine(model, mode="row_split", gate="gated", profile=str(out))
     fresh = tmp_path / "new.json"
     calibrate.merge_gate(str(fresh), g)
     p2 = json.loads(fresh.read_text())
-    assert set(p2) == {"backend", "created", "candle_gate_version", "dtypes", "gate"}
+    assert set(p2) == {"backend", "created", "candle_gate_version", "dtypes", "gates"}
     bad = tmp_path / "bad.json"
     bad.write_text("not json")
     with pytest.raises(ValueError, match="not overwriting"):

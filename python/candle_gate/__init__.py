@@ -14,11 +14,12 @@ the JSON and the PNG); ``candle_gate.run_probe`` is ``candle_gate.probe.run_prob
 """
 from ._native import CandleGateError, CUDA_AVAILABLE, METAL_AVAILABLE, __version__
 from .models import DEFAULT_MODEL, cache_dir, fetch, resolve
-from .engine import Engine, Model, Result, SamplingParams, MODES, GATES
+from .engine import Engine, Model, Result, SamplingParams, MODES, GATES, PACKAGED_PROFILE, user_profile_path
 from .probe import run_probe
 
 __all__ = [
     "CandleGateError", "CUDA_AVAILABLE", "METAL_AVAILABLE", "__version__",
     "DEFAULT_MODEL", "cache_dir", "fetch", "resolve",
-    "Engine", "Model", "Result", "SamplingParams", "MODES", "GATES", "run_probe",
+    "Engine", "Model", "Result", "SamplingParams", "MODES", "GATES", "PACKAGED_PROFILE",
+    "user_profile_path", "run_probe",
 ]

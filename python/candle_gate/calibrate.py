@@ -25,8 +25,9 @@ sequence's cache in the reference lane ("deep recheck"), after which the token d
 token history alone. If nothing moved (an invariant lane that matches the reference bit for bit)
 both are 0 and the gate never rechecks.
 
-The result is merged into the profile JSON at ``--out`` under ``"gate"``; other keys of an
-existing profile are kept.
+The result is merged into the profile JSON at ``--out`` (default: the user's profile, which a
+gated engine reads before the one shipped in the package) under ``"gates"``, one entry per
+mode and model file (sha256); other entries and keys of an existing profile are kept.
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import numpy as np
 
 from . import _native
-from .engine import MODES, Model, Result
+from .engine import MODES, Model, Result, user_profile_path
 from .models import resolve
 from .probe import Progress, Runner, check_prompts, load_prompts
 
@@ -175,6 +176,9 @@ def calibrate_gate(model: Union[None, str, Model] = None, mode: str = "split_k_f
         "safety": float(safety),
         "max_margin_shift": m,
         "mode": mode,
+        "model": os.path.basename(model.path),
+        "model_sha256": model.sha256(),
+        "host": _native.host_signature(mode),
         "calibration_prompts": len(prompts),
         "max_new_tokens": max_new_tokens,
         "steps": sum(len(r.token_ids) for r in base),
@@ -188,14 +192,18 @@ def calibrate_gate(model: Union[None, str, Model] = None, mode: str = "split_k_f
 
 
 def merge_gate(path: str, gate: Dict[str, Any]) -> Dict[str, Any]:
-    """Writes ``gate`` under ``"gate"`` in the profile at ``path`` (created when missing; other
-    keys kept). Refuses to overwrite a file that is not a JSON object. The profile format is
-    the Rust crate's (``Profile::merge_gate``)."""
+    """Writes ``gate`` into ``"gates"`` of the profile at ``path``, replacing the calibration of
+    the same mode and model (created when missing; other keys kept). Refuses to overwrite a
+    file that is not a JSON object. The profile format is the Rust crate's
+    (``Profile::merge_gate``)."""
     return json.loads(_native.merge_gate(str(path), json.dumps(gate)))
 
 
 def main(args) -> int:
     rc = 0
+    if getattr(args, "out", None) is None:
+        args.out = user_profile_path()
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     if getattr(args, "kernels", False):
         try:
             r = calibrate_kernels(args)

@@ -45,6 +45,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
     params = SamplingParams(max_new_tokens=a.max_new_tokens, stop=a.stop, n=a.n, **sampling_args(a))
     model = Model.load(a.model, mode=a.mode, profile=a.profile)
     eng = Engine(model, gate=a.gate, tau=a.tau, deep_tau=a.deep_tau, profile=a.profile)
+    if eng.gate_source:
+        print(f"gate: tau {eng.tau:.4g}, deep_tau {eng.deep_tau:.4g} from {eng.gate_source}", file=sys.stderr)
     rid = eng.submit(a.prompt, chat=a.chat, params=params)
     if a.json:
         [r] = eng.run([rid])
@@ -138,7 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--kernels", action="store_true")
     c.add_argument("--gate", action="store_true")
     c.add_argument("--quick", action="store_true", help="only the default model's dtypes and shapes")
-    c.add_argument("--out", default="candle-gate-profile.json")
+    c.add_argument("--out", default=None,
+                   help="the profile to write or update (default: the user's, which gated engines read first: "
+                        "profile-cpu.json in the model cache)")
     c.add_argument("--prompts", default=None, help="calibration prompts for --gate (JSON list or text file)")
     c.add_argument("--max-new-tokens", type=int, default=64)
     c.add_argument("--safety", type=float, default=2.0, help="tau = safety x the largest measured margin movement")

@@ -6,8 +6,10 @@ token ids and dicts into :class:`Result` objects.
 from __future__ import annotations
 
 import json
+import os
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -184,7 +186,14 @@ class Engine:
             model._native, mode=mode, profile=profile, gate=gate, tau=tau, deep_tau=deep_tau,
             max_num_seqs=max_num_seqs, max_tokens_per_step=max_tokens_per_step,
             prefill_chunk=prefill_chunk, kv_budget_tokens=kv_budget_tokens, threads=threads,
-            record_logit_hashes=record_logit_hashes, row_split_max=row_split_max)
+            record_logit_hashes=record_logit_hashes, row_split_max=row_split_max,
+            gate_profiles=gate_profiles(profile))
+
+    @property
+    def gate_source(self) -> Optional[str]:
+        """``"PATH (model/mode)"``: the profile and calibration the gate's tau came from (None
+        when tau was given or the engine is not gated)."""
+        return self._native.gate_source
 
     def submit(self, prompt: Prompt, max_new_tokens: int = 64, stop: Union[str, Sequence[str], None] = None,
                chat: bool = False, forced_tokens: Optional[Sequence[int]] = None,
@@ -263,11 +272,37 @@ class Engine:
         return self.run(ids)
 
 
+#: The profile shipped inside the package: kernel timings and gate calibrations measured on
+#: the machine named in it (its ``"host"``). A gated engine given neither ``tau`` nor
+#: ``profile`` uses it for models and modes it has a calibration for, after the user's own
+#: (:func:`user_profile_path`, where ``candle-gate calibrate`` writes).
+PACKAGED_PROFILE = str(Path(__file__).parent / "profiles" / "cpu.json")
+
+
+def user_profile_path() -> str:
+    """The profile ``candle-gate calibrate`` writes by default: ``profile-cpu.json`` in the
+    model cache directory (the Rust crate's ``profile::user_profile_path``)."""
+    return _native.user_profile_path()
+
+
+def gate_profiles(profile: Optional[str] = None) -> List[str]:
+    """Where a gated engine looks for its calibration, first match wins: ``profile`` alone when
+    given, else the user's profile (when it exists), then :data:`PACKAGED_PROFILE`."""
+    if profile is not None:
+        return [str(profile)]
+    return [p for p in (user_profile_path(), PACKAGED_PROFILE) if os.path.exists(p)]
+
+
 def resolve_gate(gate: str, tau: Optional[float], deep_tau: Optional[float],
-                 profile: Optional[str]) -> Tuple[float, Optional[float]]:
-    """``(tau, deep_tau)`` an engine would use: explicit values first, then the profile's
-    calibrated ones (deep_tau None: the engine's default, tau/2). Gated with neither is an
-    error. The rule and the checks are the Rust engine's (``GateConfig::resolve_values``)."""
-    t, d = _native.resolve_gate(gate, tau, deep_tau, profile)
+                 profile: Optional[str], model: Optional[Model] = None,
+                 mode: Optional[str] = None) -> Tuple[float, Optional[float], Optional[str]]:
+    """``(tau, deep_tau, source)`` an engine over ``model`` in ``mode`` would use: explicit
+    values first, then the calibrated ones of the first of :func:`gate_profiles` with a
+    calibration for that model and mode (``source`` names it; deep_tau None: the engine's
+    default, tau/2). Gated with neither is an error. Without ``model`` only the names and
+    numbers are checked. The rule and the checks are the Rust engine's
+    (``GateConfig::resolve_values``)."""
+    native = None if model is None else model._native
+    t, d, source = _native.resolve_gate(gate, tau, deep_tau, gate_profiles(profile), native, mode)
     # Values given here come back as given, not through Rust's f32.
-    return (float(tau) if tau is not None else t), (float(deep_tau) if deep_tau is not None else d)
+    return (float(tau) if tau is not None else t), (float(deep_tau) if deep_tau is not None else d), source

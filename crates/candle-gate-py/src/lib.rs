@@ -210,6 +210,8 @@ fn reference_weights(name: &str) -> PyResult<ReferenceWeights> {
 #[pyclass(frozen, module = "candle_gate._native")]
 struct Engine {
     inner: Mutex<RsEngine>,
+    /// Which profile and calibration the gate's tau came from (None: given, or not gated).
+    gate_source: Option<String>,
 }
 
 /// `(ids, logprobs)` of a choice's top alternatives as `[steps, k]` arrays.
@@ -409,12 +411,14 @@ impl Engine {
 #[pymethods]
 impl Engine {
     /// Keyword-only: `mode` (default the model's), `profile` (thresholds and the calibrated
-    /// gate, read once), `gate`, `tau`, `deep_tau`, the scheduler's budgets, `threads`,
-    /// `record_logit_hashes`, `row_split_max` (overrides the profile's thresholds).
+    /// gate, read once), `gate`, `tau`, `deep_tau`, `gate_profiles` (where a gated engine
+    /// without `tau` or `profile` looks for its calibration, first match wins), the
+    /// scheduler's budgets, `threads`, `record_logit_hashes`, `row_split_max` (overrides the
+    /// profile's thresholds).
     #[new]
     #[pyo3(signature = (model, *, mode = None, profile = None, gate = "off", tau = None, deep_tau = None,
         max_num_seqs = 16, max_tokens_per_step = 256, prefill_chunk = 64, kv_budget_tokens = 65536,
-        threads = None, record_logit_hashes = false, row_split_max = None))]
+        threads = None, record_logit_hashes = false, row_split_max = None, gate_profiles = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         model: &Model,
@@ -430,6 +434,7 @@ impl Engine {
         threads: Option<i64>,
         record_logit_hashes: bool,
         row_split_max: Option<i64>,
+        gate_profiles: Option<Vec<String>>,
     ) -> PyResult<Self> {
         guarded("Engine()", || {
             let max_num_seqs = count("max_num_seqs", max_num_seqs)?;
@@ -452,7 +457,15 @@ impl Engine {
                 policy.row_split_max.clear();
             }
             let gmode = GateMode::from_str(gate).map_err(to_py)?;
-            let gate = GateConfig::resolve(gmode, tau, deep_tau, loaded.as_ref().zip(profile)).map_err(to_py)?;
+            let (gate, gate_source) = match (&loaded, profile) {
+                (Some(p), Some(path)) => resolve_gate_for(gmode, tau, deep_tau, &[(p, path)], model, mode),
+                _ => {
+                    let paths = gate_profiles.unwrap_or_default();
+                    let loaded = load_profiles(&paths)?;
+                    let list: Vec<(&Profile, &str)> = loaded.iter().zip(&paths).map(|(p, s)| (p, s.as_str())).collect();
+                    resolve_gate_for(gmode, tau, deep_tau, &list, model, mode)
+                }
+            }?;
             let cfg = EngineConfig {
                 max_num_seqs,
                 max_tokens_per_step,
@@ -464,7 +477,7 @@ impl Engine {
                 ..Default::default()
             };
             let e = RsEngine::new(model.inner.clone(), Arc::new(policy), cfg).map_err(to_py)?;
-            Ok(Engine { inner: Mutex::new(e) })
+            Ok(Engine { inner: Mutex::new(e), gate_source })
         })
     }
 
@@ -508,6 +521,12 @@ impl Engine {
     #[getter]
     fn gate(&self, py: Python<'_>) -> PyResult<String> {
         self.with(py, |e| e.config().gate.describe())
+    }
+    /// `"PATH (model/mode)"`: the profile and calibration the gate's tau came from; None when
+    /// tau was given or the engine is not gated.
+    #[getter]
+    fn gate_source(&self) -> Option<String> {
+        self.gate_source.clone()
     }
     #[getter]
     fn tau(&self, py: Python<'_>) -> PyResult<f32> {
@@ -595,6 +614,7 @@ fn calibrate_kernels(py: Python<'_>, model_path: Option<String>, quick: bool, ou
             let mut p = p;
             if let Ok(old) = Profile::load(std::path::Path::new(&out)) {
                 p.gate = old.gate;
+                p.gates = old.gates;
             }
             p.save(std::path::Path::new(&out))?;
             Ok(format_table(&p))
@@ -603,16 +623,64 @@ fn calibrate_kernels(py: Python<'_>, model_path: Option<String>, quick: bool, ou
     })
 }
 
-/// The gate's `(tau, deep_tau)` an engine would use (deep_tau None: tau × the default fraction),
-/// by the engine's own rule (`GateConfig::resolve_values`).
+fn load_profiles(paths: &[String]) -> PyResult<Vec<Profile>> {
+    paths.iter().map(|p| Profile::load(&PathBuf::from(p)).map_err(to_py)).collect()
+}
+
+/// The lane a gate calibration is looked up for: `mode` and the model's sha256, computed only
+/// when a gated engine without tau has profiles to look in.
+fn calibration_lane(gmode: GateMode, tau: Option<f32>, profiles: usize, model: &Model, mode: &str) -> PyResult<Option<(Mode, String)>> {
+    if !GateConfig::needs_calibration(gmode, tau) || profiles == 0 {
+        return Ok(None);
+    }
+    Ok(Some((Mode::from_str(mode).map_err(to_py)?, model.inner.sha256().map_err(to_py)?)))
+}
+
+fn resolve_gate_for(
+    gmode: GateMode,
+    tau: Option<f32>,
+    deep_tau: Option<f32>,
+    profiles: &[(&Profile, &str)],
+    model: &Model,
+    mode: &str,
+) -> PyResult<(GateConfig, Option<String>)> {
+    let lane = calibration_lane(gmode, tau, profiles.len(), model, mode)?;
+    GateConfig::resolve(gmode, tau, deep_tau, profiles, lane.as_ref().map(|(m, h)| (*m, h.as_str()))).map_err(to_py)
+}
+
+/// `(tau, deep_tau, source)` an engine over `model` in `mode` would use (deep_tau None: tau ×
+/// the default fraction; source: `"PATH (model/mode)"` of the calibration used), by the
+/// engine's own rule (`GateConfig::resolve_values`). Without a model only the gate's name and
+/// numbers are checked (tau comes back 0 where a calibration would give it).
 #[pyfunction]
-#[pyo3(signature = (gate, tau = None, deep_tau = None, profile = None))]
-fn resolve_gate(gate: &str, tau: Option<f32>, deep_tau: Option<f32>, profile: Option<&str>) -> PyResult<(f32, Option<f32>)> {
+#[pyo3(signature = (gate, tau = None, deep_tau = None, profiles = Vec::new(), model = None, mode = None))]
+fn resolve_gate(
+    py: Python<'_>,
+    gate: &str,
+    tau: Option<f32>,
+    deep_tau: Option<f32>,
+    profiles: Vec<String>,
+    model: Option<&Model>,
+    mode: Option<&str>,
+) -> PyResult<(f32, Option<f32>, Option<String>)> {
     guarded("resolve_gate", || {
-        let mode = GateMode::from_str(gate).map_err(to_py)?;
-        let loaded = profile.map(|p| Profile::load(&PathBuf::from(p))).transpose().map_err(to_py)?;
-        GateConfig::resolve_values(mode, tau, deep_tau, loaded.as_ref().zip(profile)).map_err(to_py)
+        let gmode = GateMode::from_str(gate).map_err(to_py)?;
+        let Some(model) = model else {
+            let (t, d, _) = GateConfig::resolve_values(GateMode::Off, tau, deep_tau, &[], None).map_err(to_py)?;
+            return Ok((t, d, None));
+        };
+        let loaded = load_profiles(&profiles)?;
+        let list: Vec<(&Profile, &str)> = loaded.iter().zip(&profiles).map(|(p, s)| (p, s.as_str())).collect();
+        let mode = mode.unwrap_or(model.inner.policy.mode.name());
+        let lane = py.detach(|| calibration_lane(gmode, tau, list.len(), model, mode))?;
+        GateConfig::resolve_values(gmode, tau, deep_tau, &list, lane.as_ref().map(|(m, h)| (*m, h.as_str()))).map_err(to_py)
     })
+}
+
+/// Where `candle-gate calibrate` writes, and a gated engine looks first: the user's cache.
+#[pyfunction]
+fn user_profile_path() -> String {
+    candle_gate::profile::user_profile_path().display().to_string()
 }
 
 /// Writes a gate calibration (a JSON object) under "gate" in the profile at `path`; returns
@@ -666,6 +734,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("KNOWN_MODELS", known)?;
     m.add("DEFAULT_MODEL", candle_gate::registry::DEFAULT_MODEL)?;
     m.add_function(wrap_pyfunction!(resolve_gate, m)?)?;
+    m.add_function(wrap_pyfunction!(user_profile_path, m)?)?;
     m.add_function(wrap_pyfunction!(check_chat, m)?)?;
     m.add_function(wrap_pyfunction!(merge_gate, m)?)?;
     m.add_class::<Model>()?;

@@ -5,8 +5,12 @@
 //! {"backend": "cpu", "created": "...", "candle_gate_version": "0.1.0",
 //!  "dtypes": {"q4_1": {"row_split_max": 4, "crossover_rows": 5,
 //!                      "table": [{"shape": [1536, 576], "rows": 1, "kernel": "gemv_row_split", "ns_per_call": 1234.0}]}},
-//!  "gate": {"tau": 0.5, "rule": "..."}}
+//!  "gates": [{"tau": 0.09, "deep_tau": 0.05, "mode": "split_k_f16",
+//!             "model": "SmolLM2-135M-Instruct.Q4_1.gguf", "model_sha256": "...", "rule": "..."}]}
 //! ```
+//!
+//! A gate calibration holds for one model file in one fast-lane mode: `gates` keeps one per
+//! `(mode, model_sha256)`. The older single `"gate"` object is still read, as one more entry.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -39,8 +43,35 @@ pub struct GateProfile {
     pub deep_tau: Option<f32>,
     #[serde(default)]
     pub rule: String,
+    /// The fast-lane mode calibrated; absent (older profiles): any mode.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<String>,
+    /// The model file's name, for people reading the profile.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// The model calibrated; absent (older profiles): any model.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_sha256: Option<String>,
     #[serde(flatten)]
     pub extra: BTreeMap<String, serde_json::Value>,
+}
+
+impl GateProfile {
+    /// Whether this calibration is for `mode` on the model whose file hashes to `model_sha256`.
+    pub fn applies_to(&self, mode: Mode, model_sha256: &str) -> bool {
+        self.mode.as_deref().is_none_or(|m| m == mode.name())
+            && self.model_sha256.as_deref().is_none_or(|h| h.eq_ignore_ascii_case(model_sha256))
+    }
+
+    /// `model/mode`, as error messages and `Engine.gate_source` name a calibration.
+    pub fn label(&self) -> String {
+        let model = match (&self.model, &self.model_sha256) {
+            (Some(m), _) => m.clone(),
+            (None, Some(h)) => format!("sha256 {}", &h[..h.len().min(12)]),
+            (None, None) => "any model".into(),
+        };
+        format!("{model}/{}", self.mode.as_deref().unwrap_or("any mode"))
+    }
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -51,8 +82,17 @@ pub struct Profile {
     pub candle_gate_version: String,
     #[serde(default)]
     pub dtypes: BTreeMap<String, DtypeProfile>,
+    /// A single calibration, as profiles before `gates` held it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gate: Option<GateProfile>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gates: Vec<GateProfile>,
+}
+
+/// The user's own profile, which `candle-gate calibrate` writes by default and a gated engine
+/// reads before the one shipped with the package: `profile-cpu.json` in the cache directory.
+pub fn user_profile_path() -> std::path::PathBuf {
+    crate::registry::cache_dir().join("profile-cpu.json")
 }
 
 /// From a table of timings for one dtype: the first row count at which the batched kernel
@@ -102,15 +142,30 @@ impl Profile {
             candle_gate_version: crate::VERSION.into(),
             dtypes: BTreeMap::new(),
             gate: None,
+            gates: Vec::new(),
         }
     }
 
-    /// Writes a gate calibration under `"gate"` in the profile at `path`, created (empty, for
-    /// the CPU) when missing; every other key of an existing file is kept as it is. A file
-    /// that is not a JSON object is refused, not overwritten. Returns the whole profile.
+    /// Every gate calibration in the profile: `gates`, then the older single `gate`.
+    pub fn gate_calibrations(&self) -> impl Iterator<Item = &GateProfile> {
+        self.gates.iter().chain(self.gate.iter())
+    }
+
+    /// The calibration for `mode` on the model hashing to `model_sha256`, if the profile has one.
+    pub fn gate_for(&self, mode: Mode, model_sha256: &str) -> Option<&GateProfile> {
+        self.gate_calibrations().find(|g| g.applies_to(mode, model_sha256))
+    }
+
+    /// Writes a gate calibration into `"gates"` of the profile at `path` (created, empty, for
+    /// the CPU, when missing), replacing the entry for the same mode and model; an older single
+    /// `"gate"` moves into `"gates"`, and every other key is kept as it is. A file that is not a
+    /// JSON object is refused, not overwritten. Returns the whole profile.
     pub fn merge_gate(path: &Path, gate: serde_json::Value) -> Result<serde_json::Value> {
         let g: GateProfile = serde_json::from_value(gate.clone())
             .map_err(|e| Error::BadInput(format!("not a gate calibration: {e}")))?;
+        if !g.tau.is_finite() || g.tau < 0.0 {
+            return Err(Error::BadInput(format!("a gate calibration's tau must be finite and >= 0, got {}", g.tau)));
+        }
         let mut prof = if path.exists() {
             let refuse = |why: String| {
                 Error::BadInput(format!("{} exists but {why}; not overwriting it", path.display()))
@@ -125,8 +180,17 @@ impl Profile {
         } else {
             serde_json::to_value(Profile::empty(Backend::Cpu)).map_err(|e| Error::Profile(e.to_string()))?
         };
-        debug_assert!(g.tau.is_finite());
-        prof["gate"] = gate;
+        let obj = prof.as_object_mut().expect("checked above");
+        let mut gates = match obj.remove("gates") {
+            Some(serde_json::Value::Array(a)) => a,
+            None => Vec::new(),
+            Some(_) => return Err(Error::BadInput(format!("{}: \"gates\" is not a list; not overwriting it", path.display()))),
+        };
+        gates.extend(obj.remove("gate").filter(|v| !v.is_null()));
+        let same = |v: &serde_json::Value| v.get("mode") == gate.get("mode") && v.get("model_sha256") == gate.get("model_sha256");
+        gates.retain(|v| !same(v));
+        gates.push(gate);
+        obj.insert("gates".into(), serde_json::Value::Array(gates));
         let text = serde_json::to_string_pretty(&prof).map_err(|e| Error::Profile(e.to_string()))? + "\n";
         let tmp = path.with_extension("json.tmp");
         std::fs::write(&tmp, text)?;

@@ -277,6 +277,44 @@ fn profiles_load_and_refuse_bad_files() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// One gate calibration per mode and model: merging replaces that entry only, moves an older
+/// single `gate` into `gates`, and the lookup takes the entry for the engine's lane.
+#[test]
+fn gate_calibrations_are_kept_and_found_per_mode_and_model() {
+    use candle_gate::engine::{GateConfig, GateMode};
+    let dir = std::env::temp_dir().join(format!("cg-gates-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("p.json");
+    std::fs::write(&path, r#"{"backend": "cpu", "created": "x", "note": "kept", "gate": {"tau": 0.5, "mode": "gemm"}}"#).unwrap();
+    let entry = |tau: f32, mode: &str, sha: &str| serde_json::json!({"tau": tau, "mode": mode, "model": "m.gguf", "model_sha256": sha});
+    Profile::merge_gate(&path, entry(0.1, "native", "aa")).unwrap();
+    Profile::merge_gate(&path, entry(0.2, "native", "bb")).unwrap();
+    let v = Profile::merge_gate(&path, entry(0.3, "native", "aa")).unwrap();
+    assert_eq!(v["note"], "kept");
+    assert!(v.get("gate").is_none());
+    let p = Profile::load(&path).unwrap();
+    let taus: Vec<f32> = p.gate_calibrations().map(|g| g.tau).collect();
+    assert_eq!(taus, [0.5, 0.2, 0.3]);
+    assert_eq!(p.gate_for(Mode::Native, "AA").unwrap().tau, 0.3);
+    assert_eq!(p.gate_for(Mode::Native, "bb").unwrap().tau, 0.2);
+    assert_eq!(p.gate_for(Mode::Gemm, "cc").unwrap().tau, 0.5); // no model in the old entry: any model
+    assert!(p.gate_for(Mode::Native, "cc").is_none());
+    assert!(p.gate_for(Mode::Invariant, "aa").is_none());
+
+    let empty = Profile::empty(Backend::Cpu);
+    let profiles = [(&empty, "empty.json"), (&p, "p.json")];
+    let (cfg, source) = GateConfig::resolve(GateMode::Gated, None, None, &profiles, Some((Mode::Native, "bb"))).unwrap();
+    assert_eq!((cfg.tau, source.as_deref()), (0.2, Some("p.json (m.gguf/native)")));
+    let err = GateConfig::resolve(GateMode::Gated, None, None, &profiles, Some((Mode::Native, "cc"))).unwrap_err().to_string();
+    assert!(err.contains("in mode native") && err.contains("empty.json has none") && err.contains("p.json has any model/gemm, m.gguf/native"), "{err}");
+    // a given tau needs no calibration; neither does a gate that never rechecks by margin
+    assert!(GateConfig::resolve(GateMode::Gated, Some(0.7), None, &[], None).unwrap().1.is_none());
+    assert!(GateConfig::resolve(GateMode::Off, None, None, &[], None).is_ok());
+    std::fs::write(&path, "[1]").unwrap();
+    assert!(Profile::merge_gate(&path, entry(0.1, "native", "aa")).unwrap_err().to_string().contains("not overwriting"));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// Candle's own Q4_1, Q5_0 and Q8_0 CPU paths compute each element the same way at every row
 /// count (Q8_0: where k is not a multiple of 256, so Candle never repacks it), and the invariant
 /// kernels reproduce them bit for bit: SmolLM2's and Qwen 0.5B's layers give Candle's exact

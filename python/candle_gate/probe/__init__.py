@@ -67,12 +67,14 @@ def measure(model: Union[None, str, Model] = None, prompts: Optional[Sequence[An
     names = parse_compositions(compositions)
     prompts = check_prompts(DEFAULT_PROMPTS if prompts is None else prompts)
     # The gate's and the mode's names, tau and deep_tau, and max_new_tokens are checked by the
-    # Rust side: resolve_gate here, Model.load / the engines below.
-    tau_v, deep_tau = resolve_gate(gate, tau, deep_tau, profile)
+    # Rust side: resolve_gate here (before a model download), Model.load / the engines below.
+    resolve_gate(gate, tau, deep_tau, profile)
     if not isinstance(model, Model):
         model = Model.load(model, mode=mode, profile=profile)
+    tau_v, deep_tau, source = resolve_gate(gate, tau, deep_tau, profile, model, mode)
     runner = Runner(model, prompts, max_new_tokens, mode, gate, tau_v, profile, row_split_max,
                     mixed_prefill_every, deep_tau, sampling)
+    runner.gate_source = source
     runs = runner.run_all(names, progress=progress)
     return summarize(runs, runner), runs
 

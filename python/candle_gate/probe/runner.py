@@ -246,6 +246,7 @@ class Runner:
         self.filler = filler[:FILLER_TOKENS]
         self.gate_totals = {"steps": 0, "rechecks": 0, "corrections": 0}
         self.deep_tau_used: Optional[float] = None
+        self.gate_source: Optional[str] = None  # the calibration tau came from, when it did
 
     @property
     def n(self) -> int:

@@ -6,6 +6,7 @@ use std::str::FromStr;
 
 use serde::Serialize;
 
+use crate::dispatch::Mode;
 use crate::error::{Error, Result};
 use crate::llama::KvCache;
 use crate::ops::hash_bits;
@@ -79,44 +80,75 @@ impl GateConfig {
         }
         Ok(GateConfig { mode, tau, deep_tau })
     }
-    /// The gate's `(tau, deep_tau)` from what an engine was given: explicit values first; a
-    /// gated engine without `tau` takes the profile's calibrated `tau` (and its `deep_tau`
-    /// unless one is given). `deep_tau` is `None` where neither gave one (then
-    /// [`DEEP_TAU_FRACTION`] of tau). Gated with neither a tau nor a profile, or with a
-    /// profile that has no calibrated tau, is an error.
+    /// Whether `mode` with this `tau` takes its tau from a calibration (a gated engine given
+    /// none): then [`GateConfig::resolve_values`] needs the lane and the model's sha256.
+    pub fn needs_calibration(mode: GateMode, tau: Option<f32>) -> bool {
+        mode == GateMode::Gated && tau.is_none()
+    }
+
+    /// The gate's `(tau, deep_tau)` from what an engine was given, and where they came from:
+    /// explicit values first; a gated engine without `tau` takes the calibrated `tau` (and its
+    /// `deep_tau` unless one is given) of the first of `profiles` holding a calibration for
+    /// `lane` (the fast-lane mode and the model file's sha256). `deep_tau` is `None` where
+    /// neither gave one (then [`DEEP_TAU_FRACTION`] of tau). Gated with neither a tau nor such
+    /// a calibration is an error that says what the profiles hold.
     pub fn resolve_values(
         mode: GateMode,
         tau: Option<f32>,
         deep_tau: Option<f32>,
-        profile: Option<(&Profile, &str)>,
-    ) -> Result<(f32, Option<f32>)> {
+        profiles: &[(&Profile, &str)],
+        lane: Option<(Mode, &str)>,
+    ) -> Result<(f32, Option<f32>, Option<String>)> {
         for (name, v) in [("tau", tau), ("deep_tau", deep_tau)] {
             if v.is_some_and(|v| !v.is_finite() || v < 0.0) {
                 return Err(Error::BadInput(format!("{name} must be a finite number >= 0, got {}", v.unwrap())));
             }
         }
-        if mode != GateMode::Gated || tau.is_some() {
-            return Ok((tau.unwrap_or(0.0), deep_tau));
+        if !Self::needs_calibration(mode, tau) {
+            return Ok((tau.unwrap_or(0.0), deep_tau, None));
         }
-        let Some((p, path)) = profile else {
-            return Err(Error::BadInput(
-                "gate='gated' needs tau= or a profile with a calibrated tau (candle-gate calibrate --gate --out PROFILE)".into(),
-            ));
+        let how = "run `candle-gate calibrate --gate --model M --mode MODE` or pass tau=";
+        if profiles.is_empty() {
+            return Err(Error::BadInput(format!("gate='gated' needs tau= or a profile with a gate calibration; {how}")));
+        }
+        let Some((lane_mode, sha)) = lane else {
+            return Err(Error::BadInput("gate='gated' without tau= needs the model to find its calibration".into()));
         };
-        let g = p.gate.as_ref().ok_or_else(|| {
-            Error::Profile(format!(
-                "profile {path} has no gate tau; run `candle-gate calibrate --gate --out {path}` or pass tau="
-            ))
-        })?;
-        Ok((g.tau, deep_tau.or(g.deep_tau)))
+        for (p, path) in profiles {
+            if let Some(g) = p.gate_for(lane_mode, sha) {
+                return Ok((g.tau, deep_tau.or(g.deep_tau), Some(format!("{path} ({})", g.label()))));
+            }
+        }
+        let held: Vec<String> = profiles
+            .iter()
+            .map(|(p, path)| {
+                let labels: Vec<String> = p.gate_calibrations().map(|g| g.label()).collect();
+                let labels = if labels.is_empty() { "none".to_string() } else { labels.join(", ") };
+                format!("{path} has {labels}")
+            })
+            .collect();
+        Err(Error::Profile(format!(
+            "no gate calibration for this model (sha256 {}) in mode {}: {}; {how}",
+            &sha[..sha.len().min(12)],
+            lane_mode.name(),
+            held.join("; ")
+        )))
     }
 
-    /// [`GateConfig::resolve_values`], validated into a config.
-    pub fn resolve(mode: GateMode, tau: Option<f32>, deep_tau: Option<f32>, profile: Option<(&Profile, &str)>) -> Result<Self> {
-        match Self::resolve_values(mode, tau, deep_tau, profile)? {
-            (tau, Some(deep)) => Self::with_deep(mode, tau, deep),
-            (tau, None) => Self::new(mode, tau),
-        }
+    /// [`GateConfig::resolve_values`], validated into a config, with where tau came from.
+    pub fn resolve(
+        mode: GateMode,
+        tau: Option<f32>,
+        deep_tau: Option<f32>,
+        profiles: &[(&Profile, &str)],
+        lane: Option<(Mode, &str)>,
+    ) -> Result<(Self, Option<String>)> {
+        let (tau, deep, source) = Self::resolve_values(mode, tau, deep_tau, profiles, lane)?;
+        let cfg = match deep {
+            Some(deep) => Self::with_deep(mode, tau, deep)?,
+            None => Self::new(mode, tau)?,
+        };
+        Ok((cfg, source))
     }
 
     pub fn off() -> Self {
