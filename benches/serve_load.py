@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -52,27 +52,65 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}")
         try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
+            r = httpx.get(url, timeout=2)
         except httpx.HTTPError:
-            pass
+            r = None
+        if r is not None and r.status_code == 200:
+            return
+        if r is not None and r.status_code == 503:  # candle-gate's /health after a failed load
+            try:
+                body = r.json()
+            except ValueError:
+                body = None
+            if isinstance(body, dict) and body.get("status") == "error":
+                raise RuntimeError(f"the server could not load the model: {body.get('error')}")
         time.sleep(0.5)
     raise RuntimeError(f"{url} not ready after {timeout} s")
 
 
-def start(kind: str, model_path: str, name: str, port: int) -> subprocess.Popen:
+def server_command(kind: str, model_path: str, name: str, port: int,
+                   args: Sequence[str] = ("--mode", "invariant"), threads: int = 2) -> Tuple[List[str], str]:
+    """The command line of a server on 127.0.0.1:``port`` and its readiness URL. ``kind``:
+    ``candle-gate`` (``args``: its mode/gate/profile flags) or ``llama.cpp`` (llama-cpp-python's
+    server on the same GGUF)."""
     if kind == "candle-gate":
         cmd = [sys.executable, "-m", "candle_gate", "serve", "--model", model_path, "--port", str(port),
-               "--served-model-name", name, "--mode", "invariant", "--max-num-seqs", "16", "--threads", "2"]
-        health = f"http://127.0.0.1:{port}/health"
-    else:
-        cmd = [sys.executable, "-m", "llama_cpp.server", "--model", model_path, "--model_alias", name,
-               "--port", str(port), "--n_threads", "2", "--n_threads_batch", "2", "--n_ctx", "4096",
-               "--verbose", "False"]
-        health = f"http://127.0.0.1:{port}/v1/models"
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_ready(health, proc)
+               "--served-model-name", name, *args, "--max-num-seqs", "16", "--threads", str(threads)]
+        return cmd, f"http://127.0.0.1:{port}/health"
+    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", model_path, "--model_alias", name,
+           "--port", str(port), "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", "4096",
+           "--verbose", "False"]
+    return cmd, f"http://127.0.0.1:{port}/v1/models"
+
+
+def start(kind: str, model_path: str, name: str, port: int, args: Sequence[str] = ("--mode", "invariant"),
+          threads: int = 2, log: Optional[str] = None, timeout: float = 600) -> subprocess.Popen:
+    """Starts a server (:func:`server_command`) and waits until it answers; its output goes to
+    the file ``log`` (appended) or is discarded. Stopped again if it does not become ready."""
+    cmd, health = server_command(kind, model_path, name, port, args, threads)
+    out = open(log, "ab") if log else subprocess.DEVNULL
+    try:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    finally:
+        if log:
+            out.close()  # the child has its own copy
+    try:
+        wait_ready(health, proc, timeout)
+    except BaseException:
+        stop(proc)
+        raise
     return proc
+
+
+def stop(proc: subprocess.Popen, timeout: float = 60) -> None:
+    """SIGTERM, then SIGKILL after ``timeout`` seconds."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def one_request(client, name: str, chat, max_tokens: int) -> Dict[str, Any]:
@@ -160,8 +198,7 @@ def main() -> int:
                       f"distinct {r['distinct_max']}", flush=True)
             report["servers"][kind] = rows
         finally:
-            proc.terminate()
-            proc.wait(60)
+            stop(proc)
     ip = {c: in_process(path, chats, order, c, a.max_tokens) for c in sorted({1, max(cs)})}
     report["in_process"] = [{"concurrency": c, "tok_per_s": v} for c, v in ip.items()]
     for c, v in ip.items():
