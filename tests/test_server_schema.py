@@ -1,7 +1,8 @@
 """A property-based run over `candle-gate serve`'s OpenAPI document (schemathesis): every
 operation, requests generated from the schema (valid and invalid ones), sent to the real server
 on loopback with the real model. No 5xx, and every response is documented: its status code, its
-content type, its body against the response schema.
+content type, its body (each SSE event's chunk for a stream) against the response schema, its
+headers; requests that break the schema are refused, and so are requests without the key.
 
 Each request is kept short by the server's settings, not by filtering what is generated:
 `max_model_len` 48 (a prompt of 48 tokens or more is a 400, a generation ends at 48 tokens of
@@ -19,8 +20,8 @@ pytest.importorskip("uvicorn")
 
 from hypothesis import HealthCheck, settings  # noqa: E402
 from schemathesis.checks import (  # noqa: E402
-    content_type_conformance, not_a_server_error, response_headers_conformance, response_schema_conformance,
-    status_code_conformance)
+    content_type_conformance, ignored_auth, negative_data_rejection, not_a_server_error,
+    response_headers_conformance, response_schema_conformance, status_code_conformance)
 
 from conftest import Server  # noqa: E402
 
@@ -30,12 +31,13 @@ MAX_MODEL_LEN = 48
 OPERATIONS = {"GET /health", "GET /metrics", "GET /v1/models", "GET /v1/models/{name}", "POST /tokenize",
               "POST /detokenize", "POST /v1/completions", "POST /v1/chat/completions"}
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
-          response_headers_conformance]
+          response_headers_conformance, negative_data_rejection, ignored_auth]
 
 #: per operation: calls made and the statuses they got (checked by the last test)
 CALLS: Counter = Counter()
 STATUSES: Counter = Counter()
 STARTED = []
+SECONDS: Counter = Counter()
 
 
 @pytest.fixture(scope="module")
@@ -84,12 +86,14 @@ def test_the_document_declares_the_bodies_and_the_errors(schema_server):
 
 
 @schema.parametrize()
-@settings(max_examples=25, deadline=None, database=None,
+@settings(max_examples=50, deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large])
 def test_the_server_conforms_to_its_openapi_document(case):
     label = case.operation.label  # (the coverage phase also sends other methods to each path: 405)
     CALLS[label] += 1
+    t = time.perf_counter()
     response = case.call_and_validate(headers=AUTH, checks=CHECKS, timeout=120)
+    SECONDS[(label, case.meta.phase.name.value if case.meta else "?")] += time.perf_counter() - t
     STATUSES[(label, response.status_code)] += 1
 
 
@@ -101,6 +105,7 @@ def test_every_operation_was_called_for_real(schema_server):
     print(f"\nschemathesis calls: {sum(CALLS.values())} in {time.time() - STARTED[0]:.0f} s (with the server's start); "
           + ", ".join(f"{k}: {v}" for k, v in sorted(CALLS.items())))
     print("statuses: " + ", ".join(f"{k[0]} {k[1]}: {v}" for k, v in sorted(STATUSES.items())))
+    print("seconds: " + ", ".join(f"{k[0]} {k[1]}: {v:.0f}" for k, v in sorted(SECONDS.items()) if v >= 1))
     assert set(CALLS) == OPERATIONS, sorted(CALLS)
     for op in OPERATIONS:
         # /health and /metrics take no input: a few distinct requests are all there is
