@@ -62,8 +62,9 @@ def server_spec(name: str, gated_profile: Optional[str]) -> Tuple[Optional[Tuple
         return ("candle-gate", ["--mode", "invariant", "--gate", "off"]), None
     if name == "gated":
         if not gated_profile:
-            return None, ("no --gated-profile given: the gated server (--mode native --gate gated) needs a "
-                          "profile with a gate calibrated for this model in native mode, e.g. from "
+            return None, ("no --gated-profile given: the gated server (--mode native --gate gated --profile P) "
+                          "needs a profile with a gate calibrated for this model in native mode: the one "
+                          f"shipped in the package ({candle_gate.PACKAGED_PROFILE}), or one from "
                           f"`candle-gate calibrate --gate --model {MODEL} --mode native --out P.json`")
         if not os.path.exists(gated_profile):
             return None, f"--gated-profile {gated_profile} does not exist"

@@ -22,7 +22,7 @@ from candle_gate import endpoint_probe as ep  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_gate import CHATS  # noqa: E402
-from test_server import Server  # noqa: E402
+from conftest import Server  # noqa: E402
 
 M = candle_gate.DEFAULT_MODEL
 PROMPTS = ["The capital of France is", "The three primary colors are",
