@@ -5,7 +5,7 @@ content type, its body (each SSE event's chunk for a stream) against the respons
 headers; requests that break the schema are refused, and so are requests without the key.
 
 Each request is kept short by the server's settings, not by filtering what is generated:
-`max_model_len` 48 (a prompt of 48 tokens or more is a 400, a generation ends at 48 tokens of
+`max_model_len` 40 (a prompt of 40 tokens or more is a 400, a generation ends at 40 tokens of
 context with finish_reason "length", whatever `max_tokens` says) and `--max-num-seqs 2` (the
 engine refuses `n` > 2 with a 400)."""
 import time
@@ -27,7 +27,7 @@ from conftest import Server  # noqa: E402
 
 KEY = "sk-schema-1c9e"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-MAX_MODEL_LEN = 48
+MAX_MODEL_LEN = 40
 OPERATIONS = {"GET /health", "GET /metrics", "GET /v1/models", "GET /v1/models/{name}", "POST /tokenize",
               "POST /detokenize", "POST /v1/completions", "POST /v1/chat/completions"}
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
