@@ -1,7 +1,7 @@
 """The endpoint probe against four servers on the same Qwen2.5-Coder 0.5B GGUF (issue 14's benchmark).
 
     pip install ".[serve,endpoint]" "llama-cpp-python[server]"
-    python benches/endpoint_probe_qwen.py --gated-profile PROFILE.json      # the full run (long)
+    python benches/endpoint_probe_qwen.py [--gated-profile PROFILE.json]    # the full run (long)
     python benches/endpoint_probe_qwen.py --prompts 2 --repeats 2 --max-tokens 4 --concurrency 1,2   # smoke
 
 One after the other, each on loopback with 2 threads (started and stopped with the helpers of
@@ -12,8 +12,9 @@ alone, in a burst and interleaved at each ``--concurrency``; docs/ENDPOINT_PROBE
 * ``native``: ``candle-gate serve --mode native`` (gate off): Candle's own dispatch, whose Q4_K /
   Q6_K paths change bits with the row count;
 * ``invariant``: ``candle-gate serve --mode invariant``;
-* ``gated``: ``candle-gate serve --mode native --gate gated --profile P`` (``--gated-profile P``,
-  a profile with a gate calibrated for this model in native mode; skipped without it);
+* ``gated``: ``candle-gate serve --mode native --gate gated`` (with ``--profile P`` when
+  ``--gated-profile P`` is given; else the calibration the engine finds: the user's profile, then
+  the one shipped in the package);
 * ``llama.cpp``: ``python -m llama_cpp.server`` (llama-cpp-python) on the same GGUF.
 
 Prompts: the first ``--prompts`` held-out chats of benches/prompts/heldout_chats.json. Writes one
@@ -61,11 +62,10 @@ def server_spec(name: str, gated_profile: Optional[str]) -> Tuple[Optional[Tuple
     if name == "invariant":
         return ("candle-gate", ["--mode", "invariant", "--gate", "off"]), None
     if name == "gated":
+        # Without a profile the engine takes the first calibration for this model in native mode
+        # from the user's profile, then the package's (the server prints which).
         if not gated_profile:
-            return None, ("no --gated-profile given: the gated server (--mode native --gate gated --profile P) "
-                          "needs a profile with a gate calibrated for this model in native mode: the one "
-                          f"shipped in the package ({candle_gate.PACKAGED_PROFILE}), or one from "
-                          f"`candle-gate calibrate --gate --model {MODEL} --mode native --out P.json`")
+            return ("candle-gate", ["--mode", "native", "--gate", "gated"]), None
         if not os.path.exists(gated_profile):
             return None, f"--gated-profile {gated_profile} does not exist"
         return ("candle-gate", ["--mode", "native", "--gate", "gated", "--profile", os.path.abspath(gated_profile)]), None
@@ -206,7 +206,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--stream", action="store_true", help="streaming requests")
     ap.add_argument("--gated-profile", default=None, metavar="P",
                     help="the profile for the gated server (--mode native --gate gated --profile P); "
-                         "without it that server is skipped")
+                         "default: the engine's own lookup (the user's profile, then the package's)")
     ap.add_argument("--servers", default=",".join(SERVERS), help=f"a subset of {','.join(SERVERS)}")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--log-dir", default=None, help="the servers' output (default: a new temporary directory)")

@@ -1,4 +1,3 @@
-import json
 import socket
 import subprocess
 import sys
@@ -26,26 +25,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# Starts the server from the CLI's own parser, then sets server options the CLI has no flag for
-# (yet): `vars(args).update(options)`.
-_LAUNCH = ("import json, sys\n"
-           "from candle_gate import cli, server\n"
-           "a = cli.build_parser().parse_args(sys.argv[2:])\n"
-           "vars(a).update(json.loads(sys.argv[1]))\n"
-           "sys.exit(server.serve(a))\n")
-
-
 class Server:
-    """`candle-gate serve --port P *extra` on loopback, ready when /health says 200.
-    `options`: server settings without a CLI flag, set on the parsed arguments."""
+    """`candle-gate serve --port P *extra` on loopback, ready when /health says 200."""
 
-    def __init__(self, *extra: str, options: dict = None):
+    def __init__(self, *extra: str):
         import httpx
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         argv = ["serve", "--port", str(self.port), *extra]
-        cmd = ([sys.executable, "-c", _LAUNCH, json.dumps(options), *argv] if options
-               else [sys.executable, "-m", "candle_gate", *argv])
+        cmd = [sys.executable, "-m", "candle_gate", *argv]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.log = []
         threading.Thread(target=self._read, daemon=True).start()

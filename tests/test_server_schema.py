@@ -43,8 +43,7 @@ SECONDS: Counter = Counter()
 @pytest.fixture(scope="module")
 def schema_server():
     STARTED.append(time.time())
-    s = Server("--api-key", KEY, "--max-num-seqs", "2", "--max-queue", "4",
-               options={"max_model_len": MAX_MODEL_LEN})
+    s = Server("--api-key", KEY, "--max-num-seqs", "2", "--max-queue", "4", "--max-model-len", str(MAX_MODEL_LEN))
     yield s
     s.stop()
 

@@ -209,6 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--max-num-seqs", type=int, default=16, help="sequences in the running batch")
+    s.add_argument("--max-model-len", type=int, default=None,
+                   help="context length served (default: the model's): longer prompts get 400, max_tokens is trimmed to fit")
     s.add_argument("--max-queue", type=int, default=64,
                    help="waiting requests beyond which new ones get 429 with Retry-After")
     s.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 and /tokenize")
