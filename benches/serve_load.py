@@ -79,7 +79,9 @@ def server_command(kind: str, model_path: str, name: str, port: int,
         return cmd, f"http://127.0.0.1:{port}/health"
     cmd = [sys.executable, "-m", "llama_cpp.server", "--model", model_path, "--model_alias", name,
            "--port", str(port), "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", "4096",
-           "--verbose", "False"]
+           # By default a new request cuts off the one streaming (its client sees a short, normal
+           # end): queue them instead, as a server under test must.
+           "--interrupt_requests", "False", "--verbose", "False"]
     return cmd, f"http://127.0.0.1:{port}/v1/models"
 
 

@@ -409,21 +409,15 @@ class Metrics:
 # ---------------------------------------------------------------------------------------------
 # The engine thread
 
-#: the Engine's KV budget (``kv_budget_tokens``; the server keeps the default)
-_KV_BUDGET_TOKENS = 65536
-
-
 class QueueFull(Exception):
     pass
 
 
 class _Track:
-    __slots__ = ("queue", "n", "finished", "reserve")
+    __slots__ = ("queue", "n", "finished")
 
-    def __init__(self, queue: asyncio.Queue, n: int, reserve: int):
-        #: ``reserve``: the KV tokens each choice holds (the engine's rule: prompt + max_new_tokens,
-        #: capped at the context), released when the engine reports the choice finished
-        self.queue, self.n, self.finished, self.reserve = queue, n, 0, reserve
+    def __init__(self, queue: asyncio.Queue, n: int):
+        self.queue, self.n, self.finished = queue, n, 0
 
 
 class EngineWorker:
@@ -443,9 +437,9 @@ class EngineWorker:
         self.num_running = 0
         self.num_waiting = 0
         self.submitted_since_refresh = 0
-        #: KV tokens reserved by the requests the engine holds (see _Track.reserve)
+        #: KV tokens the running batch reserves (the engine's count, as of the last step)
         self.kv_reserved = 0
-        self.context = int(eng.model.config.get("context_length", 0) or 0)
+        self.kv_budget = eng._native.kv_budget_tokens
         self.gate_stats: Dict[str, int] = {"steps": 0, "rechecks": 0, "corrections": 0, "deep_rechecks": 0}
         self.thread = threading.Thread(target=self._run, name="candle-gate-engine", daemon=True)
 
@@ -463,11 +457,7 @@ class EngineWorker:
             if self.num_waiting + self.submitted_since_refresh >= max_queue:
                 raise QueueFull()
             rid = self.eng._native.submit(ids, params, None)
-            reserve = len(ids) + int(params.max_new_tokens)
-            if self.context:
-                reserve = min(reserve, self.context)
-            self.tracks[rid] = _Track(queue, params.n, reserve)
-            self.kv_reserved += reserve * params.n
+            self.tracks[rid] = _Track(queue, params.n)
             self.submitted_since_refresh += 1
         self.wake.set()
         return rid
@@ -501,7 +491,6 @@ class EngineWorker:
                 items.append(ev)
                 if ev["type"] == "finished":
                     tr.finished += 1
-                    self.kv_reserved -= tr.reserve
                     if tr.finished >= tr.n:
                         res = self.eng.result(rid)
                         items.append(("done", res))
@@ -521,6 +510,7 @@ class EngineWorker:
         nat = self.eng._native
         with self.lock:
             self.num_running, self.num_waiting = nat.num_running, nat.num_waiting
+            self.kv_reserved = nat.kv_reserved_tokens
             self.submitted_since_refresh = 0
         self.gate_stats = self.eng.gate_stats()
 
@@ -529,7 +519,6 @@ class EngineWorker:
             batch = [(tr.queue, [("error", msg)]) for tr in self.tracks.values()]
             rids = list(self.tracks)
             self.tracks.clear()
-            self.kv_reserved = 0
         for rid in rids:
             try:
                 self.eng.cancel(rid)
@@ -544,8 +533,10 @@ class EngineWorker:
                 self._drain()
                 if self.eng.has_work:
                     self.eng.step()
-                    self._drain()
+                    # the counts first: a client that got its answer and reads /metrics at once
+                    # sees the state after the step that finished it
                     self._refresh()
+                    self._drain()
                     continue
                 self._refresh()
             except Exception as e:  # an engine failure fails the requests in flight, not the server
@@ -595,8 +586,7 @@ class ServerState:
         try:
             self.model = Model.load(a.model, mode=a.mode, profile=a.profile)
             self.eng = Engine(self.model, gate=a.gate, tau=a.tau, deep_tau=a.deep_tau, profile=a.profile,
-                              max_num_seqs=a.max_num_seqs, threads=a.threads,
-                              kv_budget_tokens=_KV_BUDGET_TOKENS)
+                              max_num_seqs=a.max_num_seqs, threads=a.threads)
         except Exception as e:
             self.load_error = str(e)
             print(f"candle-gate serve: error: could not load the model: {e}", file=sys.stderr, flush=True)
@@ -976,11 +966,12 @@ def create_app(args: Any):
     async def metrics():
         m = st.metrics
         running = waiting = kv = 0
+        budget = 1
         gs = {"steps": 0, "rechecks": 0, "corrections": 0, "deep_rechecks": 0}
         if st.ready:
             w = st.worker
             running, waiting, gs = w.num_running, w.num_waiting + w.submitted_since_refresh, w.gate_stats
-            kv = w.kv_reserved
+            kv, budget = w.kv_reserved, w.kv_budget
         lbl = f'model_name="{st.model_name}"'
         lines = [
             "# HELP candle_gate:num_requests_running Sequences in the running batch.",
@@ -994,7 +985,7 @@ def create_app(args: Any):
             f"candle_gate:kv_cache_reserved_tokens{{{lbl}}} {kv}",
             "# HELP candle_gate:kv_cache_usage_perc Reserved KV cache over the engine's KV budget (1 = full).",
             "# TYPE candle_gate:kv_cache_usage_perc gauge",
-            f"candle_gate:kv_cache_usage_perc{{{lbl}}} {kv / _KV_BUDGET_TOKENS:.6g}",
+            f"candle_gate:kv_cache_usage_perc{{{lbl}}} {kv / budget:.6g}",
             "# HELP candle_gate:prompt_tokens_total Prompt tokens submitted.",
             "# TYPE candle_gate:prompt_tokens_total counter",
             f"candle_gate:prompt_tokens_total{{{lbl}}} {m.prompt_tokens}",

@@ -510,6 +510,15 @@ impl Engine {
     fn num_running(&self, py: Python<'_>) -> PyResult<usize> {
         self.with(py, |e| e.num_running())
     }
+    /// KV tokens reserved by the running batch (`kv_budget_tokens` is the most there can be).
+    #[getter]
+    fn kv_reserved_tokens(&self, py: Python<'_>) -> PyResult<usize> {
+        self.with(py, |e| e.kv_reserved_tokens())
+    }
+    #[getter]
+    fn kv_budget_tokens(&self, py: Python<'_>) -> PyResult<usize> {
+        self.with(py, |e| e.config().kv_budget_tokens)
+    }
     #[getter]
     fn num_waiting(&self, py: Python<'_>) -> PyResult<usize> {
         self.with(py, |e| e.num_waiting())

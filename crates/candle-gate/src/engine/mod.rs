@@ -214,6 +214,12 @@ impl Engine {
     pub fn num_running(&self) -> usize {
         self.scheduler.running.len()
     }
+    /// KV tokens reserved by the running batch, out of `EngineConfig::kv_budget_tokens`:
+    /// admission reserves a sequence's prompt + max_new_tokens (capped by the context), per
+    /// choice, and a finished or cancelled sequence gives it back.
+    pub fn kv_reserved_tokens(&self) -> usize {
+        self.scheduler.reserved_tokens()
+    }
 
     pub fn drain_events(&mut self) -> Vec<Event> {
         std::mem::take(&mut self.events)

@@ -47,6 +47,11 @@ impl Scheduler {
         !self.waiting.is_empty() || !self.running.is_empty()
     }
 
+    /// KV tokens reserved by the running sequences (each admitted with its whole reservation).
+    pub fn reserved_tokens(&self) -> usize {
+        self.reserved_tokens
+    }
+
     /// Moves waiting sequences to running, in arrival order, while the sequence limit and the
     /// KV budget (reserved for each request's prompt + max_new_tokens, times its choices) allow.
     fn admit(&mut self) -> Vec<RequestId> {
