@@ -36,7 +36,8 @@ from .engine import Engine, Model, SamplingParams
 # Errors in OpenAI's shape
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable"}
+                413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_error",
+                503: "service_unavailable"}
 
 
 class APIError(Exception):
@@ -353,6 +354,25 @@ def _validation_message(e: ValidationError) -> Tuple[str, Optional[str]]:
             if m not in parts:
                 parts.append(m)
     return "; or ".join(parts[:4]), param
+
+
+#: The largest request body read. A whole context of token ids as JSON is far below it; a body
+#: above it is refused (413) without being read into memory.
+MAX_BODY_BYTES = 8 << 20
+
+
+async def _read_body(request: Any) -> bytes:
+    too_big = f"the request body is larger than {MAX_BODY_BYTES} bytes"
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise APIError(413, too_big)
+    parts, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise APIError(413, too_big)
+        parts.append(chunk)
+    return b"".join(parts)
 
 
 def _parse(cls: type, raw: bytes) -> Any:
@@ -798,6 +818,7 @@ _ERROR_DESCRIPTIONS = {
     400: "an invalid request: malformed JSON, wrong types, values out of range, a prompt longer than the context",
     401: "`--api-key` is set and the Bearer key is missing or wrong",
     404: "an unknown model",
+    413: f"the request body is larger than {MAX_BODY_BYTES} bytes",
     429: "the waiting queue is full; retry after `Retry-After` seconds",
     500: "an engine failure (the server keeps serving)",
     503: "the model is loading, or the server is shutting down",
@@ -1014,11 +1035,11 @@ def create_app(args: Any):
 
     @app.post("/tokenize", openapi_extra=_body(TokenizeRequest),
               responses={200: {"model": TokenizeResponse, "description": "the token ids"},
-                         **_errors(400, 401, 404, 503)})
+                         **_errors(400, 401, 404, 413, 503)})
     async def tokenize(request: Request):
         auth(request)
         st.check_ready()
-        req = _parse(TokenizeRequest, await request.body())
+        req = _parse(TokenizeRequest, await _read_body(request))
         st.check_model(req.model)
         try:
             if req.messages is not None:
@@ -1033,11 +1054,11 @@ def create_app(args: Any):
 
     @app.post("/detokenize", openapi_extra=_body(DetokenizeRequest),
               responses={200: {"model": DetokenizeResponse, "description": "the text"},
-                         **_errors(400, 401, 404, 503)})
+                         **_errors(400, 401, 404, 413, 503)})
     async def detokenize(request: Request):
         auth(request)
         st.check_ready()
-        req = _parse(DetokenizeRequest, await request.body())
+        req = _parse(DetokenizeRequest, await _read_body(request))
         st.check_model(req.model)
         vocab = int(st.model.config.get("vocab", 0) or 0)
         bad = [t for t in req.tokens if t < 0 or (vocab and t >= vocab)]
@@ -1054,7 +1075,7 @@ def create_app(args: Any):
         t0 = time.perf_counter()
         auth(request)
         st.check_ready()
-        raw = await request.body()
+        raw = await _read_body(request)
         req = _parse(ChatCompletionRequest if chat else CompletionRequest, raw)
         st.check_model(req.model)
         if chat:
@@ -1228,14 +1249,14 @@ def create_app(args: Any):
     @app.post("/v1/completions", openapi_extra=_body(CompletionRequest),
               responses={200: {"model": CompletionResponse, "content": _sse(CompletionChunk),
                                "description": "the completion (JSON), or with `stream` its chunks (SSE)"},
-                         **_errors(400, 401, 404, 429, 500, 503)})
+                         **_errors(400, 401, 404, 413, 429, 500, 503)})
     async def completions(request: Request):
         return await run_request(request, chat=False)
 
     @app.post("/v1/chat/completions", openapi_extra=_body(ChatCompletionRequest),
               responses={200: {"model": ChatCompletionResponse, "content": _sse(ChatCompletionChunk),
                                "description": "the chat completion (JSON), or with `stream` its chunks (SSE)"},
-                         **_errors(400, 401, 404, 429, 500, 503)})
+                         **_errors(400, 401, 404, 413, 429, 500, 503)})
     async def chat_completions(request: Request):
         return await run_request(request, chat=True)
 
