@@ -56,14 +56,12 @@ pub(crate) unsafe fn mirror<B, T>(s: &[B]) -> &[T] {
 
 /// An activation block: 32 quantized values, their scale, and (Q8_1) their scaled sum.
 pub(crate) trait Act: Sync + 'static {
-    const ZERO: Self;
     fn qs(&self) -> &[i8; 32];
     fn d(&self) -> f32;
     fn s(&self) -> f32;
 }
 
 impl Act for Q81 {
-    const ZERO: Self = Q81 { d: f16::ZERO, s: f16::ZERO, qs: [0; 32] };
     fn qs(&self) -> &[i8; 32] {
         &self.qs
     }
@@ -76,7 +74,6 @@ impl Act for Q81 {
 }
 
 impl Act for Q80 {
-    const ZERO: Self = Q80 { d: f16::ZERO, qs: [0; 32] };
     fn qs(&self) -> &[i8; 32] {
         &self.qs
     }
@@ -207,10 +204,24 @@ pub(crate) mod avx2 {
         _mm_cvtsi128_si32(s)
     }
 
-    /// Σ u·y of one weight block against eight rows' blocks, as eight i32 lanes (lane i = row i).
+    /// Σ u·y of one weight block against eight rows at once, from the rows' activations
+    /// transposed (`yt[g]` lane r: row r's bytes 4g..4g+4): each group of 4 weights is
+    /// broadcast to every lane, so lane r sums row r and no horizontal reduction is needed.
+    /// Lane r is [`dot`] of row r, exactly. The i16 pairs of `maddubs` (|u·y + u·y| ≤ 2·31·128) are
+    /// summed over 4 groups before widening: at most 31,744, inside i16.
     #[inline(always)]
-    pub unsafe fn dot8<Y: Act>(u: __m256i, ys: [&Y; 8]) -> __m256i {
-        lanes8([0, 1, 2, 3, 4, 5, 6, 7].map(|i| partial(u, ys[i])))
+    pub unsafe fn dot8_transposed(u: __m256i, yt: &[__m256i; 8]) -> __m256i {
+        let mut ub = [0i32; 8];
+        _mm256_storeu_si256(ub.as_mut_ptr() as *mut __m256i, u);
+        let ones = _mm256_set1_epi16(1);
+        let half = |g0: usize| {
+            let mut s = _mm256_maddubs_epi16(_mm256_set1_epi32(ub[g0]), yt[g0]);
+            for g in g0 + 1..g0 + 4 {
+                s = _mm256_add_epi16(s, _mm256_maddubs_epi16(_mm256_set1_epi32(ub[g]), yt[g]));
+            }
+            _mm256_madd_epi16(s, ones)
+        };
+        _mm256_add_epi32(half(0), half(4))
     }
 
     /// Σ u·y of eight weight blocks (eight columns) against one row's block, as eight i32 lanes
@@ -237,8 +248,9 @@ pub(crate) mod avx2 {
 
 /// Eight rows' activation blocks for one block index, with their floats as lanes.
 #[cfg(target_arch = "x86_64")]
-struct Group8<'a, Y> {
-    ys: [&'a Y; 8],
+struct Group8 {
+    /// The eight rows' 32 bytes transposed: `yt[g]` lane r = row r's bytes 4g..4g+4.
+    yt: [std::arch::x86_64::__m256i; 8],
     d: std::arch::x86_64::__m256,
     s: std::arch::x86_64::__m256,
     /// OFFSET · Σ y per row, subtracted from the lanes' Σ u·y.
@@ -249,11 +261,11 @@ struct Group8<'a, Y> {
 /// expression (separate IEEE multiplies and adds, no fused multiply-add), block after block.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn column_8rows<W: Weights>(w: &[W], groups: &[Group8<'_, W::Y>]) -> [f32; 8] {
+unsafe fn column_8rows<W: Weights>(w: &[W], groups: &[Group8]) -> [f32; 8] {
     use std::arch::x86_64::*;
     let mut acc = _mm256_setzero_ps();
     for (x, g) in w.iter().zip(groups) {
-        let sumi = _mm256_sub_epi32(avx2::dot8(x.u_avx2(), g.ys), g.offset_sum);
+        let sumi = _mm256_sub_epi32(avx2::dot8_transposed(x.u_avx2(), &g.yt), g.offset_sum);
         let s = _mm256_cvtepi32_ps(sumi);
         let t = _mm256_mul_ps(_mm256_mul_ps(s, _mm256_set1_ps(x.d())), g.d);
         let t = if W::HAS_MIN { _mm256_add_ps(t, _mm256_mul_ps(_mm256_set1_ps(x.m()), g.s)) } else { t };
@@ -294,19 +306,22 @@ unsafe fn row_8cols<W: Weights>(w: &[W], kb: usize, c0: usize, y: &[W::Y], ysum:
 /// Rows at which rows in the lanes beat columns in the lanes (both give the same bits).
 const GROUP_MIN_ROWS: usize = 3;
 
-/// Rows `r0..r0+rows` (at most 8, padded with zero blocks) against columns `cols`.
+/// The activations of rows `r0..r0+rows` (at most 8; the other lanes zero: they add nothing
+/// and are not written back), block by block, in [`column_8rows`]'s layout. Built once per
+/// matmul and shared by every column task.
 #[cfg(target_arch = "x86_64")]
-#[allow(clippy::too_many_arguments)]
-fn group8<W: Weights>(w: &[W], xq: &[W::Y], ysum: &[i32], kb: usize, r0: usize, rows: usize, cols: std::ops::Range<usize>, n: usize, out: *mut f32) {
+fn groups_of<W: Weights>(xq: &[W::Y], ysum: &[i32], kb: usize, r0: usize, rows: usize) -> Vec<Group8> {
     use std::arch::x86_64::*;
-    let zero = <W::Y as Act>::ZERO;
-    let groups: Vec<Group8<'_, W::Y>> = (0..kb)
+    (0..kb)
         .map(|b| {
-            let mut ys = [&zero; 8];
+            let mut yt = [[0i32; 8]; 8];
             let (mut d, mut s, mut o) = ([0f32; 8], [0f32; 8], [0i32; 8]);
             for i in 0..rows {
                 let y = &xq[(r0 + i) * kb + b];
-                ys[i] = y;
+                for (g, col) in yt.iter_mut().enumerate() {
+                    let q = &y.qs()[4 * g..4 * g + 4];
+                    col[i] = i32::from_le_bytes([q[0] as u8, q[1] as u8, q[2] as u8, q[3] as u8]);
+                }
                 d[i] = y.d();
                 s[i] = y.s();
                 o[i] = W::OFFSET * ysum[(r0 + i) * kb + b];
@@ -314,17 +329,23 @@ fn group8<W: Weights>(w: &[W], xq: &[W::Y], ysum: &[i32], kb: usize, r0: usize, 
             // SAFETY: plain loads from arrays of eight lanes (AVX2 is checked by the caller).
             unsafe {
                 Group8 {
-                    ys,
+                    yt: yt.map(|c| _mm256_loadu_si256(c.as_ptr() as *const __m256i)),
                     d: _mm256_loadu_ps(d.as_ptr()),
                     s: _mm256_loadu_ps(s.as_ptr()),
                     offset_sum: _mm256_loadu_si256(o.as_ptr() as *const __m256i),
                 }
             }
         })
-        .collect();
+        .collect()
+}
+
+/// Rows `r0..r0+rows` (at most 8, their [`groups_of`]) against columns `cols`.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+fn group8<W: Weights>(w: &[W], groups: &[Group8], kb: usize, r0: usize, rows: usize, cols: std::ops::Range<usize>, n: usize, out: *mut f32) {
     for c in cols {
         // SAFETY: AVX2 detected by the caller.
-        let acc = unsafe { column_8rows(&w[c * kb..(c + 1) * kb], &groups) };
+        let acc = unsafe { column_8rows(&w[c * kb..(c + 1) * kb], groups) };
         for (i, v) in acc.iter().take(rows).enumerate() {
             // SAFETY: each (row, c) belongs to exactly one caller-side task.
             unsafe { *out.add((r0 + i) * n + c) = *v };
@@ -334,19 +355,27 @@ fn group8<W: Weights>(w: &[W], xq: &[W::Y], ysum: &[i32], kb: usize, r0: usize, 
 
 const MAX_TILE: usize = 16;
 
-/// `out[r * n + c]` for rows `0..m` (at most 16) of `xq` and columns `cols` of `w`.
+/// `out[r * n + c]` for rows `0..m` (at most 16) of `xq` and columns `cols` of `w`; `groups`:
+/// the tile's rows as [`groups_of`] in 8s when the rows-in-lanes path runs, else empty.
 #[allow(clippy::too_many_arguments)]
-fn tile<W: Weights>(w: &[W], xq: &[W::Y], ysum: &[i32], kb: usize, m: usize, cols: std::ops::Range<usize>, n: usize, out: *mut f32) {
+fn tile<W: Weights>(
+    w: &[W],
+    xq: &[W::Y],
+    ysum: &[i32],
+    kb: usize,
+    m: usize,
+    cols: std::ops::Range<usize>,
+    n: usize,
+    out: *mut f32,
+    #[cfg(target_arch = "x86_64")] groups: &[Vec<Group8>],
+) {
     debug_assert!(m <= MAX_TILE);
     #[cfg(target_arch = "x86_64")]
     let simd = is_x86_feature_detected!("avx2");
     #[cfg(target_arch = "x86_64")]
-    if simd && m >= GROUP_MIN_ROWS {
-        let mut r0 = 0;
-        while r0 < m {
-            let rows = 8.min(m - r0);
-            group8(w, xq, ysum, kb, r0, rows, cols.clone(), n, out);
-            r0 += rows;
+    if !groups.is_empty() {
+        for (g, rows_g) in groups.iter().enumerate() {
+            group8(w, rows_g, kb, 8 * g, 8.min(m - 8 * g), cols.clone(), n, out);
         }
         return;
     }
@@ -407,6 +436,17 @@ fn matmul<W: Weights>(w: &[W], xq: &[W::Y], m: usize, k: usize, n: usize, out: &
     let ptr = OutPtr(out.as_mut_ptr());
     let col_tasks = n.div_ceil(COLS_PER_TASK);
     let row_tiles = m.div_ceil(MAX_TILE);
+    // Rows in the lanes from GROUP_MIN_ROWS rows of a tile on (both paths give the same bits).
+    #[cfg(target_arch = "x86_64")]
+    let groups: Vec<Vec<Vec<Group8>>> = (0..row_tiles)
+        .map(|rt| {
+            let (r0, rows) = (rt * MAX_TILE, MAX_TILE.min(m - rt * MAX_TILE));
+            if rows < GROUP_MIN_ROWS || !is_x86_feature_detected!("avx2") {
+                return Vec::new();
+            }
+            (0..rows.div_ceil(8)).map(|g| groups_of::<W>(xq, &ysum, kb, r0 + 8 * g, 8.min(rows - 8 * g))).collect()
+        })
+        .collect();
     let run = |task: usize| {
         let p = ptr;
         let (rt, ct) = (task / col_tasks, task % col_tasks);
@@ -415,7 +455,9 @@ fn matmul<W: Weights>(w: &[W], xq: &[W::Y], m: usize, k: usize, n: usize, out: &
         let cols = ct * COLS_PER_TASK..n.min((ct + 1) * COLS_PER_TASK);
         let rows_of = r0 * kb..(r0 + rows) * kb;
         // SAFETY: the offset stays inside `out` (rows r0.. of m).
-        tile(w, &xq[rows_of.clone()], &ysum[rows_of], kb, rows, cols, n, unsafe { p.0.add(r0 * n) });
+        #[rustfmt::skip]
+        tile(w, &xq[rows_of.clone()], &ysum[rows_of], kb, rows, cols, n, unsafe { p.0.add(r0 * n) },
+             #[cfg(target_arch = "x86_64")] &groups[rt]);
     };
     super::parallel_for(row_tiles * col_tasks, run);
 }
