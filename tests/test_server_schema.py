@@ -72,7 +72,7 @@ def test_the_document_declares_the_bodies_and_the_errors(schema_server):
     for name in ("POST /v1/completions", "POST /v1/chat/completions"):
         op = ops[name]
         assert op["requestBody"]["required"] is True
-        assert set(op["responses"]) == {"200", "400", "401", "404", "429", "500", "503"}
+        assert set(op["responses"]) == {"200", "400", "401", "404", "413", "429", "500", "503"}
         assert set(op["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
         assert op["security"] == [{"bearer": []}]
     for op in ops.values():
