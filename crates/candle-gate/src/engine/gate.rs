@@ -68,16 +68,20 @@ pub struct GateConfig {
 /// (`calibrate --gate`: recheck_shift 0.025 vs batch_shift 0.047); calibrate it for your lane.
 pub const DEEP_TAU_FRACTION: f32 = 0.5;
 
+fn check_threshold(name: &str, v: f32) -> Result<()> {
+    if !v.is_finite() || v < 0.0 {
+        return Err(Error::BadInput(format!("{name} must be a finite number >= 0, got {v}")));
+    }
+    Ok(())
+}
+
 impl GateConfig {
     pub fn new(mode: GateMode, tau: f32) -> Result<Self> {
         Self::with_deep(mode, tau, tau * DEEP_TAU_FRACTION)
     }
     pub fn with_deep(mode: GateMode, tau: f32, deep_tau: f32) -> Result<Self> {
-        for (name, v) in [("tau", tau), ("deep_tau", deep_tau)] {
-            if !v.is_finite() || v < 0.0 {
-                return Err(Error::BadInput(format!("{name} must be a finite number >= 0, got {v}")));
-            }
-        }
+        check_threshold("tau", tau)?;
+        check_threshold("deep_tau", deep_tau)?;
         Ok(GateConfig { mode, tau, deep_tau })
     }
     /// Whether `mode` with this `tau` takes its tau from a calibration (a gated engine given
@@ -100,9 +104,7 @@ impl GateConfig {
         lane: Option<(Mode, &str)>,
     ) -> Result<(f32, Option<f32>, Option<String>)> {
         for (name, v) in [("tau", tau), ("deep_tau", deep_tau)] {
-            if v.is_some_and(|v| !v.is_finite() || v < 0.0) {
-                return Err(Error::BadInput(format!("{name} must be a finite number >= 0, got {}", v.unwrap())));
-            }
+            v.map_or(Ok(()), |v| check_threshold(name, v))?;
         }
         if !Self::needs_calibration(mode, tau) {
             return Ok((tau.unwrap_or(0.0), deep_tau, None));
