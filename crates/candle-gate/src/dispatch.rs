@@ -295,8 +295,28 @@ impl QMatMul {
 
     /// CPU fast path over plain rows: `x` is `m` rows of `k`, row-major; returns `m` rows of `n`.
     pub fn forward_rows(&self, policy: &Policy, x: &[f32], m: usize) -> Result<Vec<f32>> {
+        let mut out = Vec::new();
+        self.forward_rows_into(policy, x, m, &mut out)?;
+        Ok(out)
+    }
+
+    /// [`QMatMul::forward_rows`] into `out` (made `m` rows of `n`), reusing its allocation.
+    pub fn forward_rows_into(&self, policy: &Policy, x: &[f32], m: usize, out: &mut Vec<f32>) -> Result<()> {
         let kernel = policy.kernel(Backend::Cpu, self.weight.dtype(), m);
-        self.run_cpu(kernel, x, m)
+        match kernel {
+            Kernel::GemvRowSplit | Kernel::Invariant if self.weight.device().is_cpu() => {
+                let n = self.dims().0;
+                let out = crate::scratch::sized(out, m * n);
+                match kernel {
+                    Kernel::GemvRowSplit => kernels::cpu::gemv_rows_into(&self.weight, x, m, out),
+                    _ => kernels::cpu::invariant_into(&self.weight, x, m, out),
+                }
+            }
+            _ => {
+                *out = self.run_cpu(kernel, x, m)?;
+                Ok(())
+            }
+        }
     }
 
     /// Runs one named kernel on the CPU (benchmarks and differential tests use this directly).

@@ -20,6 +20,7 @@ pub mod gguf;
 pub mod gguf_check;
 pub mod host;
 pub mod kernels;
+pub mod kv_cache;
 pub mod llama;
 pub mod model;
 pub mod ops;
@@ -27,6 +28,7 @@ pub mod profile;
 pub mod reference;
 pub mod registry;
 pub mod sampling;
+mod scratch;
 pub mod tokenizer;
 
 #[allow(deprecated)]

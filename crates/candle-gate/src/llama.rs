@@ -20,7 +20,9 @@ use crate::dispatch::{QMatMul, Policy};
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::ops::{attend, rms_norm, rope_tables, silu};
+use crate::scratch::{sized, Scratch, ScratchPool};
 
+pub use crate::kv_cache::{KvCache, SavedPosition};
 pub use crate::ops::argmax_margin;
 
 /// The architectures the layer loop runs. They share it; what differs is here and in the
@@ -169,14 +171,21 @@ fn inv_freq(f: &mut GgufFile, key: &dyn Fn(&str) -> String, base: f32, head_dim:
 
 /// What differs between the two lanes that run the layer loop: how a linear layer is computed.
 pub trait Lane: Sync {
-    /// `y = x · Wᵀ` for `m` rows of `x`; `m` rows of `n` back.
-    fn matmul(&self, w: &QMatMul, x: &[f32], m: usize) -> Result<Vec<f32>>;
+    /// `y = x · Wᵀ` for `m` rows of `x`: `out` becomes `m` rows of `n` (its allocation reused).
+    fn matmul_into(&self, w: &QMatMul, x: &[f32], m: usize, out: &mut Vec<f32>) -> Result<()>;
+
+    /// [`Lane::matmul_into`] into a new vector.
+    fn matmul(&self, w: &QMatMul, x: &[f32], m: usize) -> Result<Vec<f32>> {
+        let mut out = Vec::new();
+        self.matmul_into(w, x, m, &mut out)?;
+        Ok(out)
+    }
 }
 
 /// The fast lane: the policy's kernel for this row count.
 impl Lane for Policy {
-    fn matmul(&self, w: &QMatMul, x: &[f32], m: usize) -> Result<Vec<f32>> {
-        w.forward_rows(self, x, m)
+    fn matmul_into(&self, w: &QMatMul, x: &[f32], m: usize, out: &mut Vec<f32>) -> Result<()> {
+        w.forward_rows_into(self, x, m, out)
     }
 }
 
@@ -198,51 +207,56 @@ pub struct Attention {
 }
 
 impl Attention {
-    /// Self-attention of every row: projections, RoPE, the rows' K/V written at their positions
-    /// in their own caches (layer `li`), then each row attends over its own sequence up to and
-    /// including its position.
+    /// Self-attention of every row of `s.xn`: projections, RoPE, the rows' K/V written at their
+    /// positions in their own caches (layer `li`), then each row attends over its own sequence
+    /// up to and including its position; the output projection lands in `s.proj`.
     fn forward(
         &self,
         lane: &dyn Lane,
         cfg: &LlamaConfig,
         li: usize,
-        xn: &[f32],
         rows: &Rows,
-        ropes: &[(Vec<f32>, Vec<f32>)],
         caches: &mut [&mut KvCache],
-    ) -> Result<Vec<f32>> {
+        s: &mut Scratch,
+    ) -> Result<()> {
         let (r, hd, kvd) = (rows.tokens.len(), cfg.head_dim, cfg.kv_dim());
-        let mut q = lane.matmul(&self.wq, xn, r)?;
-        let mut k = lane.matmul(&self.wk, xn, r)?;
-        let mut v = lane.matmul(&self.wv, xn, r)?;
+        lane.matmul_into(&self.wq, &s.xn, r, &mut s.q)?;
+        lane.matmul_into(&self.wk, &s.xn, r, &mut s.k)?;
+        lane.matmul_into(&self.wv, &s.xn, r, &mut s.v)?;
         if let Some([bq, bk, bv]) = &self.bias {
-            add_rowwise(&mut q, bq);
-            add_rowwise(&mut k, bk);
-            add_rowwise(&mut v, bv);
+            add_rowwise(&mut s.q, bq);
+            add_rowwise(&mut s.k, bk);
+            add_rowwise(&mut s.v, bv);
         }
-        let qd = q.len() / r;
+        let qd = s.q.len() / r;
         let rope = match cfg.rope_style {
             RopeStyle::Adjacent => crate::ops::rope,
             RopeStyle::Neox => crate::ops::rope_neox,
         };
+        let half = hd / 2;
         for row in 0..r {
-            let (c, s) = &ropes[row];
-            q[row * qd..(row + 1) * qd].chunks_exact_mut(hd).for_each(|head| rope(head, c, s));
-            k[row * kvd..(row + 1) * kvd].chunks_exact_mut(hd).for_each(|head| rope(head, c, s));
-            caches[rows.seq[row]].write(li, rows.pos[row], &k[row * kvd..(row + 1) * kvd], &v[row * kvd..(row + 1) * kvd]);
+            let (c, sn) = (&s.cos[row * half..(row + 1) * half], &s.sin[row * half..(row + 1) * half]);
+            s.q[row * qd..(row + 1) * qd].chunks_exact_mut(hd).for_each(|head| rope(head, c, sn));
+            let k = &mut s.k[row * kvd..(row + 1) * kvd];
+            k.chunks_exact_mut(hd).for_each(|head| rope(head, c, sn));
+            caches[rows.seq[row]].write(li, rows.pos[row], k, &s.v[row * kvd..(row + 1) * kvd]);
         }
         let caches: Vec<&KvCache> = caches.iter().map(|c| &**c).collect();
-        let mut out = vec![0f32; r * qd];
-        let attend_row = |(row, o): (usize, &mut [f32])| {
+        let q = &s.q;
+        let attend_row = |(row, (o, scores)): (usize, (&mut [f32], &mut Vec<f32>))| {
             let c = caches[rows.seq[row]];
-            attend(cfg, &q[row * qd..(row + 1) * qd], &c.k[li], &c.v[li], rows.pos[row] + 1, o);
+            attend(cfg, &q[row * qd..(row + 1) * qd], &c.k[li], &c.v[li], rows.pos[row] + 1, scores, o);
         };
-        if r == 1 {
-            attend_row((0, &mut out[..]));
-        } else {
-            out.par_chunks_mut(qd).enumerate().for_each(attend_row);
+        let out = sized(&mut s.attn, r * qd);
+        if s.scores.len() < r {
+            s.scores.resize_with(r, Vec::new);
         }
-        lane.matmul(&self.wo, &out, r)
+        if r == 1 {
+            attend_row((0, (out, &mut s.scores[0])));
+        } else {
+            out.par_chunks_mut(qd).zip(s.scores[..r].par_iter_mut()).enumerate().for_each(attend_row);
+        }
+        lane.matmul_into(&self.wo, &s.attn, r, &mut s.proj)
     }
 }
 
@@ -253,12 +267,12 @@ pub struct Mlp {
 }
 
 impl Mlp {
-    /// SwiGLU: `down(silu(gate(x)) * up(x))`.
-    fn forward(&self, lane: &dyn Lane, xn: &[f32], r: usize) -> Result<Vec<f32>> {
-        let g = lane.matmul(&self.w_gate, xn, r)?;
-        let mut u = lane.matmul(&self.w_up, xn, r)?;
-        u.iter_mut().zip(&g).for_each(|(u, &g)| *u *= silu(g));
-        lane.matmul(&self.w_down, &u, r)
+    /// SwiGLU of the `r` rows of `s.xn`, `down(silu(gate(x)) * up(x))`, into `s.proj`.
+    fn forward(&self, lane: &dyn Lane, r: usize, s: &mut Scratch) -> Result<()> {
+        lane.matmul_into(&self.w_gate, &s.xn, r, &mut s.gate)?;
+        lane.matmul_into(&self.w_up, &s.xn, r, &mut s.up)?;
+        s.up.iter_mut().zip(&s.gate).for_each(|(u, &g)| *u *= silu(g));
+        lane.matmul_into(&self.w_down, &s.up, r, &mut s.proj)
     }
 }
 
@@ -283,73 +297,7 @@ pub struct Llama {
     pub out_norm: Vec<f32>,
     pub lm_head: QMatMul,
     pub weight_bytes: usize,
-}
-
-/// One sequence's keys and values, per layer, `[position][kv_head * head_dim]` row-major.
-#[derive(Clone, Debug, Default)]
-pub struct KvCache {
-    pub k: Vec<Vec<f32>>,
-    pub v: Vec<Vec<f32>>,
-    len: usize,
-}
-
-impl KvCache {
-    pub fn new(cfg: &LlamaConfig) -> Self {
-        KvCache { k: vec![Vec::new(); cfg.n_layer], v: vec![Vec::new(); cfg.n_layer], len: 0 }
-    }
-    pub fn len(&self) -> usize {
-        self.len
-    }
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-    /// Makes room for one more position (zeros) in every layer.
-    pub fn push_empty(&mut self, kv_dim: usize) {
-        for l in 0..self.k.len() {
-            self.k[l].resize((self.len + 1) * kv_dim, 0.0);
-            self.v[l].resize((self.len + 1) * kv_dim, 0.0);
-        }
-        self.len += 1;
-    }
-
-    /// Drops positions `len..` (used to roll back or repair).
-    pub fn truncate(&mut self, len: usize, kv_dim: usize) {
-        for l in 0..self.k.len() {
-            self.k[l].truncate(len * kv_dim);
-            self.v[l].truncate(len * kv_dim);
-        }
-        self.len = self.len.min(len);
-    }
-
-    /// A copy of one position's K/V in every layer, to put back with [`KvCache::restore_position`].
-    pub fn save_position(&self, pos: usize, kv_dim: usize) -> SavedPosition {
-        let r = pos * kv_dim..(pos + 1) * kv_dim;
-        SavedPosition {
-            pos,
-            k: self.k.iter().map(|l| l[r.clone()].to_vec()).collect(),
-            v: self.v.iter().map(|l| l[r.clone()].to_vec()).collect(),
-        }
-    }
-
-    pub fn restore_position(&mut self, saved: SavedPosition) {
-        for (l, (k, v)) in saved.k.iter().zip(&saved.v).enumerate() {
-            self.write(l, saved.pos, k, v);
-        }
-    }
-
-    /// Writes one position's K and V in one layer; the position must exist.
-    fn write(&mut self, layer: usize, pos: usize, k: &[f32], v: &[f32]) {
-        let kvd = k.len();
-        self.k[layer][pos * kvd..(pos + 1) * kvd].copy_from_slice(k);
-        self.v[layer][pos * kvd..(pos + 1) * kvd].copy_from_slice(v);
-    }
-}
-
-/// One position's K/V in every layer, saved by [`KvCache::save_position`].
-pub struct SavedPosition {
-    pos: usize,
-    k: Vec<Vec<f32>>,
-    v: Vec<Vec<f32>>,
+    scratch: ScratchPool,
 }
 
 /// One sequence's share of a forward step: `tokens` go at positions `cache.len()..`.
@@ -431,7 +379,7 @@ impl Llama {
             weight_bytes += embed.storage_size_in_bytes();
             QMatMul::new(embed.clone(), policy.clone())?
         };
-        Ok(Llama { cfg, embed, layers, out_norm, lm_head, weight_bytes })
+        Ok(Llama { cfg, embed, layers, out_norm, lm_head, weight_bytes, scratch: ScratchPool::default() })
     }
 
     /// Fast-lane logits of the last of `tokens`, prefilled from an empty cache in one call.
@@ -467,18 +415,37 @@ impl Llama {
         caches: &mut [&mut KvCache],
         rows: &Rows,
         logit_rows: &[usize],
+        trace: Option<&mut Vec<Vec<f32>>>,
+    ) -> Result<Vec<f32>> {
+        let mut s = self.scratch.take();
+        let out = self.run_layers_with(&mut s, lane, caches, rows, logit_rows, trace);
+        self.scratch.give_back(s);
+        out
+    }
+
+    fn run_layers_with(
+        &self,
+        s: &mut Scratch,
+        lane: &dyn Lane,
+        caches: &mut [&mut KvCache],
+        rows: &Rows,
+        logit_rows: &[usize],
         mut trace: Option<&mut Vec<Vec<f32>>>,
     ) -> Result<Vec<f32>> {
         let cfg = &self.cfg;
-        let (h, r) = (cfg.hidden, rows.tokens.len());
+        let (h, r, half) = (cfg.hidden, rows.tokens.len(), cfg.head_dim / 2);
         let mut x = self.embed_rows(&rows.tokens)?;
-        let ropes: Vec<_> = rows.pos.iter().map(|&p| rope_tables(&cfg.inv_freq, p)).collect();
-        let mut xn = vec![0f32; r * h];
+        let (cos, sin) = (sized(&mut s.cos, r * half), sized(&mut s.sin, r * half));
+        for (i, &p) in rows.pos.iter().enumerate() {
+            rope_tables(&cfg.inv_freq, p, &mut cos[i * half..(i + 1) * half], &mut sin[i * half..(i + 1) * half]);
+        }
         for (li, layer) in self.layers.iter().enumerate() {
-            norm_rows(&x, &layer.attn_norm, cfg.rms_eps, &mut xn);
-            add(&mut x, &layer.attn.forward(lane, cfg, li, &xn, rows, &ropes, caches)?);
-            norm_rows(&x, &layer.ffn_norm, cfg.rms_eps, &mut xn);
-            add(&mut x, &layer.mlp.forward(lane, &xn, r)?);
+            norm_rows(&x, &layer.attn_norm, cfg.rms_eps, sized(&mut s.xn, r * h));
+            layer.attn.forward(lane, cfg, li, rows, caches, s)?;
+            add(&mut x, &s.proj);
+            norm_rows(&x, &layer.ffn_norm, cfg.rms_eps, sized(&mut s.xn, r * h));
+            layer.mlp.forward(lane, r, s)?;
+            add(&mut x, &s.proj);
             if let Some(t) = trace.as_deref_mut() {
                 t.push(x.clone());
             }
@@ -487,11 +454,11 @@ impl Llama {
             return Ok(Vec::new());
         }
         // The final norm and the output matrix only for the rows whose logits someone needs.
-        let mut hn = vec![0f32; logit_rows.len() * h];
+        let hn = sized(&mut s.xn, logit_rows.len() * h);
         for (i, &row) in logit_rows.iter().enumerate() {
             rms_norm(&x[row * h..(row + 1) * h], &self.out_norm, cfg.rms_eps, &mut hn[i * h..(i + 1) * h]);
         }
-        lane.matmul(&self.lm_head, &hn, logit_rows.len())
+        lane.matmul(&self.lm_head, &s.xn, logit_rows.len())
     }
 
     /// One step over a varlen batch. Returns, per sequence, the logits of its last row when it
@@ -557,6 +524,11 @@ impl Llama {
                 return Err(e);
             }
         };
+        if logit_rows.len() == 1 {
+            // One row's logits leave as they are, without a copy.
+            let mut one = Some(logits);
+            return Ok(batch.iter().map(|s| if s.want_logits { one.take() } else { None }).collect());
+        }
         let mut per_row = logits.chunks_exact(cfg.vocab);
         Ok(batch.iter().map(|s| s.want_logits.then(|| per_row.next().unwrap().to_vec())).collect())
     }

@@ -99,15 +99,13 @@ pub fn rope_neox(head: &mut [f32], cos: &[f32], sin: &[f32]) {
     }
 }
 
-pub fn rope_tables(inv_freq: &[f32], pos: usize) -> (Vec<f32>, Vec<f32>) {
-    let mut c = Vec::with_capacity(inv_freq.len());
-    let mut s = Vec::with_capacity(inv_freq.len());
-    for &f in inv_freq {
-        let (sin, cos) = crate::detmath::sin_cos_f64((pos as f32 * f) as f64);
-        c.push(cos as f32);
-        s.push(sin as f32);
+/// RoPE's cosines and sines at position `pos`, one per inverse frequency.
+pub fn rope_tables(inv_freq: &[f32], pos: usize, cos: &mut [f32], sin: &mut [f32]) {
+    for ((&f, c), s) in inv_freq.iter().zip(cos).zip(sin) {
+        let (sn, cs) = crate::detmath::sin_cos_f64((pos as f32 * f) as f64);
+        *c = cs as f32;
+        *s = sn as f32;
     }
-    (c, s)
 }
 
 #[inline]
@@ -116,12 +114,13 @@ pub fn silu(x: f32) -> f32 {
 }
 
 /// Causal attention of one query row (all heads) over `len` cached positions; fixed order.
-pub fn attend(cfg: &LlamaConfig, q: &[f32], k: &[f32], v: &[f32], len: usize, out: &mut [f32]) {
+/// `scores` is working space (its allocation is reused; its contents are not read).
+pub fn attend(cfg: &LlamaConfig, q: &[f32], k: &[f32], v: &[f32], len: usize, scores: &mut Vec<f32>, out: &mut [f32]) {
     let hd = cfg.head_dim;
     let kvd = cfg.kv_dim();
     let group = cfg.n_head / cfg.n_kv_head;
     let scale = 1.0 / (hd as f32).sqrt();
-    let mut scores = vec![0f32; len];
+    let scores = crate::scratch::sized(scores, len);
     for h in 0..cfg.n_head {
         let kvh = h / group;
         let qh = &q[h * hd..(h + 1) * hd];

@@ -113,8 +113,9 @@ pub fn matmul_rows(w: &QMatMul, how: ReferenceWeights, xs: &[f32], m: usize) -> 
 
 /// The reference lane: every linear layer through [`matmul_rows`].
 impl Lane for ReferenceWeights {
-    fn matmul(&self, w: &QMatMul, x: &[f32], m: usize) -> Result<Vec<f32>> {
-        matmul_rows(w, *self, x, m)
+    fn matmul_into(&self, w: &QMatMul, x: &[f32], m: usize, out: &mut Vec<f32>) -> Result<()> {
+        *out = matmul_rows(w, *self, x, m)?;
+        Ok(())
     }
 }
 

@@ -214,28 +214,49 @@ pub(crate) fn check(w: &QTensor, x: &[f32], m: usize) -> Result<(usize, usize)> 
 
 /// Row-split GEMV: each row alone through the single-row kernel.
 pub fn gemv_rows(w: &QTensor, x: &[f32], m: usize) -> Result<Vec<f32>> {
-    let (n, k) = check(w, x, m)?;
+    let mut out = vec![0f32; m * w.shape().dims2()?.0];
+    gemv_rows_into(w, x, m, &mut out)?;
+    Ok(out)
+}
+
+/// [`gemv_rows`] into `out` (`m` rows of `n`).
+pub fn gemv_rows_into(w: &QTensor, x: &[f32], m: usize, out: &mut [f32]) -> Result<()> {
+    let (n, k) = check_out(w, x, m, out)?;
     let data = w.data()?;
-    let mut out = vec![0f32; m * n];
     with_block_type!(w.dtype(), T => {
         let wb = blocks_of::<T>(&data)?;
         for r in 0..m {
             quad_matmul::<T>(wb, &x[r * k..(r + 1) * k], 1, k, n, &mut out[r * n..(r + 1) * n]);
         }
     });
-    Ok(out)
+    Ok(())
 }
 
 /// The batch-invariant multi-row kernel: bitwise equal to `gemv_rows` for every m.
 pub fn invariant(w: &QTensor, x: &[f32], m: usize) -> Result<Vec<f32>> {
-    let (n, k) = check(w, x, m)?;
+    let mut out = vec![0f32; m * w.shape().dims2()?.0];
+    invariant_into(w, x, m, &mut out)?;
+    Ok(out)
+}
+
+/// [`invariant`] into `out` (`m` rows of `n`).
+pub fn invariant_into(w: &QTensor, x: &[f32], m: usize, out: &mut [f32]) -> Result<()> {
+    let (n, k) = check_out(w, x, m, out)?;
     let data = w.data()?;
-    let mut out = vec![0f32; m * n];
     with_block_type!(w.dtype(), T => {
         let wb = blocks_of::<T>(&data)?;
-        quad_matmul::<T>(wb, x, m, k, n, &mut out);
+        quad_matmul::<T>(wb, x, m, k, n, out);
     });
-    Ok(out)
+    Ok(())
+}
+
+/// [`check`], and that `out` holds exactly `m` rows of `n`.
+fn check_out(w: &QTensor, x: &[f32], m: usize, out: &[f32]) -> Result<(usize, usize)> {
+    let (n, k) = check(w, x, m)?;
+    if out.len() != m * n {
+        return Err(Error::BadInput(format!("matmul output holds {} values, expected {m} rows x n={n}", out.len())));
+    }
+    Ok((n, k))
 }
 
 /// Exact dequantization of one weight row range, block by block (used by the reference lane
