@@ -66,6 +66,12 @@ pub(crate) trait KBlock: Sync + 'static {
     /// SAFETY: AVX2 must be available.
     #[cfg(target_arch = "x86_64")]
     unsafe fn vectors(&self) -> avx2::Vectors;
+    /// [`avx2::partials`] of this block against `y`, unpacking as it goes rather than into a
+    /// [`avx2::Vectors`] first: the one-row kernel keeps eight columns in flight, and sixteen
+    /// unpacked registers per column would spill.
+    /// SAFETY: AVX2 must be available.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn partials_with(&self, y: &Q8K) -> (std::arch::x86_64::__m256i, std::arch::x86_64::__m256i);
     fn d(&self) -> f32;
     fn dmin(&self) -> f32;
 }
@@ -101,15 +107,54 @@ impl KBlock for Q4K {
     #[inline(always)]
     unsafe fn vectors(&self) -> avx2::Vectors {
         use std::arch::x86_64::*;
-        let mask = _mm256_set1_epi8(0x0F);
         let mut u = [_mm256_setzero_si256(); 8];
         for i in 0..4 {
-            let q = _mm256_loadu_si256(self.qs.as_ptr().add(32 * i) as *const __m256i);
-            u[2 * i] = _mm256_and_si256(q, mask);
-            u[2 * i + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
+            (u[2 * i], u[2 * i + 1]) = self.nibbles(i);
         }
-        // The 6-bit scales and mins as bytes: scales in the low eight, mins in the high eight
-        // (llama.cpp's `utmp` shuffle).
+        let (dup, bcoef) = self.scales_mins();
+        let sc = std::array::from_fn(|c| _mm256_shuffle_epi8(dup, avx2::broadcast_i16(c, c)));
+        avx2::Vectors { u, sc, bcoef }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn partials_with(&self, y: &Q8K) -> (std::arch::x86_64::__m256i, std::arch::x86_64::__m256i) {
+        use std::arch::x86_64::*;
+        let (dup, bcoef) = self.scales_mins();
+        let mut acc = _mm256_setzero_si256();
+        for i in 0..4 {
+            let (lo, hi) = self.nibbles(i);
+            for (c, u) in [(2 * i, lo), (2 * i + 1, hi)] {
+                let yq = _mm256_loadu_si256(y.qs.as_ptr().add(32 * c) as *const __m256i);
+                let sc = _mm256_shuffle_epi8(dup, avx2::broadcast_i16(c, c));
+                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, yq), sc));
+            }
+        }
+        (acc, _mm256_madd_epi16(_mm256_loadu_si256(y.bsums.as_ptr() as *const __m256i), bcoef))
+    }
+    fn d(&self) -> f32 {
+        self.d.to_f32()
+    }
+    fn dmin(&self) -> f32 {
+        self.dmin.to_f32()
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Q4K {
+    /// Weights `64i..64i+32` and `64i+32..64i+64`: the low and high nibbles of `qs[32i..]`.
+    #[inline(always)]
+    unsafe fn nibbles(&self, i: usize) -> (std::arch::x86_64::__m256i, std::arch::x86_64::__m256i) {
+        use std::arch::x86_64::*;
+        let mask = _mm256_set1_epi8(0x0F);
+        let q = _mm256_loadu_si256(self.qs.as_ptr().add(32 * i) as *const __m256i);
+        (_mm256_and_si256(q, mask), _mm256_and_si256(_mm256_srli_epi16(q, 4), mask))
+    }
+
+    /// The eight 6-bit scales as i16 in both 128-bit halves, and each 16 weights' min (the
+    /// `bsums` coefficients) as i16 (llama.cpp's `utmp` shuffle).
+    #[inline(always)]
+    unsafe fn scales_mins(&self) -> (std::arch::x86_64::__m256i, std::arch::x86_64::__m256i) {
+        use std::arch::x86_64::*;
         let q = &self.scales;
         let w = |i: usize| u32::from_le_bytes([q[4 * i], q[4 * i + 1], q[4 * i + 2], q[4 * i + 3]]);
         let (u0, u1, u2) = (w(0), w(1), w(2));
@@ -120,16 +165,7 @@ impl KBlock for Q4K {
         let sm = _mm_set_epi32(t3 as i32, t2 as i32, t1 as i32, t0 as i32);
         let scales16 = _mm256_cvtepu8_epi16(sm);
         let dup = _mm256_permute2x128_si256(scales16, scales16, 0x00);
-        let sc = std::array::from_fn(|c| _mm256_shuffle_epi8(dup, avx2::broadcast_i16(c, c)));
-        let mins = _mm_unpackhi_epi8(sm, sm);
-        let bcoef = _mm256_cvtepu8_epi16(mins);
-        avx2::Vectors { u, sc, bcoef }
-    }
-    fn d(&self) -> f32 {
-        self.d.to_f32()
-    }
-    fn dmin(&self) -> f32 {
-        self.dmin.to_f32()
+        (dup, _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm, sm)))
     }
 }
 
@@ -153,6 +189,43 @@ impl KBlock for Q6K {
     #[inline(always)]
     unsafe fn vectors(&self) -> avx2::Vectors {
         use std::arch::x86_64::*;
+        let mut u = [_mm256_setzero_si256(); 8];
+        for n in 0..2 {
+            u[4 * n..4 * n + 4].copy_from_slice(&self.sixes(n));
+        }
+        let (lo, hi, bcoef) = self.scale_halves();
+        let sc = std::array::from_fn(|c| Self::scale(lo, hi, c));
+        avx2::Vectors { u, sc, bcoef }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn partials_with(&self, y: &Q8K) -> (std::arch::x86_64::__m256i, std::arch::x86_64::__m256i) {
+        use std::arch::x86_64::*;
+        let (lo, hi, bcoef) = self.scale_halves();
+        let mut acc = _mm256_setzero_si256();
+        for n in 0..2 {
+            for (t, u) in self.sixes(n).into_iter().enumerate() {
+                let c = 4 * n + t;
+                let yq = _mm256_loadu_si256(y.qs.as_ptr().add(32 * c) as *const __m256i);
+                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, yq), Self::scale(lo, hi, c)));
+            }
+        }
+        (acc, _mm256_madd_epi16(_mm256_loadu_si256(y.bsums.as_ptr() as *const __m256i), bcoef))
+    }
+    fn d(&self) -> f32 {
+        self.d.to_f32()
+    }
+    fn dmin(&self) -> f32 {
+        0.0
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Q6K {
+    /// Weights `128n..128n+128` as u = q + 32, 32 to a register.
+    #[inline(always)]
+    unsafe fn sixes(&self, n: usize) -> [std::arch::x86_64::__m256i; 4] {
+        use std::arch::x86_64::*;
         let (m4, m2) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x03));
         let hi = |qh: __m256i, t: i32| {
             // ((qh >> 2t) & 3) << 4, bytewise (16-bit shifts, then the byte mask).
@@ -164,33 +237,36 @@ impl KBlock for Q6K {
             };
             _mm256_slli_epi16(_mm256_and_si256(v, m2), 4)
         };
-        let mut u = [_mm256_setzero_si256(); 8];
-        for n in 0..2 {
-            let ql0 = _mm256_loadu_si256(self.ql.as_ptr().add(64 * n) as *const __m256i);
-            let ql1 = _mm256_loadu_si256(self.ql.as_ptr().add(64 * n + 32) as *const __m256i);
-            let qh = _mm256_loadu_si256(self.qh.as_ptr().add(32 * n) as *const __m256i);
-            u[4 * n] = _mm256_or_si256(_mm256_and_si256(ql0, m4), hi(qh, 0));
-            u[4 * n + 1] = _mm256_or_si256(_mm256_and_si256(ql1, m4), hi(qh, 1));
-            u[4 * n + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), hi(qh, 2));
-            u[4 * n + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4), hi(qh, 3));
-        }
+        let ql0 = _mm256_loadu_si256(self.ql.as_ptr().add(64 * n) as *const __m256i);
+        let ql1 = _mm256_loadu_si256(self.ql.as_ptr().add(64 * n + 32) as *const __m256i);
+        let qh = _mm256_loadu_si256(self.qh.as_ptr().add(32 * n) as *const __m256i);
+        [
+            _mm256_or_si256(_mm256_and_si256(ql0, m4), hi(qh, 0)),
+            _mm256_or_si256(_mm256_and_si256(ql1, m4), hi(qh, 1)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), hi(qh, 2)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4), hi(qh, 3)),
+        ]
+    }
+
+    /// The sixteen scales as i16: the low eight in both halves, the high eight in both halves,
+    /// and all sixteen in order (the `bsums` coefficients).
+    #[inline(always)]
+    unsafe fn scale_halves(&self) -> (std::arch::x86_64::__m256i, std::arch::x86_64::__m256i, std::arch::x86_64::__m256i) {
+        use std::arch::x86_64::*;
         let bcoef = _mm256_cvtepi8_epi16(_mm_loadu_si128(self.scales.as_ptr() as *const __m128i));
-        let (lo, hi) = (_mm256_permute2x128_si256(bcoef, bcoef, 0x00), _mm256_permute2x128_si256(bcoef, bcoef, 0x11));
-        let sc = std::array::from_fn(|c| {
-            let (a, b) = (2 * c, 2 * c + 1);
-            if c < 4 {
-                _mm256_shuffle_epi8(lo, avx2::broadcast_i16(a, b))
-            } else {
-                _mm256_shuffle_epi8(hi, avx2::broadcast_i16(a - 8, b - 8))
-            }
-        });
-        avx2::Vectors { u, sc, bcoef }
+        (_mm256_permute2x128_si256(bcoef, bcoef, 0x00), _mm256_permute2x128_si256(bcoef, bcoef, 0x11), bcoef)
     }
-    fn d(&self) -> f32 {
-        self.d.to_f32()
-    }
-    fn dmin(&self) -> f32 {
-        0.0
+
+    /// Weights `32c..32c+32`'s two scales, one per 16-weight half.
+    #[inline(always)]
+    unsafe fn scale(lo: std::arch::x86_64::__m256i, hi: std::arch::x86_64::__m256i, c: usize) -> std::arch::x86_64::__m256i {
+        use std::arch::x86_64::*;
+        let (a, b) = (2 * c, 2 * c + 1);
+        if c < 4 {
+            _mm256_shuffle_epi8(lo, avx2::broadcast_i16(a, b))
+        } else {
+            _mm256_shuffle_epi8(hi, avx2::broadcast_i16(a - 8, b - 8))
+        }
     }
 }
 
@@ -273,6 +349,15 @@ mod avx2 {
 
     pub(crate) use super::super::cpu_q32::avx2::lanes8;
 
+    /// The sum of eight i32 lanes.
+    #[inline(always)]
+    pub unsafe fn hsum(v: __m256i) -> i32 {
+        let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
+        _mm_cvtsi128_si32(s)
+    }
+
     /// [`super::step`] on eight lanes: the same IEEE operations in the same order.
     #[inline(always)]
     pub unsafe fn step8<W: KBlock>(acc: __m256, isum: __m256i, ib: __m256i, xd: __m256, xdmin: __m256, yd: __m256) -> __m256 {
@@ -309,26 +394,18 @@ unsafe fn column_8rows<W: KBlock>(wc: &[W], xq: &[Q8K], kb: usize, rows: usize, 
     out
 }
 
-/// One row `y` against columns `c0..c0+8`.
+/// One output element, [`element`]'s arithmetic with the integer parts in AVX2: the one-row
+/// kernel, reading the column's bytes in order.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn row_8cols<W: KBlock>(w: &[W], kb: usize, c0: usize, y: &[Q8K]) -> [f32; 8] {
-    use std::arch::x86_64::*;
-    let mut acc = _mm256_setzero_ps();
-    for (b, yb) in y.iter().enumerate() {
-        let xs: [&W; 8] = std::array::from_fn(|i| &w[(c0 + i) * kb + b]);
-        let mut p = [_mm256_setzero_si256(); 8];
-        let mut q = [_mm256_setzero_si256(); 8];
-        for i in 0..8 {
-            (p[i], q[i]) = avx2::partials(&xs[i].vectors(), yb);
-        }
-        let xd = _mm256_setr_ps(xs[0].d(), xs[1].d(), xs[2].d(), xs[3].d(), xs[4].d(), xs[5].d(), xs[6].d(), xs[7].d());
-        let xdmin = _mm256_setr_ps(xs[0].dmin(), xs[1].dmin(), xs[2].dmin(), xs[3].dmin(), xs[4].dmin(), xs[5].dmin(), xs[6].dmin(), xs[7].dmin());
-        acc = avx2::step8::<W>(acc, avx2::lanes8(p), avx2::lanes8(q), xd, xdmin, _mm256_set1_ps(yb.d));
+unsafe fn element_avx2<W: KBlock>(wc: &[W], y: &[Q8K]) -> f32 {
+    let mut acc = 0f32;
+    for (x, yb) in wc.iter().zip(y) {
+        let (p, q) = x.partials_with(yb);
+        let (isum, imin) = if W::HAS_MIN { (avx2::hsum(p), avx2::hsum(q)) } else { (avx2::hsum(p) - W::OFFSET * avx2::hsum(q), 0) };
+        acc = step::<W>(acc, isum, imin, x.d(), x.dmin(), yb.d);
     }
-    let mut out = [0f32; 8];
-    _mm256_storeu_ps(out.as_mut_ptr(), acc);
-    out
+    acc
 }
 
 /// The portable definition of one output element.
@@ -361,7 +438,6 @@ fn matmul<W: KBlock>(w: &[W], xq: &[Q8K], m: usize, k: usize, n: usize, out: &mu
         // SAFETY (all writes below): each (row, column) of this task's columns is written by
         // this task alone, inside `out`; AVX2 was detected at run time where it is used.
         let put = |r: usize, c: usize, v: f32| unsafe { *p.0.add(r * n + c) = v };
-        let mut c = cols.start;
         #[cfg(target_arch = "x86_64")]
         if simd && m >= GROUP_MIN_ROWS {
             for c in cols.clone() {
@@ -374,17 +450,18 @@ fn matmul<W: KBlock>(w: &[W], xq: &[Q8K], m: usize, k: usize, n: usize, out: &mu
             }
             return;
         }
+        // Fewer rows: one element at a time, each column's bytes read in order (eight
+        // columns in flight, interleaved, read memory at half the rate).
         #[cfg(target_arch = "x86_64")]
         if simd {
-            while c + 8 <= cols.end {
+            for c in cols.clone() {
                 for r in 0..m {
-                    let got = unsafe { row_8cols(w, kb, c, &xq[r * kb..(r + 1) * kb]) };
-                    got.iter().enumerate().for_each(|(i, &v)| put(r, c + i, v));
+                    put(r, c, unsafe { element_avx2(&w[c * kb..(c + 1) * kb], &xq[r * kb..(r + 1) * kb]) });
                 }
-                c += 8;
             }
+            return;
         }
-        for c in c..cols.end {
+        for c in cols {
             for r in 0..m {
                 put(r, c, element(&w[c * kb..(c + 1) * kb], &xq[r * kb..(r + 1) * kb]));
             }
