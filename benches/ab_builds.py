@@ -1,0 +1,68 @@
+"""Two builds of candle-gate side by side: `candle-gate bench throughput` (aggregate decode
+tok/s at each concurrency) run alternately with each build, rounds interleaved, the best of
+each kept, and the ratio printed. What a "no slowdown" or "faster" claim between two commits
+rests on.
+
+    # the build to compare against, e.g. the previous commit's, as a package directory:
+    git worktree add /tmp/prev HEAD~1
+    (cd /tmp/prev && cargo build --release -p candle-gate-py)
+    mkdir -p /tmp/prev-pkg && cp -r /tmp/prev/python/candle_gate /tmp/prev-pkg/ \\
+        && cp /tmp/prev/target/release/lib_native.so /tmp/prev-pkg/candle_gate/_native.abi3.so
+    python benches/ab_builds.py --before /tmp/prev-pkg [--model NAME] [--mode invariant]
+
+`--after` defaults to the package this interpreter imports (the work tree's, when installed
+editable). Each run is a fresh process, so the two builds never share one.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+
+def run(pkg_dir, args):
+    env = dict(os.environ)
+    if pkg_dir:
+        env["PYTHONPATH"] = pkg_dir + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, "-m", "candle_gate", "bench", "throughput", "--json", "--model", args.model,
+           "--mode", args.mode, "--concurrency", args.concurrency, "--max-new-tokens", str(args.max_new_tokens)]
+    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
+    where = subprocess.run([sys.executable, "-c", "import candle_gate; print(candle_gate.__file__)"],
+                           env=env, check=True, capture_output=True, text=True).stdout.strip()
+    return {r["concurrency"]: r["tok_per_s"] for r in json.loads(out.strip().splitlines()[-1])["results"]}, where
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--before", required=True, help="a directory holding the other build's candle_gate package")
+    ap.add_argument("--after", default=None, help="the same for this build (default: what `import candle_gate` finds)")
+    ap.add_argument("--model", default="smollm2-135m-instruct-q4_1")
+    ap.add_argument("--mode", default="invariant")
+    ap.add_argument("--concurrency", default="1,8")
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", help="also write the table here")
+    args = ap.parse_args()
+    best = {"before": {}, "after": {}}
+    paths = {}
+    for r in range(args.rounds):
+        for side, pkg in (("before", args.before), ("after", args.after)):
+            got, paths[side] = run(pkg, args)
+            for c, v in got.items():
+                best[side][c] = max(best[side].get(c, 0.0), v)
+        print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+    print(f"{args.model}, {args.mode}, decode tok/s, best of {args.rounds} alternating rounds")
+    print(f"  before: {paths['before']}\n  after:  {paths['after']}")
+    print(f"{'concurrency':>12} {'before':>10} {'after':>10} {'after/before':>13}")
+    rows = []
+    for c in sorted(best["before"]):
+        b, a = best["before"][c], best["after"][c]
+        rows.append({"concurrency": c, "before": b, "after": a, "ratio": a / b})
+        print(f"{c:>12} {b:>10.1f} {a:>10.1f} {a / b:>12.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "mode": args.mode, "rounds": args.rounds, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
