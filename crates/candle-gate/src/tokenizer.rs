@@ -61,9 +61,33 @@ fn unicode_to_byte() -> std::collections::HashMap<char, u8> {
     bs.into_iter().zip(cs).map(|(b, c)| (char::from_u32(c).unwrap(), b as u8)).collect()
 }
 
+/// tokenizers' BPE builder copies each merge's two halves into a buffer as long as the longest
+/// token, and panics (before it looks the joined token up) where they do not fit. Found by the
+/// `gguf_tokenizer` fuzzer; refused here first, with the error the builder means to give.
+fn check_merge_lengths(f: &GgufFile) -> Result<()> {
+    let (Some(Value::Array(tokens)), Some(Value::Array(merges))) =
+        (f.metadata().get("tokenizer.ggml.tokens"), f.metadata().get("tokenizer.ggml.merges"))
+    else {
+        return Ok(()); // missing or mistyped: Candle's reader says so
+    };
+    let longest = tokens.iter().filter_map(|t| t.to_string().ok()).map(|t| t.len()).max().unwrap_or(0);
+    for (i, m) in merges.iter().enumerate() {
+        if let Some((a, b)) = m.to_string().ok().and_then(|m| m.split_once(' ')) {
+            if a.len() + b.len() > longest {
+                return Err(Error::Tokenizer(format!(
+                    "{}: merge {i} (`{a}` + `{b}`) makes a token that is not in the vocabulary (longer than any)",
+                    f.path.display()
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
 impl GgufTokenizer {
     pub fn from_gguf(f: &GgufFile) -> Result<Self> {
         let err = |e: candle_core::Error| Error::Tokenizer(format!("{}: {e}", f.path.display()));
+        check_merge_lengths(f)?;
         let mut inner = Tokenizer::from_gguf(&f.content).map_err(err)?;
         inner.set_encode_special_tokens(true);
         // tokenizers 0.23 caches BPE words in thread-locals keyed per tokenizer instance and
@@ -291,6 +315,26 @@ mod tests {
         let t = GgufTokenizer::from_gguf(&GgufFile::open(&path).unwrap()).unwrap();
         let _ = std::fs::remove_file(&path);
         t
+    }
+
+    /// Found by the `gguf_tokenizer` fuzz target: a merge whose halves join into something longer
+    /// than every token made the `tokenizers` crate panic while building the BPE.
+    #[test]
+    fn a_merge_longer_than_every_token_is_an_error_not_a_panic() {
+        let md = [
+            ("tokenizer.ggml.model", Value::String("gpt2".into())),
+            ("tokenizer.ggml.tokens", Value::Array(vec![Value::String("a".into()), Value::String("b".into())])),
+            ("tokenizer.ggml.merges", Value::Array(vec![Value::String("a b".into())])),
+        ];
+        let md: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (*k, v)).collect();
+        let path = std::env::temp_dir().join(format!("candle-gate-merge-test-{}.gguf", std::process::id()));
+        let mut w = std::io::Cursor::new(Vec::new());
+        gguf_file::write(&mut w, &md, &[]).unwrap();
+        std::fs::write(&path, w.into_inner()).unwrap();
+        let got = GgufTokenizer::from_gguf(&GgufFile::open(&path).unwrap());
+        let _ = std::fs::remove_file(&path);
+        let msg = got.err().expect("a merge outside the vocabulary is refused").to_string();
+        assert!(msg.contains("merge 0") && msg.contains("not in the vocabulary"), "{msg}");
     }
 
     /// Found by the `tokenizer` fuzz target: a token holding an invalid byte and then the start
