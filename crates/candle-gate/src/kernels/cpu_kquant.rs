@@ -67,8 +67,8 @@ pub(crate) trait KBlock: Sync + 'static {
     #[cfg(target_arch = "x86_64")]
     unsafe fn vectors(&self) -> avx2::Vectors;
     /// [`avx2::partials`] of this block against `y`, unpacking as it goes rather than into a
-    /// [`avx2::Vectors`] first: the one-row kernel keeps eight columns in flight, and sixteen
-    /// unpacked registers per column would spill.
+    /// [`avx2::Vectors`] first: the one-row kernel uses each block once, and sixteen unpacked
+    /// registers would spill.
     /// SAFETY: AVX2 must be available.
     #[cfg(target_arch = "x86_64")]
     unsafe fn partials_with(&self, y: &Q8K) -> (std::arch::x86_64::__m256i, std::arch::x86_64::__m256i);
