@@ -20,16 +20,25 @@ import subprocess
 import sys
 
 
-def run(pkg_dir, args):
+def env_for(pkg_dir):
     env = dict(os.environ)
     if pkg_dir:
         env["PYTHONPATH"] = pkg_dir + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def where(pkg_dir):
+    """The package a build's runs import (said once per side)."""
+    return subprocess.run([sys.executable, "-c", "import candle_gate; print(candle_gate.__file__)"],
+                          env=env_for(pkg_dir), check=True, capture_output=True, text=True).stdout.strip()
+
+
+def run(pkg_dir, args):
+    env = env_for(pkg_dir)
     cmd = [sys.executable, "-m", "candle_gate", "bench", "throughput", "--json", "--model", args.model,
            "--mode", args.mode, "--concurrency", args.concurrency, "--max-new-tokens", str(args.max_new_tokens)]
     out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
-    where = subprocess.run([sys.executable, "-c", "import candle_gate; print(candle_gate.__file__)"],
-                           env=env, check=True, capture_output=True, text=True).stdout.strip()
-    return {r["concurrency"]: r["tok_per_s"] for r in json.loads(out.strip().splitlines()[-1])["results"]}, where
+    return {r["concurrency"]: r["tok_per_s"] for r in json.loads(out.strip().splitlines()[-1])["results"]}
 
 
 def main():
@@ -44,10 +53,10 @@ def main():
     ap.add_argument("--json", help="also write the table here")
     args = ap.parse_args()
     best = {"before": {}, "after": {}}
-    paths = {}
+    paths = {"before": where(args.before), "after": where(args.after)}
     for r in range(args.rounds):
         for side, pkg in (("before", args.before), ("after", args.after)):
-            got, paths[side] = run(pkg, args)
+            got = run(pkg, args)
             for c, v in got.items():
                 best[side][c] = max(best[side].get(c, 0.0), v)
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
