@@ -486,6 +486,12 @@ impl Llama {
         batch: &mut [SeqRows<'_>],
         trace: Option<&mut Vec<Vec<f32>>>,
     ) -> Result<Vec<Option<Vec<f32>>>> {
+        // A parallel loop started from outside the pool parks the caller until it is done: a
+        // sleep and a wake per matmul. Started from a worker, the caller works along with the
+        // others, so the whole forward moves onto one once.
+        if rayon::current_thread_index().is_none() {
+            return rayon::scope(|_| self.forward_in(lane, batch, trace));
+        }
         let cfg = &self.cfg;
         let mut rows = Rows { seq: Vec::new(), pos: Vec::new(), tokens: Vec::new() };
         let mut logit_rows = Vec::new();

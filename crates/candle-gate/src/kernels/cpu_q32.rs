@@ -284,7 +284,16 @@ unsafe fn column_8rows<W: Weights>(w: &[W], groups: &[Group8]) -> [f32; 8] {
 unsafe fn row_8cols<W: Weights>(w: &[W], kb: usize, c0: usize, y: &[W::Y], ysum: &[i32]) -> [f32; 8] {
     use std::arch::x86_64::*;
     let mut acc = _mm256_setzero_ps();
+    // Eight columns read side by side are eight streams a few cache lines long each, too short
+    // for the hardware prefetcher to follow: decode ran 20% faster on SmolLM2 once each block
+    // step also asks for its share of the next eight columns (one contiguous run of memory).
+    // A cache-resident benchmark does not show this; only reading from DRAM does.
+    let next = w.as_ptr().wrapping_add((c0 + 8) * kb) as *const i8;
+    let per_block = 8 * std::mem::size_of::<W>();
     for b in 0..kb {
+        for off in (b * per_block..(b + 1) * per_block).step_by(64) {
+            _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(off));
+        }
         let xs: [&W; 8] = std::array::from_fn(|i| &w[(c0 + i) * kb + b]);
         let sumi = avx2::dot8_cols(xs.map(|x| x.u_avx2()), &y[b]);
         let sumi = _mm256_sub_epi32(sumi, _mm256_set1_epi32(W::OFFSET * ysum[b]));
