@@ -401,6 +401,7 @@ unsafe fn column_8rows<W: KBlock>(wc: &[W], xq: &[Q8K], kb: usize, rows: usize, 
 unsafe fn element_avx2<W: KBlock>(wc: &[W], y: &[Q8K]) -> f32 {
     let mut acc = 0f32;
     for (x, yb) in wc.iter().zip(y) {
+        super::prefetch_ahead(x);
         let (p, q) = x.partials_with(yb);
         let (isum, imin) = if W::HAS_MIN { (avx2::hsum(p), avx2::hsum(q)) } else { (avx2::hsum(p) - W::OFFSET * avx2::hsum(q), 0) };
         acc = step::<W>(acc, isum, imin, x.d(), x.dmin(), yb.d);

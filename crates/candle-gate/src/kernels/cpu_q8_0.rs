@@ -14,6 +14,7 @@ use super::OutPtr;
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
+    use super::super::prefetch_ahead;
     use super::Q80;
     use std::arch::x86_64::*;
 
@@ -34,6 +35,7 @@ mod avx2 {
         let ones = _mm256_set1_epi16(1);
         let mut acc = [_mm256_setzero_ps(); R];
         for (b, x) in w.iter().enumerate() {
+            prefetch_ahead(x);
             let bx = _mm256_loadu_si256(x.qs.as_ptr() as *const __m256i);
             let ax = _mm256_sign_epi8(bx, bx);
             let xd = x.d.to_f32();
@@ -46,8 +48,32 @@ mod avx2 {
         }
         acc.map(|a| hsum(a))
     }
+
+    /// One row against `C` adjacent columns `w[0..C]` (each `y.len()` blocks): each column
+    /// exactly as [`column`] computes it. Side by side, the columns' chains of multiply-adds
+    /// overlap.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn columns<const C: usize>(w: [&[Q80]; C], y: &[Q80], yd: &[f32]) -> [f32; C] {
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [_mm256_setzero_ps(); C];
+        for b in 0..y.len() {
+            let by = _mm256_loadu_si256(y[b].qs.as_ptr() as *const __m256i);
+            for (a, wc) in acc.iter_mut().zip(w) {
+                let x = &wc[b];
+                prefetch_ahead(x);
+                let bx = _mm256_loadu_si256(x.qs.as_ptr() as *const __m256i);
+                let ax = _mm256_sign_epi8(bx, bx);
+                let sy = _mm256_sign_epi8(by, bx);
+                let q = _mm256_cvtepi32_ps(_mm256_madd_epi16(ones, _mm256_maddubs_epi16(ax, sy)));
+                *a = _mm256_fmadd_ps(_mm256_set1_ps(x.d.to_f32() * yd[b]), q, *a);
+            }
+        }
+        acc.map(|a| hsum(a))
+    }
 }
 
+/// Columns side by side in the one-row path.
+const ONE_ROW_COLS: usize = 2;
 /// Columns handed to a worker at once.
 const COLS_PER_TASK: usize = 16;
 /// Rows sharing one pass over a weight column.
@@ -71,7 +97,29 @@ pub fn matmul(w: &[BlockQ8_0], xq: &[BlockQ8_0], m: usize, k: usize, n: usize, o
         let col_tasks = n.div_ceil(COLS_PER_TASK);
         let run = |task: usize| {
             let p = ptr;
-            for c in task * COLS_PER_TASK..n.min((task + 1) * COLS_PER_TASK) {
+            let cols = task * COLS_PER_TASK..n.min((task + 1) * COLS_PER_TASK);
+            if m == 1 {
+                let (y, d) = row(0);
+                let mut c = cols.start;
+                while c < cols.end {
+                    let col = |i: usize| &w[(c + i) * kb..(c + i + 1) * kb];
+                    // SAFETY: AVX2 and FMA detected above; columns c.. belong to this task.
+                    unsafe {
+                        if c + ONE_ROW_COLS <= cols.end {
+                            let got = avx2::columns::<ONE_ROW_COLS>(std::array::from_fn(col), y, d);
+                            for (i, v) in got.into_iter().enumerate() {
+                                *p.0.add(c + i) = v;
+                            }
+                            c += ONE_ROW_COLS;
+                        } else {
+                            *p.0.add(c) = avx2::columns::<1>([col(0)], y, d)[0];
+                            c += 1;
+                        }
+                    }
+                }
+                return;
+            }
+            for c in cols {
                 let wc = &w[c * kb..(c + 1) * kb];
                 let mut r0 = 0;
                 while r0 < m {

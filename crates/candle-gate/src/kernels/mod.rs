@@ -58,6 +58,25 @@ pub fn set_pool(p: Pool) {
     POOL.store(if p == Pool::Rayon { 0 } else { 1 }, Ordering::Relaxed);
 }
 
+/// How far ahead of the block it reads a one-column loop asks for memory. On the 2-core EPYC
+/// host, the 151936 × 896 Q8_0 output matrix of Qwen2.5 0.5B ran 1.5x faster at one row with
+/// 4 KiB than with none (1 KiB: 1.3x; 8 KiB: 1.4x): the hardware prefetcher alone keeps too
+/// few lines in flight for a GEMV. A prefetch is a hint: it changes no result.
+#[cfg(target_arch = "x86_64")]
+const PREFETCH_AHEAD: usize = 4096;
+
+/// Asks for the cache lines of the `T` that lies [`PREFETCH_AHEAD`] bytes after `block`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) fn prefetch_ahead<T>(block: &T) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+    let p = (block as *const T as *const i8).wrapping_add(PREFETCH_AHEAD);
+    for off in (0..std::mem::size_of::<T>()).step_by(64) {
+        // SAFETY: a prefetch never faults, whatever the address (SSE is in the x86-64 baseline).
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off)) };
+    }
+}
+
 /// Output pointer shared by workers that write disjoint elements of one output buffer.
 #[derive(Clone, Copy)]
 pub(crate) struct OutPtr(pub(crate) *mut f32);
