@@ -19,7 +19,7 @@ use rayon::prelude::*;
 use crate::dispatch::{QMatMul, Policy};
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
-use crate::ops::{attend, rms_norm, rope_tables, silu};
+use crate::ops::{attend_head, rms_norm, rope_tables, silu};
 use crate::scratch::{sized, Scratch, ScratchPool};
 
 pub use crate::kv_cache::{KvCache, SavedPosition};
@@ -243,19 +243,18 @@ impl Attention {
         }
         let caches: Vec<&KvCache> = caches.iter().map(|c| &**c).collect();
         let q = &s.q;
-        let attend_row = |(row, (o, scores)): (usize, (&mut [f32], &mut Vec<f32>))| {
+        // One task per (row, head): a single decode row still spreads over every worker.
+        let nh = cfg.n_head;
+        let attend_one = |(t, (o, scores)): (usize, (&mut [f32], &mut Vec<f32>))| {
+            let (row, h) = (t / nh, t % nh);
             let c = caches[rows.seq[row]];
-            attend(cfg, &q[row * qd..(row + 1) * qd], &c.k[li], &c.v[li], rows.pos[row] + 1, scores, o);
+            attend_head(cfg, h, &q[row * qd..(row + 1) * qd], &c.k[li], &c.v[li], rows.pos[row] + 1, scores, o);
         };
         let out = sized(&mut s.attn, r * qd);
-        if s.scores.len() < r {
-            s.scores.resize_with(r, Vec::new);
+        if s.scores.len() < r * nh {
+            s.scores.resize_with(r * nh, Vec::new);
         }
-        if r == 1 {
-            attend_row((0, (out, &mut s.scores[0])));
-        } else {
-            out.par_chunks_mut(qd).zip(s.scores[..r].par_iter_mut()).enumerate().for_each(attend_row);
-        }
+        out.par_chunks_mut(hd).zip(s.scores[..r * nh].par_iter_mut()).enumerate().for_each(attend_one);
         lane.matmul_into(&self.wo, &s.attn, r, &mut s.proj)
     }
 }

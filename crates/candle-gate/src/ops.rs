@@ -113,39 +113,39 @@ pub fn silu(x: f32) -> f32 {
     x / (1.0 + crate::detmath::exp_f32(-x))
 }
 
-/// Causal attention of one query row (all heads) over `len` cached positions; fixed order.
-/// `scores` is working space (its allocation is reused; its contents are not read).
-pub fn attend(cfg: &LlamaConfig, q: &[f32], k: &[f32], v: &[f32], len: usize, scores: &mut Vec<f32>, out: &mut [f32]) {
+/// Causal attention of head `h` of one query row (`q`: all heads) over `len` cached positions,
+/// into that head's output `out` (`head_dim` values); fixed order. `scores` is working space
+/// (its allocation is reused; its contents are not read). Heads are independent, so running
+/// them in any order or on any thread gives the same bits.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_head(cfg: &LlamaConfig, h: usize, q: &[f32], k: &[f32], v: &[f32], len: usize, scores: &mut Vec<f32>, out: &mut [f32]) {
     let hd = cfg.head_dim;
     let kvd = cfg.kv_dim();
-    let group = cfg.n_head / cfg.n_kv_head;
+    let kvh = h / (cfg.n_head / cfg.n_kv_head);
     let scale = 1.0 / (hd as f32).sqrt();
     let scores = crate::scratch::sized(scores, len);
-    for h in 0..cfg.n_head {
-        let kvh = h / group;
-        let qh = &q[h * hd..(h + 1) * hd];
-        let mut max = f32::NEG_INFINITY;
-        for (t, s) in scores.iter_mut().enumerate() {
-            *s = dot(qh, &k[t * kvd + kvh * hd..t * kvd + (kvh + 1) * hd]) * scale;
-            max = max.max(*s);
+    let qh = &q[h * hd..(h + 1) * hd];
+    let mut max = f32::NEG_INFINITY;
+    for (t, s) in scores.iter_mut().enumerate() {
+        *s = dot(qh, &k[t * kvd + kvh * hd..t * kvd + (kvh + 1) * hd]) * scale;
+        max = max.max(*s);
+    }
+    let mut sum = 0f32;
+    for s in scores.iter_mut() {
+        *s = crate::detmath::exp_f32(*s - max);
+        sum += *s;
+    }
+    let oh = &mut out[..hd];
+    oh.fill(0.0);
+    for (t, &p) in scores.iter().enumerate() {
+        let vt = &v[t * kvd + kvh * hd..t * kvd + (kvh + 1) * hd];
+        for (o, &x) in oh.iter_mut().zip(vt) {
+            *o += p * x;
         }
-        let mut sum = 0f32;
-        for s in scores.iter_mut() {
-            *s = crate::detmath::exp_f32(*s - max);
-            sum += *s;
-        }
-        let oh = &mut out[h * hd..(h + 1) * hd];
-        oh.fill(0.0);
-        for (t, &p) in scores.iter().enumerate() {
-            let vt = &v[t * kvd + kvh * hd..t * kvd + (kvh + 1) * hd];
-            for (o, &x) in oh.iter_mut().zip(vt) {
-                *o += p * x;
-            }
-        }
-        let inv = 1.0 / sum;
-        for o in oh.iter_mut() {
-            *o *= inv;
-        }
+    }
+    let inv = 1.0 / sum;
+    for o in oh.iter_mut() {
+        *o *= inv;
     }
 }
 
