@@ -74,20 +74,29 @@ pub(crate) trait KBlock: Sync + 'static {
     unsafe fn partials_with(&self, y: &Q8K) -> (std::arch::x86_64::__m256i, std::arch::x86_64::__m256i);
     fn d(&self) -> f32;
     fn dmin(&self) -> f32;
+    /// Whether [`KBlock::column_rows_in_lanes`] exists for this type.
+    const ROWS_IN_LANES: bool = false;
+    /// Eight rows of one column, rows in the lanes, from the rows' [`Group8`]s.
+    /// SAFETY: AVX2 must be available.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn column_rows_in_lanes(_wc: &[Self], _groups: &[Group8]) -> [f32; 8]
+    where
+        Self: Sized,
+    {
+        unreachable!("no rows-in-lanes kernel for this type")
+    }
 }
 
 impl KBlock for Q4K {
     const OFFSET: i32 = 0;
     const HAS_MIN: bool = true;
+    const ROWS_IN_LANES: bool = true;
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn column_rows_in_lanes(wc: &[Self], groups: &[Group8]) -> [f32; 8] {
+        q4k_column_rows_in_lanes(wc, groups)
+    }
     fn unpack(&self) -> Unpacked {
-        let q = &self.scales;
-        let sm = |j: usize| -> (u8, u8) {
-            if j < 4 {
-                (q[j] & 63, q[j + 4] & 63)
-            } else {
-                ((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
-            }
-        };
+        let sm = |j: usize| self.scale_min(j);
         let mut sc = [0i16; 16];
         let mut bcoef = [0i16; 16];
         for j in 0..8 {
@@ -141,6 +150,17 @@ impl KBlock for Q4K {
 
 #[cfg(target_arch = "x86_64")]
 impl Q4K {
+    /// Sub-block `j`'s 6-bit scale and min, unpacked from the 12 packed bytes.
+    #[inline(always)]
+    fn scale_min(&self, j: usize) -> (u8, u8) {
+        let q = &self.scales;
+        if j < 4 {
+            (q[j] & 63, q[j + 4] & 63)
+        } else {
+            ((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
+        }
+    }
+
     /// Weights `64i..64i+32` and `64i+32..64i+64`: the low and high nibbles of `qs[32i..]`.
     #[inline(always)]
     unsafe fn nibbles(&self, i: usize) -> (std::arch::x86_64::__m256i, std::arch::x86_64::__m256i) {
@@ -394,6 +414,82 @@ unsafe fn column_8rows<W: KBlock>(wc: &[W], xq: &[Q8K], kb: usize, rows: usize, 
     out
 }
 
+/// Eight rows' activations for one super-block, rows in the lanes (Q4_K's multi-row kernel).
+#[cfg(target_arch = "x86_64")]
+pub(crate) struct Group8 {
+    /// `yt[g]` lane r: row r's bytes `4g..4g+4`.
+    yt: [std::arch::x86_64::__m256i; 64],
+    /// `bs[j]` lane r: row r's `bsums[2j]` and `bsums[2j + 1]` as two i16.
+    bs: [std::arch::x86_64::__m256i; 8],
+    d: std::arch::x86_64::__m256,
+}
+
+/// Rows `r0..r0+rows` (at most 8; the other lanes zero, never written back) in [`Group8`]s, one
+/// per super-block: built once per matmul, shared by every column task.
+#[cfg(target_arch = "x86_64")]
+fn groups_of(xq: &[Q8K], kb: usize, r0: usize, rows: usize) -> Vec<Group8> {
+    use std::arch::x86_64::*;
+    (0..kb)
+        .map(|b| {
+            let mut yt = [[0i32; 8]; 64];
+            let mut bs = [[0i32; 8]; 8];
+            let mut d = [0f32; 8];
+            for i in 0..rows {
+                let y = &xq[(r0 + i) * kb + b];
+                for (g, lanes) in yt.iter_mut().enumerate() {
+                    let q = &y.qs[4 * g..4 * g + 4];
+                    lanes[i] = i32::from_le_bytes([q[0] as u8, q[1] as u8, q[2] as u8, q[3] as u8]);
+                }
+                for (j, lanes) in bs.iter_mut().enumerate() {
+                    lanes[i] = (y.bsums[2 * j] as u16 as u32 | (y.bsums[2 * j + 1] as u16 as u32) << 16) as i32;
+                }
+                d[i] = y.d;
+            }
+            // SAFETY: plain loads from arrays of eight lanes (AVX2 is checked by the caller).
+            unsafe {
+                let v = |l: &[i32; 8]| _mm256_loadu_si256(l.as_ptr() as *const __m256i);
+                Group8 { yt: yt.each_ref().map(v), bs: bs.each_ref().map(v), d: _mm256_loadu_ps(d.as_ptr()) }
+            }
+        })
+        .collect()
+}
+
+/// Eight rows of one Q4_K column with the rows in the lanes: each 4-weight group is broadcast
+/// to every lane straight from the packed nibbles (one load gives sub-blocks 2i and 2i+1), so no
+/// lane reduction is needed; `isum` and `imin` come out exact, as in [`column_8rows`], and the
+/// float step is [`avx2::step8`]. The i16 sums of a sub-block's eight `maddubs` stay under
+/// 8 · 2 · 15 · 128 = 30,720.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn q4k_column_rows_in_lanes(wc: &[Q4K], groups: &[Group8]) -> [f32; 8] {
+    use std::arch::x86_64::*;
+    let mask = _mm256_set1_epi8(0x0F);
+    let mut acc = _mm256_setzero_ps();
+    for (x, g) in wc.iter().zip(groups) {
+        super::prefetch_ahead(x);
+        let q = x.qs.as_ptr() as *const i32;
+        let mut isum = _mm256_setzero_si256();
+        let mut imin = _mm256_setzero_si256();
+        for i in 0..4 {
+            let (mut lo, mut hi) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+            for t in 0..8 {
+                let b = _mm256_set1_epi32(std::ptr::read_unaligned(q.add(8 * i + t)));
+                lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(_mm256_and_si256(b, mask), g.yt[16 * i + t]));
+                hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(b, 4), mask), g.yt[16 * i + 8 + t]));
+            }
+            for (j, part) in [(2 * i, lo), (2 * i + 1, hi)] {
+                let (sc, m) = x.scale_min(j);
+                isum = _mm256_add_epi32(isum, _mm256_madd_epi16(part, _mm256_set1_epi16(sc as i16)));
+                imin = _mm256_add_epi32(imin, _mm256_madd_epi16(g.bs[j], _mm256_set1_epi16(m as i16)));
+            }
+        }
+        acc = avx2::step8::<Q4K>(acc, isum, imin, _mm256_set1_ps(x.d()), _mm256_set1_ps(x.dmin()), g.d);
+    }
+    let mut out = [0f32; 8];
+    _mm256_storeu_ps(out.as_mut_ptr(), acc);
+    out
+}
+
 /// One output element, [`element`]'s arithmetic with the integer parts in AVX2: the one-row
 /// kernel, reading the column's bytes in order.
 #[cfg(target_arch = "x86_64")]
@@ -433,6 +529,12 @@ fn matmul<W: KBlock>(w: &[W], xq: &[Q8K], m: usize, k: usize, n: usize, out: &mu
     let simd = is_x86_feature_detected!("avx2");
     #[cfg(not(target_arch = "x86_64"))]
     let simd = false;
+    #[cfg(target_arch = "x86_64")]
+    let groups: Vec<Vec<Group8>> = if W::ROWS_IN_LANES && simd && m >= GROUP_MIN_ROWS {
+        (0..m).step_by(8).map(|r0| groups_of(xq, kb, r0, 8.min(m - r0))).collect()
+    } else {
+        Vec::new()
+    };
     let run = |task: usize| {
         let p = ptr;
         let cols = task * COLS_PER_TASK..n.min((task + 1) * COLS_PER_TASK);
@@ -445,7 +547,11 @@ fn matmul<W: KBlock>(w: &[W], xq: &[Q8K], m: usize, k: usize, n: usize, out: &mu
                 let wc = &w[c * kb..(c + 1) * kb];
                 for r0 in (0..m).step_by(8) {
                     let rows = 8.min(m - r0);
-                    let got = unsafe { column_8rows(wc, &xq[r0 * kb..], kb, rows, &ZERO_Q8K) };
+                    let got = if W::ROWS_IN_LANES {
+                        unsafe { W::column_rows_in_lanes(wc, &groups[r0 / 8]) }
+                    } else {
+                        unsafe { column_8rows(wc, &xq[r0 * kb..], kb, rows, &ZERO_Q8K) }
+                    };
                     got.iter().take(rows).enumerate().for_each(|(i, &v)| put(r0 + i, c, v));
                 }
             }
