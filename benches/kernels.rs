@@ -4,6 +4,11 @@
 //! tiles included) and against Candle's single-row dot product run for every element (the
 //! fixed-order baseline), at each row count, and the weight bytes each call reads per second
 //! (a decode step is bandwidth-bound at one row). Rounds alternate and each side keeps its best.
+//!
+//! Those timings repeat one matrix, so a shape that fits the caches measures compute alone.
+//! The `cold` columns run the invariant kernel over every layer's matrix of the shape in turn,
+//! as a decode step does, and give the time per call and the rate it reads the weights at:
+//! where the shape's matrices together exceed the caches, that is the rate from memory.
 use std::collections::BTreeMap;
 use std::time::Instant;
 
@@ -71,13 +76,19 @@ fn vec_dot_baseline(w: &QTensor, x: &[f32], m: usize, k: usize, n: usize) -> Opt
 }
 
 fn main() {
+    // On a pool worker, as `Llama::forward` runs: called from outside, each parallel kernel
+    // would park this thread and add a wake-up to every call.
+    rayon::scope(|_| run());
+}
+
+fn run() {
     let args: Vec<String> = std::env::args().collect();
     let model = arg(&args, "--model").unwrap_or_else(|| registry::DEFAULT_MODEL.into());
     let rows: Vec<usize> = arg(&args, "--rows").unwrap_or_else(|| "1,8".into()).split(',').map(|r| r.parse().unwrap()).collect();
     let path = registry::resolve(&model).expect("fetch the model first (`candle-gate fetch --model ...`)");
     let mut f = GgufFile::open(&path).expect("cannot open the model");
     // One representative tensor per (dtype, shape), and how many layers use it.
-    let mut kinds: BTreeMap<(String, usize, usize), (String, usize)> = BTreeMap::new();
+    let mut kinds: BTreeMap<(String, usize, usize), Vec<String>> = BTreeMap::new();
     let names: Vec<String> = f.content.tensor_infos.keys().cloned().collect();
     for name in names {
         let info = &f.content.tensor_infos[&name];
@@ -86,14 +97,16 @@ fn main() {
             continue;
         }
         let key = (format!("{:?}", info.ggml_dtype), dims[0], dims[1]);
-        kinds.entry(key).or_insert_with(|| (name.clone(), 0)).1 += 1;
+        kinds.entry(key).or_default().push(name.clone());
     }
     println!("model {model}: {}", path.display());
     println!(
-        "{:<6} {:>7} {:>6} {:>5} {:>4} {:>11} {:>11} {:>8} {:>11} {:>8} {:>9}",
-        "dtype", "n", "k", "count", "rows", "invariant", "QMatMul", "ratio", "vec_dot", "ratio", "GB/s inv"
+        "{:<6} {:>7} {:>6} {:>5} {:>4} {:>11} {:>11} {:>8} {:>11} {:>8} {:>9} {:>11} {:>9}",
+        "dtype", "n", "k", "count", "rows", "invariant", "QMatMul", "ratio", "vec_dot", "ratio", "GB/s inv", "inv cold", "GB/s cold"
     );
-    for ((dtype, n, k), (name, count)) in kinds {
+    for ((dtype, n, k), names) in kinds {
+        let (name, count) = (names[0].clone(), names.len());
+        let layers: Vec<QMatMul> = names.iter().map(|nm| QMatMul::from_qtensor(f.tensor(nm).unwrap()).unwrap()).collect();
         let t = f.tensor(&name).unwrap();
         let bytes = t.storage_size_in_bytes() as f64;
         let ours = QMatMul::from_qtensor(t).unwrap();
@@ -115,14 +128,21 @@ fn main() {
                     std::hint::black_box(candle.forward(&xt).unwrap());
                 }));
             }
+            let cold = time(|| {
+                for l in &layers {
+                    std::hint::black_box(l.run_cpu(Kernel::Invariant, &x, m).unwrap());
+                }
+            }) / count as f64;
             println!(
-                "{dtype:<6} {n:>7} {k:>6} {count:>5} {m:>4} {:>9.3}ms {:>9.3}ms {:>7.2}x {:>9.3}ms {:>7.2}x {:>9.1}",
+                "{dtype:<6} {n:>7} {k:>6} {count:>5} {m:>4} {:>9.3}ms {:>9.3}ms {:>7.2}x {:>9.3}ms {:>7.2}x {:>9.1} {:>9.3}ms {:>9.1}",
                 ti * 1e3,
                 tc * 1e3,
                 tc / ti,
                 tv * 1e3,
                 tv / ti,
-                bytes / ti / 1e9
+                bytes / ti / 1e9,
+                cold * 1e3,
+                bytes / cold / 1e9
             );
         }
     }
