@@ -462,8 +462,8 @@ fn groups_of(xq: &[Q8K], kb: usize, r0: usize, rows: usize) -> Vec<Group8> {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn q4k_column_rows_in_lanes(wc: &[Q4K], groups: &[Group8]) -> [f32; 8] {
+    use super::cpu_q32::avx2::nibble_group_dots;
     use std::arch::x86_64::*;
-    let mask = _mm256_set1_epi8(0x0F);
     let mut acc = _mm256_setzero_ps();
     for (x, g) in wc.iter().zip(groups) {
         super::prefetch_ahead(x);
@@ -473,9 +473,7 @@ unsafe fn q4k_column_rows_in_lanes(wc: &[Q4K], groups: &[Group8]) -> [f32; 8] {
         for i in 0..4 {
             let (mut lo, mut hi) = (_mm256_setzero_si256(), _mm256_setzero_si256());
             for t in 0..8 {
-                let b = _mm256_set1_epi32(std::ptr::read_unaligned(q.add(8 * i + t)));
-                lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(_mm256_and_si256(b, mask), g.yt[16 * i + t]));
-                hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(b, 4), mask), g.yt[16 * i + 8 + t]));
+                nibble_group_dots(q.add(8 * i + t), g.yt[16 * i + t], g.yt[16 * i + 8 + t], &mut lo, &mut hi);
             }
             for (j, part) in [(2 * i, lo), (2 * i + 1, hi)] {
                 let (sc, m) = x.scale_min(j);

@@ -130,13 +130,10 @@ impl Weights for Q41 {
     #[inline(always)]
     unsafe fn dot8_transposed_avx2(&self, yt: &[std::arch::x86_64::__m256i; 8]) -> std::arch::x86_64::__m256i {
         use std::arch::x86_64::*;
-        let mask = _mm256_set1_epi8(0x0F);
         let q = self.qs.as_ptr() as *const i32;
         let (mut lo, mut hi) = (_mm256_setzero_si256(), _mm256_setzero_si256());
         for g in 0..4 {
-            let b = _mm256_set1_epi32(std::ptr::read_unaligned(q.add(g)));
-            lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(_mm256_and_si256(b, mask), yt[g]));
-            hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(b, 4), mask), yt[g + 4]));
+            avx2::nibble_group_dots(q.add(g), yt[g], yt[g + 4], &mut lo, &mut hi);
         }
         let ones = _mm256_set1_epi16(1);
         _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones))
@@ -256,6 +253,17 @@ pub(crate) mod avx2 {
     #[inline(always)]
     pub unsafe fn dot8_cols(us: [__m256i; 8], y: &impl Act) -> __m256i {
         lanes8(us.map(|u| partial(u, y)))
+    }
+
+    /// The 4 packed bytes at `q` broadcast to every lane, their low nibbles' products with
+    /// `y_lo` added to the i16 pairs of `lo` and their high nibbles' with `y_hi` to `hi`: a
+    /// rows-in-lanes step for two 4-weight groups from one load.
+    #[inline(always)]
+    pub unsafe fn nibble_group_dots(q: *const i32, y_lo: __m256i, y_hi: __m256i, lo: &mut __m256i, hi: &mut __m256i) {
+        let mask = _mm256_set1_epi8(0x0F);
+        let b = _mm256_set1_epi32(std::ptr::read_unaligned(q));
+        *lo = _mm256_add_epi16(*lo, _mm256_maddubs_epi16(_mm256_and_si256(b, mask), y_lo));
+        *hi = _mm256_add_epi16(*hi, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(b, 4), mask), y_hi));
     }
 
     /// The two f16s that open each of eight blocks (`d`, then Q4_1's `m`), as f32 lanes: one

@@ -28,11 +28,18 @@ mod avx2 {
         _mm_cvtss_f32(r)
     }
 
+    /// A block's eight exact integer partial sums of x·y (four products each) as floats, from
+    /// `ax = |x|`, `bx = x` and `by = y`: Candle's `mul_sum_i8_pairs_float`.
+    #[inline(always)]
+    unsafe fn pair_sums(ax: __m256i, bx: __m256i, by: __m256i) -> __m256 {
+        let sy = _mm256_sign_epi8(by, bx);
+        _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_set1_epi16(1), _mm256_maddubs_epi16(ax, sy)))
+    }
+
     /// Rows `ys[0..R]` (each `kb` blocks) against one weight column: lane-wise exactly Candle's
     /// `acc = fma(d_x·d_y, cvt(Σ pairs), acc)`, block after block, then its horizontal sum.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn column<const R: usize>(w: &[Q80], ys: [&[Q80]; R], yd: [&[f32]; R]) -> [f32; R] {
-        let ones = _mm256_set1_epi16(1);
         let mut acc = [_mm256_setzero_ps(); R];
         for (b, x) in w.iter().enumerate() {
             prefetch_ahead(x);
@@ -41,9 +48,7 @@ mod avx2 {
             let xd = x.d.to_f32();
             for r in 0..R {
                 let by = _mm256_loadu_si256(ys[r][b].qs.as_ptr() as *const __m256i);
-                let sy = _mm256_sign_epi8(by, bx);
-                let q = _mm256_cvtepi32_ps(_mm256_madd_epi16(ones, _mm256_maddubs_epi16(ax, sy)));
-                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(xd * yd[r][b]), q, acc[r]);
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(xd * yd[r][b]), pair_sums(ax, bx, by), acc[r]);
             }
         }
         acc.map(|a| hsum(a))
@@ -54,7 +59,6 @@ mod avx2 {
     /// overlap.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn columns<const C: usize>(w: [&[Q80]; C], y: &[Q80], yd: &[f32]) -> [f32; C] {
-        let ones = _mm256_set1_epi16(1);
         let mut acc = [_mm256_setzero_ps(); C];
         for b in 0..y.len() {
             let by = _mm256_loadu_si256(y[b].qs.as_ptr() as *const __m256i);
@@ -62,9 +66,7 @@ mod avx2 {
                 let x = &wc[b];
                 prefetch_ahead(x);
                 let bx = _mm256_loadu_si256(x.qs.as_ptr() as *const __m256i);
-                let ax = _mm256_sign_epi8(bx, bx);
-                let sy = _mm256_sign_epi8(by, bx);
-                let q = _mm256_cvtepi32_ps(_mm256_madd_epi16(ones, _mm256_maddubs_epi16(ax, sy)));
+                let q = pair_sums(_mm256_sign_epi8(bx, bx), bx, by);
                 *a = _mm256_fmadd_ps(_mm256_set1_ps(x.d.to_f32() * yd[b]), q, *a);
             }
         }
