@@ -9,6 +9,8 @@
 //! The `cold` columns run the invariant kernel over every layer's matrix of the shape in turn,
 //! as a decode step does, and give the time per call and the rate it reads the weights at:
 //! where the shape's matrices together exceed the caches, that is the rate from memory.
+//! On a host with a wider kernel tier than AVX2 (`kernels::Isa`), `vs avx2` times the
+//! invariant kernel capped at AVX2 in the same rounds (the tiers give the same bits).
 use std::collections::BTreeMap;
 use std::time::Instant;
 
@@ -17,6 +19,7 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Module, Tensor};
 use rayon::prelude::*;
 use candle_gate::dispatch::Kernel;
+use candle_gate::kernels::{isa, set_isa, Isa};
 use candle_gate::gguf::GgufFile;
 use candle_gate::{registry, QMatMul};
 
@@ -99,10 +102,12 @@ fn run() {
         let key = (format!("{:?}", info.ggml_dtype), dims[0], dims[1]);
         kinds.entry(key).or_default().push(name.clone());
     }
+    let tier = isa();
     println!("model {model}: {}", path.display());
+    println!("invariant kernels' tier: {} (CANDLE_GATE_ISA caps it)", tier.name());
     println!(
-        "{:<6} {:>7} {:>6} {:>5} {:>4} {:>11} {:>11} {:>8} {:>11} {:>8} {:>9} {:>11} {:>9}",
-        "dtype", "n", "k", "count", "rows", "invariant", "QMatMul", "ratio", "vec_dot", "ratio", "GB/s inv", "inv cold", "GB/s cold"
+        "{:<6} {:>7} {:>6} {:>5} {:>4} {:>11} {:>11} {:>8} {:>11} {:>8} {:>9} {:>11} {:>9} {:>8}",
+        "dtype", "n", "k", "count", "rows", "invariant", "QMatMul", "ratio", "vec_dot", "ratio", "GB/s inv", "inv cold", "GB/s cold", "vs avx2"
     );
     for ((dtype, n, k), names) in kinds {
         let (name, count) = (names[0].clone(), names.len());
@@ -115,7 +120,7 @@ fn run() {
             let x: Vec<f32> = (0..m * k).map(|i| ((i * 7919 % 1000) as f32 / 500.0) - 1.0).collect();
             let xt = Tensor::from_slice(&x, (m, k), &Device::Cpu).unwrap();
             // Alternating rounds, each side's best: a busy machine slows both, not one.
-            let (mut ti, mut tc, mut tv) = (f64::INFINITY, f64::INFINITY, f64::INFINITY);
+            let (mut ti, mut tc, mut tv, mut ta) = (f64::INFINITY, f64::INFINITY, f64::INFINITY, f64::INFINITY);
             let raw = f.tensor(&name).unwrap();
             for _ in 0..3 {
                 tv = tv.min(time(|| {
@@ -127,14 +132,22 @@ fn run() {
                 tc = tc.min(time(|| {
                     std::hint::black_box(candle.forward(&xt).unwrap());
                 }));
+                if tier > Isa::Avx2 {
+                    set_isa(Isa::Avx2);
+                    ta = ta.min(time(|| {
+                        std::hint::black_box(ours.run_cpu(Kernel::Invariant, &x, m).unwrap());
+                    }));
+                    set_isa(tier);
+                }
             }
             let cold = time(|| {
                 for l in &layers {
                     std::hint::black_box(l.run_cpu(Kernel::Invariant, &x, m).unwrap());
                 }
             }) / count as f64;
+            let vs_avx2 = if ta.is_finite() { format!("{:.2}x", ta / ti) } else { "-".into() };
             println!(
-                "{dtype:<6} {n:>7} {k:>6} {count:>5} {m:>4} {:>9.3}ms {:>9.3}ms {:>7.2}x {:>9.3}ms {:>7.2}x {:>9.1} {:>9.3}ms {:>9.1}",
+                "{dtype:<6} {n:>7} {k:>6} {count:>5} {m:>4} {:>9.3}ms {:>9.3}ms {:>7.2}x {:>9.3}ms {:>7.2}x {:>9.1} {:>9.3}ms {:>9.1} {vs_avx2:>8}",
                 ti * 1e3,
                 tc * 1e3,
                 tc / ti,

@@ -61,6 +61,35 @@ fn rows_for(n: usize) -> Vec<usize> {
     }
 }
 
+/// Every instruction-set tier the kernels can pick at run time, forced one after another on
+/// this host, gives the portable tier's bits: over every dtype, shape and row count, so both
+/// the one-row (columns in lanes) and the multi-row (rows in lanes) paths of each tier run.
+#[test]
+fn every_isa_tier_gives_the_portable_bits() {
+    use candle_gate::kernels::{set_isa, Isa};
+    let tiers = Isa::available();
+    // Printed, not skipped silently: a host without AVX-512 VNNI compares the tiers it has.
+    eprintln!("kernel tiers on this host: {:?} (of Portable, Avx2, Avx512)", tiers);
+    for d in SUPPORTED {
+        for (n, k) in shapes(d) {
+            let w = weight(d, n, k, 11 + n as u64);
+            let x = pseudo_random(64 * k, 5 + k as u64);
+            for m in rows_for(n) {
+                let x = &x[..m * k];
+                let run = |isa| {
+                    assert_eq!(set_isa(isa), isa);
+                    w.run_cpu(Kernel::Invariant, x, m).unwrap()
+                };
+                let portable = run(Isa::Portable);
+                for &isa in &tiers[1..] {
+                    assert!(bits_equal(&run(isa), &portable), "{d:?} [{n},{k}] m={m}: {isa:?} != Portable");
+                }
+            }
+        }
+    }
+    set_isa(Isa::best());
+}
+
 #[test]
 fn invariant_equals_gemv_bitwise_all_dtypes_shapes_rows() {
     for d in SUPPORTED {

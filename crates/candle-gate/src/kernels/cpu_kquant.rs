@@ -524,7 +524,7 @@ fn matmul<W: KBlock>(w: &[W], xq: &[Q8K], m: usize, k: usize, n: usize, out: &mu
     let kb = k / 256;
     let ptr = OutPtr(out.as_mut_ptr());
     #[cfg(target_arch = "x86_64")]
-    let simd = is_x86_feature_detected!("avx2");
+    let simd = super::isa() >= super::Isa::Avx2;
     #[cfg(not(target_arch = "x86_64"))]
     let simd = false;
     #[cfg(target_arch = "x86_64")]

@@ -94,6 +94,11 @@ pub(crate) trait Weights: Sync + 'static {
     fn u(&self) -> [u8; 32];
     fn d(&self) -> f32;
     fn m(&self) -> f32;
+    /// The packed low four bits: weight j's in byte j's low nibble (j < 16), else byte j - 16's
+    /// high nibble.
+    fn qs(&self) -> &[u8; 16];
+    /// Weight j's fifth bit (worth 16) as bit j; 0 for four-bit blocks.
+    fn qh(&self) -> u32;
     #[cfg(target_arch = "x86_64")]
     /// SAFETY: AVX2 must be available.
     unsafe fn u_avx2(&self) -> std::arch::x86_64::__m256i;
@@ -117,6 +122,12 @@ impl Weights for Q41 {
     }
     fn m(&self) -> f32 {
         self.m.to_f32()
+    }
+    fn qs(&self) -> &[u8; 16] {
+        &self.qs
+    }
+    fn qh(&self) -> u32 {
+        0
     }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
@@ -156,6 +167,12 @@ impl Weights for Q50 {
     }
     fn m(&self) -> f32 {
         0.0
+    }
+    fn qs(&self) -> &[u8; 16] {
+        &self.qs
+    }
+    fn qh(&self) -> u32 {
+        u32::from_le_bytes(self.qh)
     }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
@@ -289,6 +306,90 @@ pub(crate) mod avx2 {
         let lo = _mm256_permute2x128_si256(q0, q1, 0x20);
         let hi = _mm256_permute2x128_si256(q0, q1, 0x31);
         _mm256_add_epi32(lo, hi)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx512 {
+    use super::{Act, Weights};
+    use std::arch::x86_64::*;
+
+    /// Two blocks' 32 unsigned weights each, `a`'s in the low 256 bits and `b`'s in the high:
+    /// the nibbles split with one shift of the high-nibble lanes, the fifth bits added under a
+    /// mask made straight from `qh` (no byte shuffle, as AVX2 needs).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub unsafe fn u_pair<W: Weights>(a: &W, b: &W) -> __m512i {
+        let qa = _mm_loadu_si128(a.qs().as_ptr() as *const __m128i);
+        let qb = _mm_loadu_si128(b.qs().as_ptr() as *const __m128i);
+        let q = _mm512_castsi256_si512(_mm256_set_m128i(qb, qa));
+        // 128-bit lanes [a, a, b, b]; the second of each pair shifted to its high nibbles.
+        let q = _mm512_shuffle_i32x4::<0b01_01_00_00>(q, q);
+        let q = _mm512_mask_srli_epi16::<4>(q, 0xFF00_FF00, q);
+        let u = _mm512_and_si512(q, _mm512_set1_epi8(0x0F));
+        let qh = a.qh() as u64 | ((b.qh() as u64) << 32);
+        if qh == 0 {
+            return u;
+        }
+        _mm512_mask_add_epi8(u, qh, u, _mm512_set1_epi8(0x10))
+    }
+
+    /// Eight vectors of sixteen i32 partial sums to one vector of sixteen totals, where `p[i]`
+    /// holds column i's partials in its low 256 bits and column i + 4's in its high (i < 4), and
+    /// `p[4 + i]` columns 8 + i and 12 + i: lane j of the result is column j's total.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn lanes16(p: [__m512i; 8]) -> __m512i {
+        let pair = |a, b| _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+        let quad = |a, b| _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
+        // 128-bit lane L of q0: the lane-L partials of p[0..4]; L = 0, 1 belong to columns 0..4,
+        // L = 2, 3 to columns 4..8 (q1: 8..12, 12..16).
+        let q0 = quad(pair(p[0], p[1]), pair(p[2], p[3]));
+        let q1 = quad(pair(p[4], p[5]), pair(p[6], p[7]));
+        let even = _mm512_shuffle_i32x4::<0b10_00_10_00>(q0, q1);
+        let odd = _mm512_shuffle_i32x4::<0b11_01_11_01>(q0, q1);
+        _mm512_add_epi32(even, odd)
+    }
+
+    /// One row against sixteen columns `c0..c0+16` at once: lane i accumulates column i with
+    /// exactly the operations [`super::row_8cols`] gives its lanes, block after block, so both
+    /// give the same bits.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c")]
+    pub unsafe fn row_16cols<W: Weights>(w: &[W], kb: usize, c0: usize, y: &[W::Y], ysum: &[i32]) -> [f32; 16] {
+        assert!((c0 + 16) * kb <= w.len() && y.len() >= kb && ysum.len() >= kb);
+        let first = w.as_ptr().add(c0 * kb);
+        let next = first.wrapping_add(16 * kb) as *const i8;
+        let per_block = 16 * std::mem::size_of::<W>();
+        let mut acc = _mm512_setzero_ps();
+        for b in 0..kb {
+            // As in `row_8cols`: each step asks for its share of the next sixteen columns.
+            for off in (b * per_block..(b + 1) * per_block).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(off));
+            }
+            // SAFETY: column c0 + i, block b < kb: inside `w` (asserted above).
+            let xs: [&W; 16] = std::array::from_fn(|i| &*first.add(i * kb + b));
+            let (yb, sb) = (y.get_unchecked(b), *ysum.get_unchecked(b));
+            let yy = _mm512_broadcast_i64x4(_mm256_loadu_si256(yb.qs().as_ptr() as *const __m256i));
+            let p: [__m512i; 8] = std::array::from_fn(|i| {
+                let a = (i / 4) * 8 + i % 4;
+                _mm512_dpbusd_epi32(_mm512_setzero_si512(), u_pair(xs[a], xs[a + 4]), yy)
+            });
+            let sumi = _mm512_sub_epi32(lanes16(p), _mm512_set1_epi32(W::OFFSET * sb));
+            let heads: [i32; 16] = xs.map(|x| std::ptr::read_unaligned(x as *const W as *const i32));
+            let heads = _mm512_loadu_si512(heads.as_ptr() as *const _);
+            let xd = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(heads));
+            let t = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sumi), xd), _mm512_set1_ps(yb.d()));
+            let t = if W::HAS_MIN {
+                let xm = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(heads)));
+                _mm512_add_ps(t, _mm512_mul_ps(xm, _mm512_set1_ps(yb.s())))
+            } else {
+                t
+            };
+            acc = _mm512_add_ps(acc, t);
+        }
+        let mut out = [0f32; 16];
+        _mm512_storeu_ps(out.as_mut_ptr(), acc);
+        out
     }
 }
 
@@ -426,7 +527,9 @@ fn tile<W: Weights>(
 ) {
     debug_assert!(m <= MAX_TILE);
     #[cfg(target_arch = "x86_64")]
-    let simd = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("f16c");
+    let isa = super::isa();
+    #[cfg(target_arch = "x86_64")]
+    let simd = isa >= super::Isa::Avx2;
     #[cfg(target_arch = "x86_64")]
     if !groups.is_empty() {
         for (g, rows_g) in groups.iter().enumerate() {
@@ -437,6 +540,18 @@ fn tile<W: Weights>(
     #[cfg(target_arch = "x86_64")]
     let cols = if simd {
         let mut c = cols.start;
+        while isa == super::Isa::Avx512 && c + 16 <= cols.end {
+            for r in 0..m {
+                let rows_of = r * kb..(r + 1) * kb;
+                // SAFETY: AVX-512 (F, BW, VL, VNNI) detected at run time.
+                let acc = unsafe { avx512::row_16cols(w, kb, c, &xq[rows_of.clone()], &ysum[rows_of]) };
+                for (i, v) in acc.iter().enumerate() {
+                    // SAFETY: each (r, c + i) belongs to exactly one caller-side task.
+                    unsafe { *out.add(r * n + c + i) = *v };
+                }
+            }
+            c += 16;
+        }
         while c + 8 <= cols.end {
             for r in 0..m {
                 let rows_of = r * kb..(r + 1) * kb;
@@ -496,7 +611,7 @@ fn matmul<W: Weights>(w: &[W], xq: &[W::Y], m: usize, k: usize, n: usize, out: &
     let groups: Vec<Vec<Vec<Group8>>> = (0..row_tiles)
         .map(|rt| {
             let (r0, rows) = (rt * MAX_TILE, MAX_TILE.min(m - rt * MAX_TILE));
-            if rows < GROUP_MIN_ROWS || !is_x86_feature_detected!("avx2") {
+            if rows < GROUP_MIN_ROWS || super::isa() < super::Isa::Avx2 {
                 return Vec::new();
             }
             (0..rows.div_ceil(8)).map(|g| groups_of::<W>(xq, &ysum, kb, r0 + 8 * g, 8.min(rows - 8 * g))).collect()

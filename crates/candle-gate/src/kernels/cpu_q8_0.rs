@@ -20,7 +20,7 @@ mod avx2 {
 
     /// Candle's `hsum_float_8`.
     #[inline(always)]
-    unsafe fn hsum(x: __m256) -> f32 {
+    pub(super) unsafe fn hsum(x: __m256) -> f32 {
         let r = _mm256_extractf128_ps(x, 1);
         let r = _mm_add_ps(r, _mm256_castps256_ps128(x));
         let r = _mm_add_ps(r, _mm_movehl_ps(r, r));
@@ -74,7 +74,94 @@ mod avx2 {
     }
 }
 
-/// Columns side by side in the one-row path.
+/// The AVX-512 tier: two output elements per 512-bit vector, each in its own eight lanes with
+/// exactly [`avx2`]'s per-lane operations, and each finished by the same horizontal sum, so the
+/// bits are the AVX2 tier's (and Candle's).
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::super::prefetch_ahead;
+    use super::Q80;
+    use std::arch::x86_64::*;
+
+    /// `lo`'s 32 bytes in the low half, `hi`'s in the high.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn halves(lo: &[i8; 32], hi: &[i8; 32]) -> __m512i {
+        let v = _mm512_castsi256_si512(_mm256_loadu_si256(lo.as_ptr() as *const __m256i));
+        _mm512_inserti64x4::<1>(v, _mm256_loadu_si256(hi.as_ptr() as *const __m256i))
+    }
+
+    /// The eight exact partial sums of each half's x·y (four products each), as floats. Candle's
+    /// i16 pairs cannot saturate here (|y| ≤ 127 out of its quantizer, so a pair is at most
+    /// 2·128·127), so one VNNI sum of four products per lane equals its two widening steps.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn pair_sums(bx: __m512i, by: __m512i) -> __m512 {
+        let ax = _mm512_abs_epi8(bx);
+        // Candle's `sign(y, x)`; where x = 0 the product is 0 whichever sign y keeps.
+        let sy = _mm512_mask_sub_epi8(by, _mm512_movepi8_mask(bx), _mm512_setzero_si512(), by);
+        _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ax, sy))
+    }
+
+    /// Each half's [`super::avx2::hsum`].
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn hsum_halves(v: __m512) -> [f32; 2] {
+        let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
+        [super::avx2::hsum(_mm512_castps512_ps256(v)), super::avx2::hsum(hi)]
+    }
+
+    /// `d_lo` in the low eight lanes, `d_hi` in the high.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn scales(d_lo: f32, d_hi: f32) -> __m512 {
+        _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d_lo), _mm512_set1_ps(d_hi))
+    }
+
+    /// [`super::avx2::column`] with rows in pairs (`R` even).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+    pub unsafe fn column<const R: usize>(w: &[Q80], ys: [&[Q80]; R], yd: [&[f32]; R]) -> [f32; R] {
+        let mut acc = [_mm512_setzero_ps(); R];
+        for (b, x) in w.iter().enumerate() {
+            prefetch_ahead(x);
+            let bx = halves(&x.qs, &x.qs);
+            let xd = x.d.to_f32();
+            for p in 0..R / 2 {
+                let (r0, r1) = (2 * p, 2 * p + 1);
+                let by = halves(&ys[r0][b].qs, &ys[r1][b].qs);
+                acc[p] = _mm512_fmadd_ps(scales(xd * yd[r0][b], xd * yd[r1][b]), pair_sums(bx, by), acc[p]);
+            }
+        }
+        let mut out = [0f32; R];
+        for p in 0..R / 2 {
+            [out[2 * p], out[2 * p + 1]] = hsum_halves(acc[p]);
+        }
+        out
+    }
+
+    /// [`super::avx2::columns`] with columns in pairs (`C` even).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+    pub unsafe fn columns<const C: usize>(w: [&[Q80]; C], y: &[Q80], yd: &[f32]) -> [f32; C] {
+        let mut acc = [_mm512_setzero_ps(); C];
+        for b in 0..y.len() {
+            let by = halves(&y[b].qs, &y[b].qs);
+            for p in 0..C / 2 {
+                let (xa, xb) = (&w[2 * p][b], &w[2 * p + 1][b]);
+                prefetch_ahead(xa);
+                prefetch_ahead(xb);
+                let d = scales(xa.d.to_f32() * yd[b], xb.d.to_f32() * yd[b]);
+                acc[p] = _mm512_fmadd_ps(d, pair_sums(halves(&xa.qs, &xb.qs), by), acc[p]);
+            }
+        }
+        let mut out = [0f32; C];
+        for p in 0..C / 2 {
+            [out[2 * p], out[2 * p + 1]] = hsum_halves(acc[p]);
+        }
+        out
+    }
+}
+
+/// Columns side by side in the one-row path (AVX2; AVX-512 runs twice as many, two per vector).
 const ONE_ROW_COLS: usize = 2;
 /// Columns handed to a worker at once.
 const COLS_PER_TASK: usize = 16;
@@ -87,9 +174,11 @@ const ROW_GROUP: usize = 4;
 pub fn matmul(w: &[BlockQ8_0], xq: &[BlockQ8_0], m: usize, k: usize, n: usize, out: &mut [f32]) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
+        let isa = super::isa();
+        if isa < super::Isa::Avx2 {
             return false;
         }
+        let wide = isa == super::Isa::Avx512;
         let kb = k / 32;
         // SAFETY: Q80 mirrors BlockQ8_0 (see `cpu_q32::mirror`).
         let (w, xq) = unsafe { (mirror::<_, Q80>(w), mirror::<_, Q80>(xq)) };
@@ -105,19 +194,21 @@ pub fn matmul(w: &[BlockQ8_0], xq: &[BlockQ8_0], m: usize, k: usize, n: usize, o
                 let mut c = cols.start;
                 while c < cols.end {
                     let col = |i: usize| &w[(c + i) * kb..(c + i + 1) * kb];
-                    // SAFETY: AVX2 and FMA detected above; columns c.. belong to this task.
-                    unsafe {
-                        if c + ONE_ROW_COLS <= cols.end {
-                            let got = avx2::columns::<ONE_ROW_COLS>(std::array::from_fn(col), y, d);
-                            for (i, v) in got.into_iter().enumerate() {
-                                *p.0.add(c + i) = v;
-                            }
-                            c += ONE_ROW_COLS;
+                    // SAFETY: the tier's features detected (`isa`); columns c.. belong to this task.
+                    let got: &[f32] = unsafe {
+                        if wide && c + 2 * ONE_ROW_COLS <= cols.end {
+                            &avx512::columns::<{ 2 * ONE_ROW_COLS }>(std::array::from_fn(col), y, d)
+                        } else if c + ONE_ROW_COLS <= cols.end {
+                            &avx2::columns::<ONE_ROW_COLS>(std::array::from_fn(col), y, d)
                         } else {
-                            *p.0.add(c) = avx2::columns::<1>([col(0)], y, d)[0];
-                            c += 1;
+                            &avx2::columns::<1>([col(0)], y, d)
                         }
+                    };
+                    for (i, &v) in got.iter().enumerate() {
+                        // SAFETY: (0, c + i) belongs to this task alone.
+                        unsafe { *p.0.add(c + i) = v };
                     }
+                    c += got.len();
                 }
                 return;
             }
@@ -125,21 +216,26 @@ pub fn matmul(w: &[BlockQ8_0], xq: &[BlockQ8_0], m: usize, k: usize, n: usize, o
                 let wc = &w[c * kb..(c + 1) * kb];
                 let mut r0 = 0;
                 while r0 < m {
-                    // SAFETY: AVX2 and FMA detected above; each (row, c) belongs to this task.
-                    unsafe {
+                    // SAFETY: the tier's features detected (`isa`).
+                    let got: &[f32] = unsafe {
                         if m - r0 >= ROW_GROUP {
                             let rs: [usize; ROW_GROUP] = std::array::from_fn(|i| r0 + i);
-                            let got = avx2::column::<ROW_GROUP>(wc, rs.map(|r| row(r).0), rs.map(|r| row(r).1));
-                            for (i, v) in got.into_iter().enumerate() {
-                                *p.0.add((r0 + i) * n + c) = v;
+                            let (ys, ds) = (rs.map(|r| row(r).0), rs.map(|r| row(r).1));
+                            if wide {
+                                &avx512::column::<ROW_GROUP>(wc, ys, ds)
+                            } else {
+                                &avx2::column::<ROW_GROUP>(wc, ys, ds)
                             }
-                            r0 += ROW_GROUP;
                         } else {
                             let (y, d) = row(r0);
-                            *p.0.add(r0 * n + c) = avx2::column::<1>(wc, [y], [d])[0];
-                            r0 += 1;
+                            &avx2::column::<1>(wc, [y], [d])
                         }
+                    };
+                    for (i, &v) in got.iter().enumerate() {
+                        // SAFETY: each (row, c) belongs to this task alone.
+                        unsafe { *p.0.add((r0 + i) * n + c) = v };
                     }
+                    r0 += got.len();
                 }
             }
         };

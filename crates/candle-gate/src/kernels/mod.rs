@@ -58,6 +58,78 @@ pub fn set_pool(p: Pool) {
     POOL.store(if p == Pool::Rayon { 0 } else { 1 }, Ordering::Relaxed);
 }
 
+/// The widest vector instructions the CPU kernels may pick at run time. Every tier gives the
+/// same bits: integer block sums are exact whatever the width, and every float lane runs the
+/// same operations in the same order, so a wider tier only computes more columns at once. The
+/// tests force each tier on one host and compare (`tests/kernels.rs`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Isa {
+    /// Scalar code, and Candle's own block dot products where a kernel has no scalar form.
+    Portable,
+    /// AVX2 with FMA and F16C: every `x86-64-v3` host.
+    Avx2,
+    /// AVX-512 F/BW/VL with VNNI (Ice Lake, Sapphire Rapids, Zen 4 and later).
+    Avx512,
+}
+
+impl Isa {
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Portable => "portable",
+            Isa::Avx2 => "avx2",
+            Isa::Avx512 => "avx512",
+        }
+    }
+
+    /// The widest tier this host runs.
+    pub fn best() -> Isa {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::is_x86_feature_detected as has;
+            if has!("avx512f") && has!("avx512bw") && has!("avx512vl") && has!("avx512vnni") && has!("avx2") && has!("fma") && has!("f16c") {
+                return Isa::Avx512;
+            }
+            if has!("avx2") && has!("fma") && has!("f16c") {
+                return Isa::Avx2;
+            }
+        }
+        Isa::Portable
+    }
+
+    /// Every tier this host runs, narrowest first.
+    pub fn available() -> Vec<Isa> {
+        [Isa::Portable, Isa::Avx2, Isa::Avx512].into_iter().filter(|&i| i <= Isa::best()).collect()
+    }
+}
+
+static ISA: AtomicU8 = AtomicU8::new(u8::MAX);
+
+/// The tier in use: set by [`set_isa`], else `CANDLE_GATE_ISA=portable|avx2|avx512`, else
+/// [`Isa::best`]; never wider than the host runs.
+pub fn isa() -> Isa {
+    match ISA.load(Ordering::Relaxed) {
+        0 => Isa::Portable,
+        1 => Isa::Avx2,
+        2 => Isa::Avx512,
+        _ => {
+            let wanted = match std::env::var("CANDLE_GATE_ISA").as_deref() {
+                Ok("portable") => Isa::Portable,
+                Ok("avx2") => Isa::Avx2,
+                _ => Isa::Avx512,
+            };
+            set_isa(wanted)
+        }
+    }
+}
+
+/// Caps the kernels' tier at `wanted` (for tests and comparisons: every tier gives the same
+/// bits); returns the tier in effect, which is narrower where the host lacks `wanted`.
+pub fn set_isa(wanted: Isa) -> Isa {
+    let isa = wanted.min(Isa::best());
+    ISA.store(isa as u8, Ordering::Relaxed);
+    isa
+}
+
 /// How far ahead of the block it reads a one-column loop asks for memory. On the 2-core EPYC
 /// host, the 151936 × 896 Q8_0 output matrix of Qwen2.5 0.5B ran 1.5x faster at one row with
 /// 4 KiB than with none (1 KiB: 1.3x; 8 KiB: 1.4x): the hardware prefetcher alone keeps too
