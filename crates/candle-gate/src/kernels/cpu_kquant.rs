@@ -72,6 +72,11 @@ pub(crate) trait KBlock: Sync + 'static {
     /// SAFETY: AVX2 must be available.
     #[cfg(target_arch = "x86_64")]
     unsafe fn partials_with(&self, y: &Q8K) -> (std::arch::x86_64::__m256i, std::arch::x86_64::__m256i);
+    /// [`KBlock::partials_with`] two 32-weight chunks per 512-bit vector: other lanes, the same
+    /// two exact integer totals.
+    /// SAFETY: AVX-512 F/BW/VL and VNNI must be available.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn partials_avx512(&self, y: &Q8K) -> (std::arch::x86_64::__m512i, std::arch::x86_64::__m256i);
     fn d(&self) -> f32;
     fn dmin(&self) -> f32;
     /// Whether [`KBlock::column_rows_in_lanes`] exists for this type.
@@ -137,6 +142,24 @@ impl KBlock for Q4K {
                 let sc = _mm256_shuffle_epi8(dup, avx2::broadcast_i16(c, c));
                 acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, yq), sc));
             }
+        }
+        (acc, _mm256_madd_epi16(_mm256_loadu_si256(y.bsums.as_ptr() as *const __m256i), bcoef))
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn partials_avx512(&self, y: &Q8K) -> (std::arch::x86_64::__m512i, std::arch::x86_64::__m256i) {
+        use std::arch::x86_64::*;
+        let (dup, bcoef) = self.scales_mins();
+        let scales = _mm512_castsi256_si512(dup);
+        let mut acc = _mm512_setzero_si512();
+        for i in 0..4 {
+            // Chunks 2i and 2i + 1: the low and the high nibbles of the same 32 bytes.
+            let q = _mm512_broadcast_i64x4(_mm256_loadu_si256(self.qs.as_ptr().add(32 * i) as *const __m256i));
+            let u = _mm512_and_si512(_mm512_mask_srli_epi16::<4>(q, 0xFFFF_0000, q), _mm512_set1_epi8(0x0F));
+            let yq = _mm512_loadu_si512(y.qs.as_ptr().add(64 * i) as *const _);
+            let sc = avx512::runs_of_i16(scales, 2 * i, 16);
+            acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(u, yq), sc);
         }
         (acc, _mm256_madd_epi16(_mm256_loadu_si256(y.bsums.as_ptr() as *const __m256i), bcoef))
     }
@@ -228,6 +251,30 @@ impl KBlock for Q6K {
                 let c = 4 * n + t;
                 let yq = _mm256_loadu_si256(y.qs.as_ptr().add(32 * c) as *const __m256i);
                 acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, yq), Self::scale(lo, hi, c)));
+            }
+        }
+        (acc, _mm256_madd_epi16(_mm256_loadu_si256(y.bsums.as_ptr() as *const __m256i), bcoef))
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn partials_avx512(&self, y: &Q8K) -> (std::arch::x86_64::__m512i, std::arch::x86_64::__m256i) {
+        use std::arch::x86_64::*;
+        let (m4, m2) = (_mm512_set1_epi8(0x0F), _mm512_set1_epi8(0x03));
+        let bcoef = _mm256_cvtepi8_epi16(_mm_loadu_si128(self.scales.as_ptr() as *const __m128i));
+        let scales = _mm512_castsi256_si512(bcoef);
+        let mut acc = _mm512_setzero_si512();
+        for n in 0..2 {
+            // Chunks 4n, 4n + 1 take the low nibbles of ql[64n..64n + 64] and bits 0-1, 2-3 of
+            // qh[32n..]; chunks 4n + 2, 4n + 3 the high nibbles and bits 4-5, 6-7.
+            let ql = _mm512_loadu_si512(self.ql.as_ptr().add(64 * n) as *const _);
+            let qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(self.qh.as_ptr().add(32 * n) as *const __m256i));
+            let qh = _mm512_mask_srli_epi16::<2>(qh, 0xFFFF_0000, qh);
+            for (t, (lo, hi)) in [(ql, qh), (_mm512_srli_epi16::<4>(ql), _mm512_srli_epi16::<4>(qh))].into_iter().enumerate() {
+                let u = _mm512_or_si512(_mm512_and_si512(lo, m4), _mm512_slli_epi16::<4>(_mm512_and_si512(hi, m2)));
+                let c = 4 * n + 2 * t;
+                let yq = _mm512_loadu_si512(y.qs.as_ptr().add(32 * c) as *const _);
+                acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(u, yq), avx512::runs_of_i16(scales, 2 * c, 8));
             }
         }
         (acc, _mm256_madd_epi16(_mm256_loadu_si256(y.bsums.as_ptr() as *const __m256i), bcoef))
@@ -488,6 +535,40 @@ unsafe fn q4k_column_rows_in_lanes(wc: &[Q4K], groups: &[Group8]) -> [f32; 8] {
     out
 }
 
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    /// i16 lane l of the result: lane `first + l / run` of `v` (`run` a power of two): each
+    /// scale repeated over the products it multiplies.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub unsafe fn runs_of_i16(v: __m512i, first: usize, run: u32) -> __m512i {
+        let lane = _mm512_set_epi16(
+            31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0,
+        );
+        let idx = _mm512_add_epi16(_mm512_srl_epi16(lane, _mm_cvtsi32_si128(run.trailing_zeros() as i32)), _mm512_set1_epi16(first as i16));
+        _mm512_permutexvar_epi16(idx, v)
+    }
+}
+
+/// [`element_avx2`] with the integer parts two chunks per 512-bit vector: the same exact
+/// integers, then the same float step, so the same bits.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn element_avx512<W: KBlock>(wc: &[W], y: &[Q8K]) -> f32 {
+    use std::arch::x86_64::_mm512_reduce_add_epi32;
+    let mut acc = 0f32;
+    for (x, yb) in wc.iter().zip(y) {
+        super::prefetch_ahead(x);
+        let (p, q) = x.partials_avx512(yb);
+        let isum = _mm512_reduce_add_epi32(p);
+        let (isum, imin) = if W::HAS_MIN { (isum, avx2::hsum(q)) } else { (isum - W::OFFSET * avx2::hsum(q), 0) };
+        acc = step::<W>(acc, isum, imin, x.d(), x.dmin(), yb.d);
+    }
+    acc
+}
+
 /// One output element, [`element`]'s arithmetic with the integer parts in AVX2: the one-row
 /// kernel, reading the column's bytes in order.
 #[cfg(target_arch = "x86_64")]
@@ -525,6 +606,8 @@ fn matmul<W: KBlock>(w: &[W], xq: &[Q8K], m: usize, k: usize, n: usize, out: &mu
     let ptr = OutPtr(out.as_mut_ptr());
     #[cfg(target_arch = "x86_64")]
     let simd = super::isa() >= super::Isa::Avx2;
+    #[cfg(target_arch = "x86_64")]
+    let wide = super::isa() == super::Isa::Avx512;
     #[cfg(not(target_arch = "x86_64"))]
     let simd = false;
     #[cfg(target_arch = "x86_64")]
@@ -561,7 +644,8 @@ fn matmul<W: KBlock>(w: &[W], xq: &[Q8K], m: usize, k: usize, n: usize, out: &mu
         if simd {
             for c in cols.clone() {
                 for r in 0..m {
-                    put(r, c, unsafe { element_avx2(&w[c * kb..(c + 1) * kb], &xq[r * kb..(r + 1) * kb]) });
+                    let (wc, y) = (&w[c * kb..(c + 1) * kb], &xq[r * kb..(r + 1) * kb]);
+                    put(r, c, unsafe { if wide { element_avx512(wc, y) } else { element_avx2(wc, y) } });
                 }
             }
             return;
