@@ -53,6 +53,20 @@ fn bits_equal(a: &[f32], b: &[f32]) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
 }
 
+/// `check(dtype, n, k, weight, x, rows)` for every dtype, shape and row count, with weights and
+/// activations drawn from the given seeds.
+fn every_case(seeds: (u64, u64), check: impl Fn(GgmlDType, usize, usize, &QMatMul, &[f32], usize)) {
+    for d in SUPPORTED {
+        for (n, k) in shapes(d) {
+            let w = weight(d, n, k, seeds.0 + n as u64);
+            let x = pseudo_random(64 * k, seeds.1 + k as u64);
+            for m in rows_for(n) {
+                check(d, n, k, &w, &x[..m * k], m);
+            }
+        }
+    }
+}
+
 fn rows_for(n: usize) -> Vec<usize> {
     if n >= 1024 {
         vec![1, 2, 3, 4, 5, 7, 8, 13, 16, 31, 64]
@@ -70,40 +84,26 @@ fn every_isa_tier_gives_the_portable_bits() {
     let tiers = Isa::available();
     // Printed, not skipped silently: a host without AVX-512 VNNI compares the tiers it has.
     eprintln!("kernel tiers on this host: {:?} (of Portable, Avx2, Avx512)", tiers);
-    for d in SUPPORTED {
-        for (n, k) in shapes(d) {
-            let w = weight(d, n, k, 11 + n as u64);
-            let x = pseudo_random(64 * k, 5 + k as u64);
-            for m in rows_for(n) {
-                let x = &x[..m * k];
-                let run = |isa| {
-                    assert_eq!(set_isa(isa), isa);
-                    w.run_cpu(Kernel::Invariant, x, m).unwrap()
-                };
-                let portable = run(Isa::Portable);
-                for &isa in &tiers[1..] {
-                    assert!(bits_equal(&run(isa), &portable), "{d:?} [{n},{k}] m={m}: {isa:?} != Portable");
-                }
-            }
+    every_case((11, 5), |d, n, k, w, x, m| {
+        let run = |isa| {
+            assert_eq!(set_isa(isa), isa);
+            w.run_cpu(Kernel::Invariant, x, m).unwrap()
+        };
+        let portable = run(Isa::Portable);
+        for &isa in &tiers[1..] {
+            assert!(bits_equal(&run(isa), &portable), "{d:?} [{n},{k}] m={m}: {isa:?} != Portable");
         }
-    }
+    });
     set_isa(Isa::best());
 }
 
 #[test]
 fn invariant_equals_gemv_bitwise_all_dtypes_shapes_rows() {
-    for d in SUPPORTED {
-        for (n, k) in shapes(d) {
-            let w = weight(d, n, k, 7 + n as u64);
-            let x = pseudo_random(64 * k, 99 + k as u64);
-            for m in rows_for(n) {
-                let x = &x[..m * k];
-                let a = w.run_cpu(Kernel::Invariant, x, m).unwrap();
-                let b = w.run_cpu(Kernel::GemvRowSplit, x, m).unwrap();
-                assert!(bits_equal(&a, &b), "{d:?} [{n},{k}] m={m}: invariant != gemv");
-            }
-        }
-    }
+    every_case((7, 99), |d, n, k, w, x, m| {
+        let a = w.run_cpu(Kernel::Invariant, x, m).unwrap();
+        let b = w.run_cpu(Kernel::GemvRowSplit, x, m).unwrap();
+        assert!(bits_equal(&a, &b), "{d:?} [{n},{k}] m={m}: invariant != gemv");
+    });
 }
 
 #[test]

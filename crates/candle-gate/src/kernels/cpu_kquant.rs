@@ -552,18 +552,16 @@ mod avx512 {
     }
 }
 
-/// [`element_avx2`] with the integer parts two chunks per 512-bit vector: the same exact
-/// integers, then the same float step, so the same bits.
+/// The one-row loop of every SIMD tier: `sums(x, y)` is a block's exact (Σ sc·u·y, Σ bcoef·bsums),
+/// then the float step. Inlined into each tier's `target_feature` function.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn element_avx512<W: KBlock>(wc: &[W], y: &[Q8K]) -> f32 {
-    use std::arch::x86_64::_mm512_reduce_add_epi32;
+#[inline(always)]
+fn element_from<W: KBlock>(wc: &[W], y: &[Q8K], sums: impl Fn(&W, &Q8K) -> (i32, i32)) -> f32 {
     let mut acc = 0f32;
     for (x, yb) in wc.iter().zip(y) {
         super::prefetch_ahead(x);
-        let (p, q) = x.partials_avx512(yb);
-        let isum = _mm512_reduce_add_epi32(p);
-        let (isum, imin) = if W::HAS_MIN { (isum, avx2::hsum(q)) } else { (isum - W::OFFSET * avx2::hsum(q), 0) };
+        let (p, q) = sums(x, yb);
+        let (isum, imin) = if W::HAS_MIN { (p, q) } else { (p - W::OFFSET * q, 0) };
         acc = step::<W>(acc, isum, imin, x.d(), x.dmin(), yb.d);
     }
     acc
@@ -574,14 +572,23 @@ unsafe fn element_avx512<W: KBlock>(wc: &[W], y: &[Q8K]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn element_avx2<W: KBlock>(wc: &[W], y: &[Q8K]) -> f32 {
-    let mut acc = 0f32;
-    for (x, yb) in wc.iter().zip(y) {
-        super::prefetch_ahead(x);
-        let (p, q) = x.partials_with(yb);
-        let (isum, imin) = if W::HAS_MIN { (avx2::hsum(p), avx2::hsum(q)) } else { (avx2::hsum(p) - W::OFFSET * avx2::hsum(q), 0) };
-        acc = step::<W>(acc, isum, imin, x.d(), x.dmin(), yb.d);
-    }
-    acc
+    element_from(wc, y, |x, yb| {
+        // SAFETY: AVX2, this function's feature.
+        let (p, q) = unsafe { x.partials_with(yb) };
+        (avx2::hsum(p), avx2::hsum(q))
+    })
+}
+
+/// [`element_avx2`] with the integer parts two chunks per 512-bit vector: the same exact
+/// integers, then the same float step, so the same bits.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn element_avx512<W: KBlock>(wc: &[W], y: &[Q8K]) -> f32 {
+    element_from(wc, y, |x, yb| {
+        // SAFETY: AVX-512 F/BW/VL and VNNI, this function's features.
+        let (p, q) = unsafe { x.partials_avx512(yb) };
+        (std::arch::x86_64::_mm512_reduce_add_epi32(p), avx2::hsum(q))
+    })
 }
 
 /// The portable definition of one output element.
