@@ -168,6 +168,9 @@ def main(argv=None) -> int:
     streams = [int(s) for s in a.streams.split(",")]
     bw = read_bandwidth_gbs(a.threads)
     print(f"read bandwidth ({a.threads} threads summing 256 MiB): {bw:.1f} GB/s; threads {a.threads}", flush=True)
+    # What each side's build picked on this host (llama.cpp's SIMD and AMX builds differ).
+    peer_build = llama_cpp.llama_print_system_info().decode().strip()
+    print(f"llama.cpp {llama_cpp.__version__}: {peer_build}", flush=True)
     rows = []
     for name in a.models.split(","):
         model = Model.load(name)
@@ -203,7 +206,7 @@ def main(argv=None) -> int:
             print(f"{r['model']:<38} {'':>7} decode at {100 * r['bandwidth_share']:.0f}% of the read-bandwidth limit")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"read_bandwidth_gbs": bw, "threads": a.threads, "rows": rows}, f, indent=1)
+            json.dump({"read_bandwidth_gbs": bw, "threads": a.threads, "llama_cpp_build": peer_build, "rows": rows}, f, indent=1)
     return 0
 
 
