@@ -391,11 +391,58 @@ pub(crate) mod avx512 {
         _mm512_storeu_ps(out.as_mut_ptr(), acc);
         out
     }
+
+    /// [`super::Group8`] with each vector in both 256-bit halves: eight rows for two columns.
+    pub struct Group16 {
+        yt: [__m512i; 8],
+        d: __m512,
+        s: __m512,
+        offset_sum: __m512i,
+    }
+
+    impl Group16 {
+        #[target_feature(enable = "avx512f")]
+        pub unsafe fn of(g: &super::Group8) -> Group16 {
+            let both = |v: __m256i| _mm512_broadcast_i64x4(v);
+            let both_ps = |v: __m256| _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(v)));
+            Group16 { yt: g.yt.map(both), d: both_ps(g.d), s: both_ps(g.s), offset_sum: both(g.offset_sum) }
+        }
+    }
+
+    /// Eight rows of two columns at once, rows in the lanes (`a`'s in lanes 0-7, `b`'s in
+    /// 8-15): each lane runs exactly [`super::column_8rows`]'s operations for its row and
+    /// column, so both give the same bits. Group g of each column's unpacked weights reaches its
+    /// eight lanes by one permute, and VNNI sums four products per lane straight into i32.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c")]
+    pub unsafe fn two_columns_8rows<W: Weights>(wa: &[W], wb: &[W], groups: &[Group16]) -> [f32; 16] {
+        let mut acc = _mm512_setzero_ps();
+        let lanes_of = |g: i32| _mm512_setr_epi32(g, g, g, g, g, g, g, g, 8 + g, 8 + g, 8 + g, 8 + g, 8 + g, 8 + g, 8 + g, 8 + g);
+        let idx: [__m512i; 8] = std::array::from_fn(|g| lanes_of(g as i32));
+        let halves = |a: f32, b: f32| _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(a), _mm512_set1_ps(b));
+        for ((xa, xb), g) in wa.iter().zip(wb).zip(groups) {
+            super::super::prefetch_ahead(xa);
+            super::super::prefetch_ahead(xb);
+            let u = u_pair(xa, xb);
+            // Two chains, so that consecutive multiply-adds do not wait on each other.
+            let (mut even, mut odd) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+            for t in (0..8).step_by(2) {
+                even = _mm512_dpbusd_epi32(even, _mm512_permutexvar_epi32(idx[t], u), g.yt[t]);
+                odd = _mm512_dpbusd_epi32(odd, _mm512_permutexvar_epi32(idx[t + 1], u), g.yt[t + 1]);
+            }
+            let sumi = _mm512_sub_epi32(_mm512_add_epi32(even, odd), g.offset_sum);
+            let t = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sumi), halves(xa.d(), xb.d())), g.d);
+            let t = if W::HAS_MIN { _mm512_add_ps(t, _mm512_mul_ps(halves(xa.m(), xb.m()), g.s)) } else { t };
+            acc = _mm512_add_ps(acc, t);
+        }
+        let mut out = [0f32; 16];
+        _mm512_storeu_ps(out.as_mut_ptr(), acc);
+        out
+    }
 }
 
 /// Eight rows' activation blocks for one block index, with their floats as lanes.
 #[cfg(target_arch = "x86_64")]
-struct Group8 {
+pub(crate) struct Group8 {
     /// The eight rows' 32 bytes transposed: `yt[g]` lane r = row r's bytes 4g..4g+4.
     yt: [std::arch::x86_64::__m256i; 8],
     d: std::arch::x86_64::__m256,
@@ -495,16 +542,46 @@ fn groups_of<W: Weights>(xq: &[W::Y], ysum: &[i32], kb: usize, r0: usize, rows: 
         .collect()
 }
 
-/// Rows `r0..r0+rows` (at most 8, their [`groups_of`]) against columns `cols`.
+/// Up to eight rows' activations in the rows-in-lanes layouts: AVX2's, and (when that tier
+/// runs) AVX-512's, built once per matmul.
+#[cfg(target_arch = "x86_64")]
+struct RowGroup {
+    narrow: Vec<Group8>,
+    wide: Vec<avx512::Group16>,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl RowGroup {
+    fn new(narrow: Vec<Group8>, isa: super::Isa) -> RowGroup {
+        // SAFETY: AVX-512 F is part of the tier checked here.
+        let wide = if isa == super::Isa::Avx512 { narrow.iter().map(|g| unsafe { avx512::Group16::of(g) }).collect() } else { Vec::new() };
+        RowGroup { narrow, wide }
+    }
+}
+
+/// Rows `r0..r0+rows` (at most 8, their [`RowGroup`]) against columns `cols`.
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
-fn group8<W: Weights>(w: &[W], groups: &[Group8], kb: usize, r0: usize, rows: usize, cols: std::ops::Range<usize>, n: usize, out: *mut f32) {
-    for c in cols {
-        // SAFETY: AVX2 detected by the caller.
-        let acc = unsafe { column_8rows(&w[c * kb..(c + 1) * kb], groups) };
+fn group8<W: Weights>(w: &[W], groups: &RowGroup, kb: usize, r0: usize, rows: usize, cols: std::ops::Range<usize>, n: usize, out: *mut f32) {
+    let col = |c: usize| &w[c * kb..(c + 1) * kb];
+    let put = |c: usize, acc: &[f32]| {
         for (i, v) in acc.iter().take(rows).enumerate() {
             // SAFETY: each (row, c) belongs to exactly one caller-side task.
             unsafe { *out.add((r0 + i) * n + c) = *v };
+        }
+    };
+    let mut c = cols.start;
+    while c < cols.end {
+        // SAFETY (both kernels): the tier's features were detected by the caller, and `wide` is
+        // only built when AVX-512 runs.
+        if !groups.wide.is_empty() && c + 2 <= cols.end {
+            let acc = unsafe { avx512::two_columns_8rows(col(c), col(c + 1), &groups.wide) };
+            put(c, &acc[..8]);
+            put(c + 1, &acc[8..]);
+            c += 2;
+        } else {
+            put(c, &unsafe { column_8rows(col(c), &groups.narrow) });
+            c += 1;
         }
     }
 }
@@ -523,7 +600,7 @@ fn tile<W: Weights>(
     cols: std::ops::Range<usize>,
     n: usize,
     out: *mut f32,
-    #[cfg(target_arch = "x86_64")] groups: &[Vec<Group8>],
+    #[cfg(target_arch = "x86_64")] groups: &[RowGroup],
 ) {
     debug_assert!(m <= MAX_TILE);
     #[cfg(target_arch = "x86_64")]
@@ -608,13 +685,15 @@ fn matmul<W: Weights>(w: &[W], xq: &[W::Y], m: usize, k: usize, n: usize, out: &
     let row_tiles = m.div_ceil(MAX_TILE);
     // Rows in the lanes from GROUP_MIN_ROWS rows of a tile on (both paths give the same bits).
     #[cfg(target_arch = "x86_64")]
-    let groups: Vec<Vec<Vec<Group8>>> = (0..row_tiles)
+    let isa = super::isa();
+    #[cfg(target_arch = "x86_64")]
+    let groups: Vec<Vec<RowGroup>> = (0..row_tiles)
         .map(|rt| {
             let (r0, rows) = (rt * MAX_TILE, MAX_TILE.min(m - rt * MAX_TILE));
-            if rows < GROUP_MIN_ROWS || super::isa() < super::Isa::Avx2 {
+            if rows < GROUP_MIN_ROWS || isa < super::Isa::Avx2 {
                 return Vec::new();
             }
-            (0..rows.div_ceil(8)).map(|g| groups_of::<W>(xq, &ysum, kb, r0 + 8 * g, 8.min(rows - 8 * g))).collect()
+            (0..rows.div_ceil(8)).map(|g| RowGroup::new(groups_of::<W>(xq, &ysum, kb, r0 + 8 * g, 8.min(rows - 8 * g)), isa)).collect()
         })
         .collect();
     let run = |task: usize| {
