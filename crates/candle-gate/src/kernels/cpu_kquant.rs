@@ -90,6 +90,16 @@ pub(crate) trait KBlock: Sync + 'static {
     {
         unreachable!("no rows-in-lanes kernel for this type")
     }
+    /// Eight rows of two columns, rows in the lanes (`a`'s in lanes 0-7, `b`'s in 8-15), from
+    /// the rows' [`avx512::Group16`]s: each lane exactly [`KBlock::column_rows_in_lanes`]'s.
+    /// SAFETY: AVX-512 F/BW/VL and VNNI must be available.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn two_columns_rows_in_lanes(_wa: &[Self], _wb: &[Self], _groups: &[avx512::Group16]) -> [f32; 16]
+    where
+        Self: Sized,
+    {
+        unreachable!("no rows-in-lanes kernel for this type")
+    }
 }
 
 impl KBlock for Q4K {
@@ -99,6 +109,10 @@ impl KBlock for Q4K {
     #[cfg(target_arch = "x86_64")]
     unsafe fn column_rows_in_lanes(wc: &[Self], groups: &[Group8]) -> [f32; 8] {
         q4k_column_rows_in_lanes(wc, groups)
+    }
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn two_columns_rows_in_lanes(wa: &[Self], wb: &[Self], groups: &[avx512::Group16]) -> [f32; 16] {
+        avx512::q4k_two_columns_rows_in_lanes(wa, wb, groups)
     }
     fn unpack(&self) -> Unpacked {
         let sm = |j: usize| self.scale_min(j);
@@ -198,6 +212,16 @@ impl Q4K {
     #[inline(always)]
     unsafe fn scales_mins(&self) -> (std::arch::x86_64::__m256i, std::arch::x86_64::__m256i) {
         use std::arch::x86_64::*;
+        let sm = self.scale_min_bytes();
+        let scales16 = _mm256_cvtepu8_epi16(sm);
+        let dup = _mm256_permute2x128_si256(scales16, scales16, 0x00);
+        (dup, _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm, sm)))
+    }
+
+    /// The eight 6-bit scales (bytes 0-7) and mins (bytes 8-15), unpacked.
+    #[inline(always)]
+    unsafe fn scale_min_bytes(&self) -> std::arch::x86_64::__m128i {
+        use std::arch::x86_64::*;
         // The twelve bytes q and four of `qs` after them (inside the block), in one register;
         // bytes 0-7 of `sm` are the scales, 8-15 the mins: scales and mins 0-3 are the low six
         // bits of q[0..4], q[4..8]; scales 4-7 take q[8..12]'s low nibbles, mins 4-7 their high
@@ -211,10 +235,7 @@ impl Q4K {
             keep(low, 0x0F0F_0F0F_3F3F_3F3F, 0x0000_0000_3F3F_3F3F),
             keep(_mm_srli_epi16(low, 4), 0, 0x0F0F_0F0F_0000_0000),
         );
-        let sm = _mm_or_si128(low, keep(_mm_srli_epi16(top, 2), 0x3030_3030_0000_0000, 0x3030_3030_0000_0000));
-        let scales16 = _mm256_cvtepu8_epi16(sm);
-        let dup = _mm256_permute2x128_si256(scales16, scales16, 0x00);
-        (dup, _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm, sm)))
+        _mm_or_si128(low, keep(_mm_srli_epi16(top, 2), 0x3030_3030_0000_0000, 0x3030_3030_0000_0000))
     }
 }
 
@@ -543,6 +564,7 @@ unsafe fn q4k_column_rows_in_lanes(wc: &[Q4K], groups: &[Group8]) -> [f32; 8] {
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
+    use super::KBlock;
     use std::arch::x86_64::*;
 
     /// i16 lane l of the result: lane `first + l / run` of `v` (`run` a power of two): each
@@ -555,6 +577,78 @@ mod avx512 {
         );
         let idx = _mm512_add_epi16(_mm512_srl_epi16(lane, _mm_cvtsi32_si128(run.trailing_zeros() as i32)), _mm512_set1_epi16(first as i16));
         _mm512_permutexvar_epi16(idx, v)
+    }
+
+    /// [`super::Group8`] with each vector in both 256-bit halves: eight rows for two columns.
+    pub struct Group16 {
+        yt: [__m512i; 64],
+        bs: [__m512i; 8],
+        d: __m512,
+    }
+
+    impl Group16 {
+        #[target_feature(enable = "avx512f")]
+        pub unsafe fn of(g: &super::Group8) -> Group16 {
+            let both = |v: __m256i| _mm512_broadcast_i64x4(v);
+            Group16 { yt: g.yt.map(both), bs: g.bs.map(both), d: _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(g.d))) }
+        }
+    }
+
+    /// `v`'s i32 lane `t` in lanes 0-7 and its lane `8 + t` in lanes 8-15.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn spread(v: __m512i, t: i32) -> __m512i {
+        let u = 8 + t;
+        _mm512_permutexvar_epi32(_mm512_setr_epi32(t, t, t, t, t, t, t, t, u, u, u, u, u, u, u, u), v)
+    }
+
+    /// `a`'s 32 bytes in the low half, `b`'s in the high.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn cat(a: __m256i, b: __m256i) -> __m512i {
+        _mm512_inserti64x4::<1>(_mm512_castsi256_si512(a), b)
+    }
+
+    /// [`super::q4k_column_rows_in_lanes`] for two columns at once: each 4-weight group of a
+    /// column reaches that column's eight row lanes by one permute of the two columns' packed
+    /// nibbles, VNNI sums four products per lane into i32, and the sub-block's scale and min
+    /// (each lane its column's) multiply the exact sums. The float step is
+    /// [`super::avx2::step8`]'s, lane for lane.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c")]
+    pub unsafe fn q4k_two_columns_rows_in_lanes(wa: &[super::Q4K], wb: &[super::Q4K], groups: &[Group16]) -> [f32; 16] {
+        let m4 = _mm512_set1_epi8(0x0F);
+        let halves = |a: f32, b: f32| _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(a), _mm512_set1_ps(b));
+        let mut acc = _mm512_setzero_ps();
+        for ((xa, xb), g) in wa.iter().zip(wb).zip(groups) {
+            super::super::prefetch_ahead(xa);
+            super::super::prefetch_ahead(xb);
+            let (sa, sb) = (xa.scale_min_bytes(), xb.scale_min_bytes());
+            let scales = cat(_mm256_cvtepu8_epi32(sa), _mm256_cvtepu8_epi32(sb));
+            let mins = cat(_mm256_cvtepu8_epi32(_mm_srli_si128::<8>(sa)), _mm256_cvtepu8_epi32(_mm_srli_si128::<8>(sb)));
+            let (mut isum, mut imin) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+            for i in 0..4 {
+                let load = |x: &super::Q4K| _mm256_loadu_si256(x.qs.as_ptr().add(32 * i) as *const __m256i);
+                let q = cat(load(xa), load(xb));
+                let (mut lo, mut hi) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+                for t in 0..8 {
+                    let w = spread(q, t as i32);
+                    lo = _mm512_dpbusd_epi32(lo, _mm512_and_si512(w, m4), g.yt[16 * i + t]);
+                    hi = _mm512_dpbusd_epi32(hi, _mm512_and_si512(_mm512_srli_epi16::<4>(w), m4), g.yt[16 * i + 8 + t]);
+                }
+                for (j, part) in [(2 * i, lo), (2 * i + 1, hi)] {
+                    isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(part, spread(scales, j as i32)));
+                    // The min in both i16 halves of each lane, against the bsums pair.
+                    let m = spread(mins, j as i32);
+                    imin = _mm512_dpwssd_epi32(imin, g.bs[j], _mm512_or_si512(_mm512_slli_epi32::<16>(m), m));
+                }
+            }
+            let a = _mm512_mul_ps(_mm512_mul_ps(g.d, halves(xa.d(), xb.d())), _mm512_cvtepi32_ps(isum));
+            let b = _mm512_mul_ps(_mm512_mul_ps(g.d, halves(xa.dmin(), xb.dmin())), _mm512_cvtepi32_ps(imin));
+            acc = _mm512_add_ps(acc, _mm512_sub_ps(a, b));
+        }
+        let mut out = [0f32; 16];
+        _mm512_storeu_ps(out.as_mut_ptr(), acc);
+        out
     }
 }
 
@@ -629,6 +723,14 @@ fn matmul<W: KBlock>(w: &[W], xq: &[Q8K], m: usize, k: usize, n: usize, out: &mu
     } else {
         Vec::new()
     };
+    // The same rows for the AVX-512 two-column kernel, where it runs.
+    #[cfg(target_arch = "x86_64")]
+    let wide_groups: Vec<Vec<avx512::Group16>> = if wide {
+        // SAFETY: AVX-512 F is part of the tier checked (`wide`).
+        groups.iter().map(|g| g.iter().map(|g| unsafe { avx512::Group16::of(g) }).collect()).collect()
+    } else {
+        Vec::new()
+    };
     let run = |task: usize| {
         let p = ptr;
         let cols = task * COLS_PER_TASK..n.min((task + 1) * COLS_PER_TASK);
@@ -637,7 +739,22 @@ fn matmul<W: KBlock>(w: &[W], xq: &[Q8K], m: usize, k: usize, n: usize, out: &mu
         let put = |r: usize, c: usize, v: f32| unsafe { *p.0.add(r * n + c) = v };
         #[cfg(target_arch = "x86_64")]
         if simd && m >= GROUP_MIN_ROWS {
-            for c in cols.clone() {
+            let mut cols = cols.clone();
+            if W::ROWS_IN_LANES && wide {
+                while cols.len() >= 2 {
+                    let c = cols.start;
+                    let col = |c: usize| &w[c * kb..(c + 1) * kb];
+                    for r0 in (0..m).step_by(8) {
+                        let got = unsafe { W::two_columns_rows_in_lanes(col(c), col(c + 1), &wide_groups[r0 / 8]) };
+                        for (i, (&va, &vb)) in got[..8].iter().zip(&got[8..]).take(8.min(m - r0)).enumerate() {
+                            put(r0 + i, c, va);
+                            put(r0 + i, c + 1, vb);
+                        }
+                    }
+                    cols.start += 2;
+                }
+            }
+            for c in cols {
                 let wc = &w[c * kb..(c + 1) * kb];
                 for r0 in (0..m).step_by(8) {
                     let rows = 8.min(m - r0);
