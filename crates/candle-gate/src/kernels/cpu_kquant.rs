@@ -90,6 +90,8 @@ pub(crate) trait KBlock: Sync + 'static {
     {
         unreachable!("no rows-in-lanes kernel for this type")
     }
+    /// Whether [`KBlock::two_columns_rows_in_lanes`] exists for this type.
+    const WIDE_ROWS_IN_LANES: bool = false;
     /// Eight rows of two columns, rows in the lanes (`a`'s in lanes 0-7, `b`'s in 8-15), from
     /// the rows' [`avx512::Group16`]s: each lane exactly [`KBlock::column_rows_in_lanes`]'s.
     /// SAFETY: AVX-512 F/BW/VL and VNNI must be available.
@@ -110,6 +112,7 @@ impl KBlock for Q4K {
     unsafe fn column_rows_in_lanes(wc: &[Self], groups: &[Group8]) -> [f32; 8] {
         q4k_column_rows_in_lanes(wc, groups)
     }
+    const WIDE_ROWS_IN_LANES: bool = true;
     #[cfg(target_arch = "x86_64")]
     unsafe fn two_columns_rows_in_lanes(wa: &[Self], wb: &[Self], groups: &[avx512::Group16]) -> [f32; 16] {
         avx512::q4k_two_columns_rows_in_lanes(wa, wb, groups)
@@ -242,6 +245,11 @@ impl Q4K {
 impl KBlock for Q6K {
     const OFFSET: i32 = 32;
     const HAS_MIN: bool = false;
+    const WIDE_ROWS_IN_LANES: bool = true;
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn two_columns_rows_in_lanes(wa: &[Self], wb: &[Self], groups: &[avx512::Group16]) -> [f32; 16] {
+        avx512::q6k_two_columns_rows_in_lanes(wa, wb, groups)
+    }
     fn unpack(&self) -> Unpacked {
         let u = std::array::from_fn(|c| {
             let (n, t) = (c / 4, c % 4);
@@ -650,6 +658,63 @@ mod avx512 {
         _mm512_storeu_ps(out.as_mut_ptr(), acc);
         out
     }
+
+    /// Eight rows of two Q6_K columns, rows in the lanes, as [`q4k_two_columns_rows_in_lanes`]:
+    /// one permute per 4-byte group of `ql` (two halves) and `qh` gives four chunks' weights,
+    /// each summed by VNNI into its 16-weight half's i32 lanes, then times that half's scale
+    /// (each lane its column's); the `bsums` term and the float step are
+    /// [`super::avx2::step8`]'s, lane for lane.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c")]
+    pub unsafe fn q6k_two_columns_rows_in_lanes(wa: &[super::Q6K], wb: &[super::Q6K], groups: &[Group16]) -> [f32; 16] {
+        let (m4, m2) = (_mm512_set1_epi8(0x0F), _mm512_set1_epi8(0x03));
+        let halves = |a: f32, b: f32| _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(a), _mm512_set1_ps(b));
+        let six = |q: __m512i, h: __m512i| _mm512_or_si512(_mm512_and_si512(q, m4), _mm512_slli_epi16::<4>(_mm512_and_si512(h, m2)));
+        let mut acc = _mm512_setzero_ps();
+        for ((xa, xb), g) in wa.iter().zip(wb).zip(groups) {
+            super::super::prefetch_ahead(xa);
+            super::super::prefetch_ahead(xb);
+            let eight = |x: &super::Q6K, h: usize| _mm256_cvtepi8_epi32(_mm_loadl_epi64(x.scales.as_ptr().add(8 * h) as *const __m128i));
+            // Half s's scale in lane s % 8 of scales[s / 8]; pairs lane j: scales 2j, 2j + 1 as i16.
+            let scales = [cat(eight(xa, 0), eight(xb, 0)), cat(eight(xa, 1), eight(xb, 1))];
+            let sixteen = |x: &super::Q6K| _mm256_cvtepi8_epi16(_mm_loadu_si128(x.scales.as_ptr() as *const __m128i));
+            let pairs = cat(sixteen(xa), sixteen(xb));
+            let mut ib = _mm512_setzero_si512();
+            for j in 0..8 {
+                ib = _mm512_dpwssd_epi32(ib, g.bs[j], spread(pairs, j as i32));
+            }
+            let mut isum = _mm512_setzero_si512();
+            for n in 0..2 {
+                let load = |p: *const u8| _mm256_loadu_si256(p as *const __m256i);
+                let ql0 = cat(load(xa.ql.as_ptr().add(64 * n)), load(xb.ql.as_ptr().add(64 * n)));
+                let ql1 = cat(load(xa.ql.as_ptr().add(64 * n + 32)), load(xb.ql.as_ptr().add(64 * n + 32)));
+                let qh = cat(load(xa.qh.as_ptr().add(32 * n)), load(xb.qh.as_ptr().add(32 * n)));
+                // part[2t + half]: chunk 4n + t, weights 16 · half.. of it.
+                let mut part = [_mm512_setzero_si512(); 8];
+                for q in 0..8 {
+                    let (a, b, h) = (spread(ql0, q as i32), spread(ql1, q as i32), spread(qh, q as i32));
+                    let u = [
+                        six(a, h),
+                        six(b, _mm512_srli_epi16::<2>(h)),
+                        six(_mm512_srli_epi16::<4>(a), _mm512_srli_epi16::<4>(h)),
+                        six(_mm512_srli_epi16::<4>(b), _mm512_srli_epi16::<6>(h)),
+                    ];
+                    for (t, u) in u.into_iter().enumerate() {
+                        let k = 2 * t + q / 4;
+                        part[k] = _mm512_dpbusd_epi32(part[k], u, g.yt[8 * (4 * n + t) + q]);
+                    }
+                }
+                for (k, p) in part.into_iter().enumerate() {
+                    let s = 8 * n + k;
+                    isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(p, spread(scales[s / 8], (s % 8) as i32)));
+                }
+            }
+            let isum = _mm512_sub_epi32(isum, _mm512_mullo_epi32(ib, _mm512_set1_epi32(super::Q6K::OFFSET)));
+            acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_mul_ps(g.d, halves(xa.d(), xb.d())), _mm512_cvtepi32_ps(isum)));
+        }
+        let mut out = [0f32; 16];
+        _mm512_storeu_ps(out.as_mut_ptr(), acc);
+        out
+    }
 }
 
 /// The one-row loop of every SIMD tier: `sums(x, y)` is a block's exact (Σ sc·u·y, Σ bcoef·bsums),
@@ -718,7 +783,7 @@ fn matmul<W: KBlock>(w: &[W], xq: &[Q8K], m: usize, k: usize, n: usize, out: &mu
     #[cfg(not(target_arch = "x86_64"))]
     let simd = false;
     #[cfg(target_arch = "x86_64")]
-    let groups: Vec<Vec<Group8>> = if W::ROWS_IN_LANES && simd && m >= GROUP_MIN_ROWS {
+    let groups: Vec<Vec<Group8>> = if (W::ROWS_IN_LANES || (W::WIDE_ROWS_IN_LANES && wide)) && simd && m >= GROUP_MIN_ROWS {
         (0..m).step_by(8).map(|r0| groups_of(xq, kb, r0, 8.min(m - r0))).collect()
     } else {
         Vec::new()
@@ -740,7 +805,7 @@ fn matmul<W: KBlock>(w: &[W], xq: &[Q8K], m: usize, k: usize, n: usize, out: &mu
         #[cfg(target_arch = "x86_64")]
         if simd && m >= GROUP_MIN_ROWS {
             let mut cols = cols.clone();
-            if W::ROWS_IN_LANES && wide {
+            if W::WIDE_ROWS_IN_LANES && wide {
                 while cols.len() >= 2 {
                     let c = cols.start;
                     let col = |c: usize| &w[c * kb..(c + 1) * kb];
