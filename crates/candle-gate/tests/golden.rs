@@ -141,6 +141,22 @@ fn invariant_reference_and_split_k_lanes_reproduce_the_golden_hashes() {
     let diffs: Vec<String> = golden.runs.iter().zip(&runs).filter_map(|(w, g)| first_difference(w, g)).collect();
     assert!(diffs.is_empty(), "this host does not reproduce the golden bits (produced on {}):\n{}", golden.produced_on, diffs.join("\n"));
     assert_eq!(golden.runs.len(), runs.len());
+
+    // Every narrower kernel tier this host has reproduces the invariant lane too.
+    use candle_gate::kernels::{set_isa, Isa};
+    let best = Isa::best();
+    for isa in Isa::available().into_iter().filter(|&i| i != best) {
+        set_isa(isa);
+        for want in golden.runs.iter().filter(|r| r.lane == "invariant") {
+            let ids = m.tokenizer.encode_rendered(&want.prompt).unwrap();
+            let got = Run { lane: want.lane.clone(), prompt: want.prompt.clone(), steps: fast_lane(&m, &policy, &ids) };
+            if let Some(d) = first_difference(want, &got) {
+                panic!("kernel tier {isa:?} does not reproduce the golden bits: {d}");
+            }
+        }
+        eprintln!("kernel tier {isa:?}: the invariant lane reproduces the golden hashes");
+    }
+    set_isa(best);
 }
 
 /// The mismatch report names the first differing step and the first differing layer in it.
