@@ -16,6 +16,17 @@ After one short warm-up run each (pages the weights in), the table keeps each si
 divides the weight bytes one decode step reads by the measured single-stream step time and by a
 measured read bandwidth (a large ``numpy`` sum on as many threads as the engines use), as the share of the limit that decode reaches.
 Nothing here is asserted: numbers depend on the machine.
+
+On a VM whose CPU reports AMX but faults on AMX tiles (seen on a KVM Xeon: llama.cpp's AMX
+buffer type crashes in ``llama_decode``), build llama.cpp without AMX, keeping its AVX-512 VNNI
+kernels and weight repacking:
+
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+      -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
+      -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" \
+      pip install --force-reinstall --no-deps --no-cache-dir llama-cpp-python
+
+The run prints llama.cpp's ``llama_print_system_info()`` and records it in the JSON.
 """
 from __future__ import annotations
 

@@ -165,7 +165,7 @@ mod avx512 {
 const ONE_ROW_COLS: usize = 2;
 /// Columns handed to a worker at once.
 const COLS_PER_TASK: usize = 16;
-/// Rows sharing one pass over a weight column.
+/// Rows sharing one pass over a weight column (AVX-512: twice as many, two per vector).
 const ROW_GROUP: usize = 4;
 
 /// `y = x · Wᵀ` for `m` rows; bitwise equal to Candle's Q8_0 matmul row by row on x86 (AVX2).
@@ -218,7 +218,10 @@ pub fn matmul(w: &[BlockQ8_0], xq: &[BlockQ8_0], m: usize, k: usize, n: usize, o
                 while r0 < m {
                     // SAFETY: the tier's features detected (`isa`).
                     let got: &[f32] = unsafe {
-                        if m - r0 >= ROW_GROUP {
+                        if wide && m - r0 >= 2 * ROW_GROUP {
+                            let rs: [usize; 2 * ROW_GROUP] = std::array::from_fn(|i| r0 + i);
+                            &avx512::column::<{ 2 * ROW_GROUP }>(wc, rs.map(|r| row(r).0), rs.map(|r| row(r).1))
+                        } else if m - r0 >= ROW_GROUP {
                             let rs: [usize; ROW_GROUP] = std::array::from_fn(|i| r0 + i);
                             let (ys, ds) = (rs.map(|r| row(r).0), rs.map(|r| row(r).1));
                             if wide {
