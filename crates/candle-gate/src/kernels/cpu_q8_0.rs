@@ -75,8 +75,15 @@ mod avx2 {
 }
 
 /// The AVX-512 tier: two output elements per 512-bit vector, each in its own eight lanes with
-/// exactly [`avx2`]'s per-lane operations, and each finished by the same horizontal sum, so the
-/// bits are the AVX2 tier's (and Candle's).
+/// exactly [`avx2`]'s per-lane float operations, and each finished by the same horizontal sum, so
+/// the bits are the AVX2 tier's (and Candle's).
+///
+/// The integer part takes another road to the same integers. Candle's eight partial sums per block
+/// (four products each) come from `maddubs(|x|, sign(y, x))`, whose i16 pairs cannot saturate
+/// here (its quantizer keeps |y| ≤ 127, so a pair is at most 2·128·127). VNNI's `dpbusd` wants
+/// unsigned weights, so x is offset to x + 128 (one xor) and the sum starts from −128 · Σ y over
+/// each four values, computed once per activation block: Σ (x + 128)·y − 128·Σ y = Σ x·y,
+/// exactly, in one instruction per two output elements.
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use super::super::prefetch_ahead;
@@ -91,18 +98,6 @@ mod avx512 {
         _mm512_inserti64x4::<1>(v, _mm256_loadu_si256(hi.as_ptr() as *const __m256i))
     }
 
-    /// The eight exact partial sums of each half's x·y (four products each), as floats. Candle's
-    /// i16 pairs cannot saturate here (|y| ≤ 127 out of its quantizer, so a pair is at most
-    /// 2·128·127), so one VNNI sum of four products per lane equals its two widening steps.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    unsafe fn pair_sums(bx: __m512i, by: __m512i) -> __m512 {
-        let ax = _mm512_abs_epi8(bx);
-        // Candle's `sign(y, x)`; where x = 0 the product is 0 whichever sign y keeps.
-        let sy = _mm512_mask_sub_epi8(by, _mm512_movepi8_mask(bx), _mm512_setzero_si512(), by);
-        _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ax, sy))
-    }
-
     /// Each half's [`super::avx2::hsum`].
     #[inline]
     #[target_feature(enable = "avx512f")]
@@ -111,61 +106,87 @@ mod avx512 {
         [super::avx2::hsum(_mm512_castps512_ps256(v)), super::avx2::hsum(hi)]
     }
 
-    /// `d_lo` in the low eight lanes, `d_hi` in the high.
+    /// `lo` in the low eight lanes, `hi` in the high.
     #[inline]
     #[target_feature(enable = "avx512f")]
-    unsafe fn scales(d_lo: f32, d_hi: f32) -> __m512 {
-        _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d_lo), _mm512_set1_ps(d_hi))
+    unsafe fn halves_ps(lo: f32, hi: f32) -> __m512 {
+        _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(lo), _mm512_set1_ps(hi))
     }
 
-    /// [`super::avx2::column`] with rows in pairs (`R` even).
+    /// One activation block of two rows (or of one row, twice), ready for the offset form.
+    pub struct Rows2 {
+        qs: __m512i,
+        /// −128 · Σ of each four `qs`: where each lane's sum starts.
+        start: __m512i,
+        /// Each row's scale over its eight lanes.
+        d: __m512,
+    }
+
+    impl Rows2 {
+        #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+        pub unsafe fn of(lo: &Q80, d_lo: f32, hi: &Q80, d_hi: f32) -> Rows2 {
+            let qs = halves(&lo.qs, &hi.qs);
+            let sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(-128), qs);
+            Rows2 { qs, start: _mm512_sub_epi32(_mm512_setzero_si512(), sums), d: halves_ps(d_lo, d_hi) }
+        }
+    }
+
+    /// Candle's per-block step on two elements at once: `acc + (d_x·d_y) · Σ x·y`, one FMA per
+    /// lane, with the exact integer lanes from the offset form.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,fma")]
+    unsafe fn step(acc: __m512, x_plus_128: __m512i, y: &Rows2, d: __m512) -> __m512 {
+        _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(y.start, x_plus_128, y.qs)), acc)
+    }
+
+    /// One weight column against `P` row pairs (`rows[p]`: the pair's blocks), every element
+    /// exactly [`super::avx2::column`]'s: `2P` results, pair by pair.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
-    pub unsafe fn column<const R: usize>(w: &[Q80], ys: [&[Q80]; R], yd: [&[f32]; R]) -> [f32; R] {
-        let mut acc = [_mm512_setzero_ps(); R];
+    pub unsafe fn column<const P: usize>(w: &[Q80], rows: [&[Rows2]; P]) -> [[f32; 2]; P] {
+        let mut acc = [_mm512_setzero_ps(); P];
+        let offset = _mm512_set1_epi8(-128);
         for (b, x) in w.iter().enumerate() {
             prefetch_ahead(x);
-            let bx = halves(&x.qs, &x.qs);
-            let xd = x.d.to_f32();
-            for p in 0..R / 2 {
-                let (r0, r1) = (2 * p, 2 * p + 1);
-                let by = halves(&ys[r0][b].qs, &ys[r1][b].qs);
-                acc[p] = _mm512_fmadd_ps(scales(xd * yd[r0][b], xd * yd[r1][b]), pair_sums(bx, by), acc[p]);
+            let xu = _mm512_xor_si512(halves(&x.qs, &x.qs), offset);
+            let xd = _mm512_set1_ps(x.d.to_f32());
+            for p in 0..P {
+                let y = rows[p].get_unchecked(b);
+                acc[p] = step(acc[p], xu, y, _mm512_mul_ps(xd, y.d));
             }
         }
-        let mut out = [0f32; R];
-        for p in 0..R / 2 {
-            [out[2 * p], out[2 * p + 1]] = hsum_halves(acc[p]);
-        }
-        out
+        acc.map(|a| hsum_halves(a))
     }
 
-    /// [`super::avx2::columns`] with columns in pairs (`C` even).
+    /// One row (its blocks, each [`Rows2`] holding it twice) against `2P` adjacent columns, every
+    /// element exactly [`super::avx2::columns`]'s, column pair by pair.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
-    pub unsafe fn columns<const C: usize>(w: [&[Q80]; C], y: &[Q80], yd: &[f32]) -> [f32; C] {
-        let mut acc = [_mm512_setzero_ps(); C];
-        for b in 0..y.len() {
-            let by = halves(&y[b].qs, &y[b].qs);
-            for p in 0..C / 2 {
-                let (xa, xb) = (&w[2 * p][b], &w[2 * p + 1][b]);
+    pub unsafe fn columns<const P: usize>(w: [[&[Q80]; 2]; P], y: &[Rows2]) -> [[f32; 2]; P] {
+        let mut acc = [_mm512_setzero_ps(); P];
+        let offset = _mm512_set1_epi8(-128);
+        for (b, yb) in y.iter().enumerate() {
+            for (a, [wa, wb]) in acc.iter_mut().zip(w) {
+                let (xa, xb) = (wa.get_unchecked(b), wb.get_unchecked(b));
                 prefetch_ahead(xa);
                 prefetch_ahead(xb);
-                let d = scales(xa.d.to_f32() * yd[b], xb.d.to_f32() * yd[b]);
-                acc[p] = _mm512_fmadd_ps(d, pair_sums(halves(&xa.qs, &xb.qs), by), acc[p]);
+                let xu = _mm512_xor_si512(halves(&xa.qs, &xb.qs), offset);
+                *a = step(*a, xu, yb, _mm512_mul_ps(halves_ps(xa.d.to_f32(), xb.d.to_f32()), yb.d));
             }
         }
-        let mut out = [0f32; C];
-        for p in 0..C / 2 {
-            [out[2 * p], out[2 * p + 1]] = hsum_halves(acc[p]);
-        }
-        out
+        acc.map(|a| hsum_halves(a))
     }
 }
 
-/// Columns side by side in the one-row path (AVX2; AVX-512 runs twice as many, two per vector).
+/// `got` copied to the front of `buf`, which is returned cut to it.
+fn fill<'a>(buf: &'a mut [f32], got: &[f32]) -> &'a [f32] {
+    buf[..got.len()].copy_from_slice(got);
+    &buf[..got.len()]
+}
+
+/// Columns side by side in the one-row path (AVX2; AVX-512 runs as many pairs, two per vector).
 const ONE_ROW_COLS: usize = 2;
 /// Columns handed to a worker at once.
 const COLS_PER_TASK: usize = 16;
-/// Rows sharing one pass over a weight column (AVX-512: twice as many, two per vector).
+/// Rows sharing one pass over a weight column (AVX-512: as many pairs, two per vector).
 const ROW_GROUP: usize = 4;
 
 /// `y = x · Wᵀ` for `m` rows; bitwise equal to Candle's Q8_0 matmul row by row on x86 (AVX2).
@@ -184,24 +205,38 @@ pub fn matmul(w: &[BlockQ8_0], xq: &[BlockQ8_0], m: usize, k: usize, n: usize, o
         let (w, xq) = unsafe { (mirror::<_, Q80>(w), mirror::<_, Q80>(xq)) };
         let yd: Vec<f32> = xq.iter().map(|y| y.d.to_f32()).collect();
         let row = |r: usize| (&xq[r * kb..(r + 1) * kb], &yd[r * kb..(r + 1) * kb]);
+        // AVX-512's activations, built once: row pairs (2p, 2p + 1), or at one row the row twice.
+        #[cfg(target_arch = "x86_64")]
+        let pairs: Vec<Vec<avx512::Rows2>> = if !wide {
+            Vec::new()
+        } else {
+            let pair = |lo: usize, hi: usize| -> Vec<avx512::Rows2> {
+                let ((yl, dl), (yh, dh)) = (row(lo), row(hi));
+                // SAFETY: AVX-512 F/BW and VNNI are part of the tier (`wide`).
+                (0..kb).map(|b| unsafe { avx512::Rows2::of(&yl[b], dl[b], &yh[b], dh[b]) }).collect()
+            };
+            if m == 1 { vec![pair(0, 0)] } else { (0..m / 2).map(|p| pair(2 * p, 2 * p + 1)).collect() }
+        };
         let ptr = OutPtr(out.as_mut_ptr());
         let col_tasks = n.div_ceil(COLS_PER_TASK);
         let run = |task: usize| {
             let p = ptr;
             let cols = task * COLS_PER_TASK..n.min((task + 1) * COLS_PER_TASK);
+            let col = |c: usize| &w[c * kb..(c + 1) * kb];
             if m == 1 {
                 let (y, d) = row(0);
                 let mut c = cols.start;
                 while c < cols.end {
-                    let col = |i: usize| &w[(c + i) * kb..(c + i + 1) * kb];
                     // SAFETY: the tier's features detected (`isa`); columns c.. belong to this task.
+                    let mut buf = [0f32; 2 * ONE_ROW_COLS];
                     let got: &[f32] = unsafe {
                         if wide && c + 2 * ONE_ROW_COLS <= cols.end {
-                            &avx512::columns::<{ 2 * ONE_ROW_COLS }>(std::array::from_fn(col), y, d)
+                            let w2: [[&[Q80]; 2]; ONE_ROW_COLS] = std::array::from_fn(|i| [col(c + 2 * i), col(c + 2 * i + 1)]);
+                            fill(&mut buf, avx512::columns::<ONE_ROW_COLS>(w2, &pairs[0]).as_flattened())
                         } else if c + ONE_ROW_COLS <= cols.end {
-                            &avx2::columns::<ONE_ROW_COLS>(std::array::from_fn(col), y, d)
+                            fill(&mut buf, &avx2::columns::<ONE_ROW_COLS>(std::array::from_fn(|i| col(c + i)), y, d))
                         } else {
-                            &avx2::columns::<1>([col(0)], y, d)
+                            fill(&mut buf, &avx2::columns::<1>([col(c)], y, d))
                         }
                     };
                     for (i, &v) in got.iter().enumerate() {
@@ -213,25 +248,23 @@ pub fn matmul(w: &[BlockQ8_0], xq: &[BlockQ8_0], m: usize, k: usize, n: usize, o
                 return;
             }
             for c in cols {
-                let wc = &w[c * kb..(c + 1) * kb];
+                let wc = col(c);
                 let mut r0 = 0;
                 while r0 < m {
-                    // SAFETY: the tier's features detected (`isa`).
+                    // SAFETY: the tier's features detected (`isa`); `pairs` holds rows 0..m & !1.
+                    let mut buf = [0f32; 2 * ROW_GROUP];
                     let got: &[f32] = unsafe {
                         if wide && m - r0 >= 2 * ROW_GROUP {
-                            let rs: [usize; 2 * ROW_GROUP] = std::array::from_fn(|i| r0 + i);
-                            &avx512::column::<{ 2 * ROW_GROUP }>(wc, rs.map(|r| row(r).0), rs.map(|r| row(r).1))
+                            let rows: [&[avx512::Rows2]; ROW_GROUP] = std::array::from_fn(|i| &pairs[r0 / 2 + i][..]);
+                            fill(&mut buf, avx512::column::<ROW_GROUP>(wc, rows).as_flattened())
+                        } else if wide && m - r0 >= 2 {
+                            fill(&mut buf, avx512::column::<1>(wc, [&pairs[r0 / 2][..]]).as_flattened())
                         } else if m - r0 >= ROW_GROUP {
                             let rs: [usize; ROW_GROUP] = std::array::from_fn(|i| r0 + i);
-                            let (ys, ds) = (rs.map(|r| row(r).0), rs.map(|r| row(r).1));
-                            if wide {
-                                &avx512::column::<ROW_GROUP>(wc, ys, ds)
-                            } else {
-                                &avx2::column::<ROW_GROUP>(wc, ys, ds)
-                            }
+                            fill(&mut buf, &avx2::column::<ROW_GROUP>(wc, rs.map(|r| row(r).0), rs.map(|r| row(r).1)))
                         } else {
                             let (y, d) = row(r0);
-                            &avx2::column::<1>(wc, [y], [d])
+                            fill(&mut buf, &avx2::column::<1>(wc, [y], [d]))
                         }
                     };
                     for (i, &v) in got.iter().enumerate() {
