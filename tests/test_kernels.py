@@ -62,3 +62,23 @@ def test_profile_errors(tmp_path):
     ok.write_text('{"backend": "cpu", "created": "x", "dtypes": {"q4_1": {"row_split_max": 6, "crossover_rows": 7}}}')
     m = candle_gate.Model.load(profile=str(ok), mode="row_split")
     assert "cpu:q4_1=6" in m._native.policy
+
+
+def test_the_kernel_tier_is_named_and_capped_by_the_environment():
+    """`--version` names the CPU kernels' tier; CANDLE_GATE_ISA caps it (never widens it)."""
+    import os
+    import subprocess
+    import sys
+
+    from candle_gate import _native
+
+    def version(env):
+        out = subprocess.run([sys.executable, "-m", "candle_gate", "--version"], env={**os.environ, **env},
+                             capture_output=True, text=True, check=True).stdout
+        return out.strip().rsplit("CPU kernels: ", 1)[1].rstrip(")")
+
+    tiers = ["portable", "avx2", "avx512"]
+    best = version({"CANDLE_GATE_ISA": "avx512"})
+    assert best in tiers and _native.kernel_tier() in tiers
+    assert version({"CANDLE_GATE_ISA": "portable"}) == "portable"
+    assert version({"CANDLE_GATE_ISA": "avx2"}) == tiers[min(tiers.index(best), 1)]

@@ -115,7 +115,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="candle-gate", description=__doc__)
-    ap.add_argument("--version", action="version", version=f"candle-gate {_native.__version__}")
+    ap.add_argument("--version", action="version", version=f"candle-gate {_native.__version__} (CPU kernels: {_native.kernel_tier()})")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     g = sub.add_parser("generate", help="generation for one prompt (greedy unless --temperature)")

@@ -712,6 +712,13 @@ fn host_signature(mode: &str) -> PyResult<String> {
     Ok(candle_gate::host::signature(Mode::from_str(mode).map_err(to_py)?))
 }
 
+/// The CPU kernels' instruction-set tier in use (`portable`, `avx2`, `avx512`): every tier gives
+/// the same bits, so it is not part of the host signature.
+#[pyfunction]
+fn kernel_tier() -> &'static str {
+    candle_gate::kernels::isa().name()
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("CandleGateError", m.py().get_type::<CandleGateError>())?;
@@ -722,6 +729,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("MODES", candle_gate::Mode::ALL.map(|x| x.name()).to_vec())?;
     m.add("GATES", candle_gate::GateMode::ALL.map(|x| x.name()).to_vec())?;
     m.add_function(wrap_pyfunction!(host_signature, m)?)?;
+    m.add_function(wrap_pyfunction!(kernel_tier, m)?)?;
     let known = PyList::empty(m.py());
     for k in candle_gate::registry::KNOWN {
         let d = PyDict::new(m.py());

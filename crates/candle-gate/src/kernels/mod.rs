@@ -115,7 +115,11 @@ pub fn isa() -> Isa {
             let wanted = match std::env::var("CANDLE_GATE_ISA").as_deref() {
                 Ok("portable") => Isa::Portable,
                 Ok("avx2") => Isa::Avx2,
-                _ => Isa::Avx512,
+                Ok("avx512") | Err(_) => Isa::Avx512,
+                Ok(other) => {
+                    eprintln!("candle-gate: CANDLE_GATE_ISA={other:?} is not portable, avx2 or avx512; using the widest tier this host runs");
+                    Isa::Avx512
+                }
             };
             set_isa(wanted)
         }
