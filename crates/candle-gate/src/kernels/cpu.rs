@@ -59,19 +59,47 @@ fn blocks_of<T>(bytes: &[u8]) -> Result<&[T]> {
     Ok(unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const T, bytes.len() / size) })
 }
 
-fn quantize_rows<T: GgmlType>(x: &[f32], m: usize, k: usize) -> Vec<T::VecDotType> {
+fn quantize_rows<T: GgmlType>(x: &[f32], m: usize, k: usize) -> Vec<T::VecDotType>
+where
+    T::VecDotType: 'static,
+{
+    use super::quantize;
     let kb = k / T::BLCK_SIZE;
     let mut q = vec![T::VecDotType::zeros(); m * kb];
-    for r in 0..m {
-        let dst = &mut q[r * kb..(r + 1) * kb];
-        let src = &x[r * k..(r + 1) * k];
+    let row = |src: &[f32], dst: &mut [T::VecDotType]| {
         if T::DIRECT_COPY {
             T::VecDotType::direct_copy(src, dst)
+        } else if let Some(d) = cast_mut::<_, BlockQ8_0>(dst) {
+            quantize::q8_0(src, d)
+        } else if let Some(d) = cast_mut::<_, BlockQ8_1>(dst) {
+            quantize::q8_1(src, d)
+        } else if let Some(d) = cast_mut::<_, BlockQ8K>(dst) {
+            quantize::q8k(src, d)
         } else {
             T::VecDotType::from_float(src, dst)
         }
+    };
+    // Rows are independent: a prefill's many rows are quantized in parallel, bits unchanged
+    // (below some 64K values, waking a second worker costs more than it saves).
+    if m >= 2 && m * k >= 1 << 16 && kb > 0 {
+        use rayon::prelude::*;
+        q.par_chunks_mut(kb).zip(x.par_chunks(k)).for_each(|(dst, src)| row(src, dst));
+    } else {
+        for r in 0..m {
+            row(&x[r * k..(r + 1) * k], &mut q[r * kb..(r + 1) * kb]);
+        }
     }
     q
+}
+
+/// [`cast`] for a mutable slice.
+fn cast_mut<A: 'static, B: 'static>(s: &mut [A]) -> Option<&mut [B]> {
+    if std::any::TypeId::of::<A>() == std::any::TypeId::of::<B>() {
+        // SAFETY: A and B are the same type.
+        Some(unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr() as *mut B, s.len()) })
+    } else {
+        None
+    }
 }
 
 /// `Some(slice)` when `A` is `B` (a type-level dispatch that keeps the kernels generic).

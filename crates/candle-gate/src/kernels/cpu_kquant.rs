@@ -39,9 +39,9 @@ pub(crate) struct Q6K {
 /// Mirrors Candle's `#[repr(C)]` `BlockQ8K`.
 #[repr(C)]
 pub(crate) struct Q8K {
-    d: f32,
-    qs: [i8; 256],
-    bsums: [i16; 16],
+    pub(crate) d: f32,
+    pub(crate) qs: [i8; 256],
+    pub(crate) bsums: [i16; 16],
 }
 const _: () = assert!(std::mem::size_of::<Q4K>() == std::mem::size_of::<BlockQ4K>());
 const _: () = assert!(std::mem::size_of::<Q6K>() == std::mem::size_of::<BlockQ6K>());

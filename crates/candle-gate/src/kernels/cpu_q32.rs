@@ -31,9 +31,9 @@ pub(crate) struct Q50 {
 /// Mirrors Candle's `#[repr(C)]` `BlockQ8_1`.
 #[repr(C)]
 pub(crate) struct Q81 {
-    d: f16,
-    s: f16,
-    qs: [i8; 32],
+    pub(crate) d: f16,
+    pub(crate) s: f16,
+    pub(crate) qs: [i8; 32],
 }
 /// Mirrors Candle's `#[repr(C)]` `BlockQ8_0`.
 #[repr(C)]

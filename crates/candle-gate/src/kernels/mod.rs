@@ -6,6 +6,7 @@ mod cpu_kquant;
 mod cpu_q32;
 mod cpu_q8_0;
 pub mod cpu_split_k;
+pub mod quantize;
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
