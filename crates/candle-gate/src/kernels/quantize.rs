@@ -54,16 +54,21 @@ fn round_block(x: &[f32], scale: f32, q: &mut [i8]) {
     }
 }
 
-/// Candle's `BlockQ8_0::from_float` (x86): `d = amax / 127`, `q = round(x / d)`.
+/// One 32-value block as Q8_0 and Q8_1 make it: `d = amax / 127`, `q = round(x / d)`.
+fn block32(x: &[f32], d_out: &mut f16, qs: &mut [i8; 32]) {
+    let d = amax(x) / 127.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    *d_out = f16::from_f32(d);
+    round_block(x, id, qs);
+}
+
+/// Candle's `BlockQ8_0::from_float` (x86).
 pub fn q8_0(xs: &[f32], ys: &mut [BlockQ8_0]) {
     assert_eq!(xs.len(), 32 * ys.len());
     // SAFETY: Q80 mirrors BlockQ8_0.
     let ys = unsafe { mirror_mut::<_, Q80>(ys) };
     for (x, y) in xs.chunks_exact(32).zip(ys) {
-        let d = amax(x) / 127.0;
-        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-        y.d = f16::from_f32(d);
-        round_block(x, id, &mut y.qs);
+        block32(x, &mut y.d, &mut y.qs);
     }
 }
 
@@ -73,10 +78,7 @@ pub fn q8_1(xs: &[f32], ys: &mut [BlockQ8_1]) {
     // SAFETY: Q81 mirrors BlockQ8_1.
     let ys = unsafe { mirror_mut::<_, Q81>(ys) };
     for (x, y) in xs.chunks_exact(32).zip(ys) {
-        let d = amax(x) / 127.0;
-        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-        y.d = f16::from_f32(d);
-        round_block(x, id, &mut y.qs);
+        block32(x, &mut y.d, &mut y.qs);
         let sum: i32 = y.qs.iter().map(|&q| q as i32).sum();
         y.s = f16::from_f32(sum as f32) * y.d;
     }
