@@ -172,7 +172,7 @@ impl KBlock for Q4K {
         let mut acc = _mm512_setzero_si512();
         for i in 0..4 {
             // Chunks 2i and 2i + 1: the low and the high nibbles of the same 32 bytes.
-            let q = _mm512_broadcast_i64x4(_mm256_loadu_si256(self.qs.as_ptr().add(32 * i) as *const __m256i));
+            let q = super::avx512::both(_mm256_loadu_si256(self.qs.as_ptr().add(32 * i) as *const __m256i));
             let u = _mm512_and_si512(_mm512_mask_srli_epi16::<4>(q, 0xFFFF_0000, q), _mm512_set1_epi8(0x0F));
             let yq = _mm512_loadu_si512(y.qs.as_ptr().add(64 * i) as *const _);
             let sc = avx512::runs_of_i16(scales, 2 * i, 16);
@@ -303,7 +303,7 @@ impl KBlock for Q6K {
             // Chunks 4n, 4n + 1 take the low nibbles of ql[64n..64n + 64] and bits 0-1, 2-3 of
             // qh[32n..]; chunks 4n + 2, 4n + 3 the high nibbles and bits 4-5, 6-7.
             let ql = _mm512_loadu_si512(self.ql.as_ptr().add(64 * n) as *const _);
-            let qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(self.qh.as_ptr().add(32 * n) as *const __m256i));
+            let qh = super::avx512::both(_mm256_loadu_si256(self.qh.as_ptr().add(32 * n) as *const __m256i));
             let qh = _mm512_mask_srli_epi16::<2>(qh, 0xFFFF_0000, qh);
             for (t, (lo, hi)) in [(ql, qh), (_mm512_srli_epi16::<4>(ql), _mm512_srli_epi16::<4>(qh))].into_iter().enumerate() {
                 let u = _mm512_or_si512(_mm512_and_si512(lo, m4), _mm512_slli_epi16::<4>(_mm512_and_si512(hi, m2)));
@@ -572,6 +572,7 @@ unsafe fn q4k_column_rows_in_lanes(wc: &[Q4K], groups: &[Group8]) -> [f32; 8] {
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
+    use super::super::avx512::{both, both_ps, cat, halves_ps, spread};
     use super::KBlock;
     use std::arch::x86_64::*;
 
@@ -597,24 +598,8 @@ mod avx512 {
     impl Group16 {
         #[target_feature(enable = "avx512f")]
         pub unsafe fn of(g: &super::Group8) -> Group16 {
-            let both = |v: __m256i| _mm512_broadcast_i64x4(v);
-            Group16 { yt: g.yt.map(both), bs: g.bs.map(both), d: _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(g.d))) }
+            Group16 { yt: g.yt.map(|v| both(v)), bs: g.bs.map(|v| both(v)), d: both_ps(g.d) }
         }
-    }
-
-    /// `v`'s i32 lane `t` in lanes 0-7 and its lane `8 + t` in lanes 8-15.
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn spread(v: __m512i, t: i32) -> __m512i {
-        let u = 8 + t;
-        _mm512_permutexvar_epi32(_mm512_setr_epi32(t, t, t, t, t, t, t, t, u, u, u, u, u, u, u, u), v)
-    }
-
-    /// `a`'s 32 bytes in the low half, `b`'s in the high.
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn cat(a: __m256i, b: __m256i) -> __m512i {
-        _mm512_inserti64x4::<1>(_mm512_castsi256_si512(a), b)
     }
 
     /// [`super::q4k_column_rows_in_lanes`] for two columns at once: each 4-weight group of a
@@ -625,7 +610,6 @@ mod avx512 {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c")]
     pub unsafe fn q4k_two_columns_rows_in_lanes(wa: &[super::Q4K], wb: &[super::Q4K], groups: &[Group16]) -> [f32; 16] {
         let m4 = _mm512_set1_epi8(0x0F);
-        let halves = |a: f32, b: f32| _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(a), _mm512_set1_ps(b));
         let mut acc = _mm512_setzero_ps();
         for ((xa, xb), g) in wa.iter().zip(wb).zip(groups) {
             super::super::prefetch_ahead(xa);
@@ -650,8 +634,8 @@ mod avx512 {
                     imin = _mm512_dpwssd_epi32(imin, g.bs[j], _mm512_or_si512(_mm512_slli_epi32::<16>(m), m));
                 }
             }
-            let a = _mm512_mul_ps(_mm512_mul_ps(g.d, halves(xa.d(), xb.d())), _mm512_cvtepi32_ps(isum));
-            let b = _mm512_mul_ps(_mm512_mul_ps(g.d, halves(xa.dmin(), xb.dmin())), _mm512_cvtepi32_ps(imin));
+            let a = _mm512_mul_ps(_mm512_mul_ps(g.d, halves_ps(xa.d(), xb.d())), _mm512_cvtepi32_ps(isum));
+            let b = _mm512_mul_ps(_mm512_mul_ps(g.d, halves_ps(xa.dmin(), xb.dmin())), _mm512_cvtepi32_ps(imin));
             acc = _mm512_add_ps(acc, _mm512_sub_ps(a, b));
         }
         let mut out = [0f32; 16];
@@ -667,7 +651,6 @@ mod avx512 {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c")]
     pub unsafe fn q6k_two_columns_rows_in_lanes(wa: &[super::Q6K], wb: &[super::Q6K], groups: &[Group16]) -> [f32; 16] {
         let (m4, m2) = (_mm512_set1_epi8(0x0F), _mm512_set1_epi8(0x03));
-        let halves = |a: f32, b: f32| _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(a), _mm512_set1_ps(b));
         let six = |q: __m512i, h: __m512i| _mm512_or_si512(_mm512_and_si512(q, m4), _mm512_slli_epi16::<4>(_mm512_and_si512(h, m2)));
         let mut acc = _mm512_setzero_ps();
         for ((xa, xb), g) in wa.iter().zip(wb).zip(groups) {
@@ -709,7 +692,7 @@ mod avx512 {
                 }
             }
             let isum = _mm512_sub_epi32(isum, _mm512_mullo_epi32(ib, _mm512_set1_epi32(super::Q6K::OFFSET)));
-            acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_mul_ps(g.d, halves(xa.d(), xb.d())), _mm512_cvtepi32_ps(isum)));
+            acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_mul_ps(g.d, halves_ps(xa.d(), xb.d())), _mm512_cvtepi32_ps(isum)));
         }
         let mut out = [0f32; 16];
         _mm512_storeu_ps(out.as_mut_ptr(), acc);

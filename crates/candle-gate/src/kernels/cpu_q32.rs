@@ -311,6 +311,7 @@ pub(crate) mod avx2 {
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512 {
+    use super::super::avx512::{both, both_ps, halves_ps, spread};
     use super::{Act, Weights};
     use std::arch::x86_64::*;
 
@@ -403,9 +404,7 @@ pub(crate) mod avx512 {
     impl Group16 {
         #[target_feature(enable = "avx512f")]
         pub unsafe fn of(g: &super::Group8) -> Group16 {
-            let both = |v: __m256i| _mm512_broadcast_i64x4(v);
-            let both_ps = |v: __m256| _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(v)));
-            Group16 { yt: g.yt.map(both), d: both_ps(g.d), s: both_ps(g.s), offset_sum: both(g.offset_sum) }
+            Group16 { yt: g.yt.map(|v| both(v)), d: both_ps(g.d), s: both_ps(g.s), offset_sum: both(g.offset_sum) }
         }
     }
 
@@ -416,9 +415,6 @@ pub(crate) mod avx512 {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c")]
     pub unsafe fn two_columns_8rows<W: Weights>(wa: &[W], wb: &[W], groups: &[Group16]) -> [f32; 16] {
         let mut acc = _mm512_setzero_ps();
-        let lanes_of = |g: i32| _mm512_setr_epi32(g, g, g, g, g, g, g, g, 8 + g, 8 + g, 8 + g, 8 + g, 8 + g, 8 + g, 8 + g, 8 + g);
-        let idx: [__m512i; 8] = std::array::from_fn(|g| lanes_of(g as i32));
-        let halves = |a: f32, b: f32| _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(a), _mm512_set1_ps(b));
         for ((xa, xb), g) in wa.iter().zip(wb).zip(groups) {
             super::super::prefetch_ahead(xa);
             super::super::prefetch_ahead(xb);
@@ -426,12 +422,12 @@ pub(crate) mod avx512 {
             // Two chains, so that consecutive multiply-adds do not wait on each other.
             let (mut even, mut odd) = (_mm512_setzero_si512(), _mm512_setzero_si512());
             for t in (0..8).step_by(2) {
-                even = _mm512_dpbusd_epi32(even, _mm512_permutexvar_epi32(idx[t], u), g.yt[t]);
-                odd = _mm512_dpbusd_epi32(odd, _mm512_permutexvar_epi32(idx[t + 1], u), g.yt[t + 1]);
+                even = _mm512_dpbusd_epi32(even, spread(u, t as i32), g.yt[t]);
+                odd = _mm512_dpbusd_epi32(odd, spread(u, t as i32 + 1), g.yt[t + 1]);
             }
             let sumi = _mm512_sub_epi32(_mm512_add_epi32(even, odd), g.offset_sum);
-            let t = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sumi), halves(xa.d(), xb.d())), g.d);
-            let t = if W::HAS_MIN { _mm512_add_ps(t, _mm512_mul_ps(halves(xa.m(), xb.m()), g.s)) } else { t };
+            let t = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sumi), halves_ps(xa.d(), xb.d())), g.d);
+            let t = if W::HAS_MIN { _mm512_add_ps(t, _mm512_mul_ps(halves_ps(xa.m(), xb.m()), g.s)) } else { t };
             acc = _mm512_add_ps(acc, t);
         }
         let mut out = [0f32; 16];

@@ -86,6 +86,7 @@ mod avx2 {
 /// exactly, in one instruction per two output elements.
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
+    use super::super::avx512::{cat, halves_ps};
     use super::super::prefetch_ahead;
     use super::Q80;
     use std::arch::x86_64::*;
@@ -94,8 +95,8 @@ mod avx512 {
     #[inline]
     #[target_feature(enable = "avx512f")]
     unsafe fn halves(lo: &[i8; 32], hi: &[i8; 32]) -> __m512i {
-        let v = _mm512_castsi256_si512(_mm256_loadu_si256(lo.as_ptr() as *const __m256i));
-        _mm512_inserti64x4::<1>(v, _mm256_loadu_si256(hi.as_ptr() as *const __m256i))
+        let load = |q: &[i8; 32]| _mm256_loadu_si256(q.as_ptr() as *const __m256i);
+        cat(load(lo), load(hi))
     }
 
     /// Each half's [`super::avx2::hsum`].
@@ -104,13 +105,6 @@ mod avx512 {
     unsafe fn hsum_halves(v: __m512) -> [f32; 2] {
         let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
         [super::avx2::hsum(_mm512_castps512_ps256(v)), super::avx2::hsum(hi)]
-    }
-
-    /// `lo` in the low eight lanes, `hi` in the high.
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn halves_ps(lo: f32, hi: f32) -> __m512 {
-        _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(lo), _mm512_set1_ps(hi))
     }
 
     /// One activation block of two rows (or of one row, twice), ready for the offset form.

@@ -1,6 +1,8 @@
 //! Kernels, one file per backend as in Candle's own `quantized/{cpu,cuda,metal}.rs`; the
 //! GPU backends are stubs unless their cargo feature is on.
 
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 pub mod cpu;
 mod cpu_kquant;
 mod cpu_q32;
