@@ -90,6 +90,18 @@ pub(crate) trait KBlock: Sync + 'static {
     {
         unreachable!("no rows-in-lanes kernel for this type")
     }
+    /// Whether [`KBlock::sixteen_columns`] exists for this type.
+    const SIXTEEN_COLUMNS: bool = false;
+    /// Up to `avx512::TILE_ROWS` rows against sixteen columns, columns in the lanes: `out[r]`
+    /// lane c is row r · column `col(c)`, each lane exactly [`element`]'s.
+    /// SAFETY: AVX-512 F/BW/VL and VNNI must be available.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn sixteen_columns<'a>(_col: impl Fn(usize) -> &'a [Self], _kb: usize, _ys: &[Q8K], _rows: usize, _out: &mut [[f32; 16]])
+    where
+        Self: Sized,
+    {
+        unreachable!("no sixteen-column kernel for this type")
+    }
     /// Whether [`KBlock::two_columns_rows_in_lanes`] exists for this type.
     const WIDE_ROWS_IN_LANES: bool = false;
     /// Eight rows of two columns, rows in the lanes (`a`'s in lanes 0-7, `b`'s in 8-15), from
@@ -116,6 +128,11 @@ impl KBlock for Q4K {
     #[cfg(target_arch = "x86_64")]
     unsafe fn two_columns_rows_in_lanes(wa: &[Self], wb: &[Self], groups: &[avx512::Group16]) -> [f32; 16] {
         avx512::q4k_two_columns_rows_in_lanes(wa, wb, groups)
+    }
+    const SIXTEEN_COLUMNS: bool = true;
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn sixteen_columns<'a>(col: impl Fn(usize) -> &'a [Self], kb: usize, ys: &[Q8K], rows: usize, out: &mut [[f32; 16]]) {
+        avx512::q4k_sixteen_columns(col, kb, ys, rows, out)
     }
     fn unpack(&self) -> Unpacked {
         let sm = |j: usize| self.scale_min(j);
@@ -249,6 +266,11 @@ impl KBlock for Q6K {
     #[cfg(target_arch = "x86_64")]
     unsafe fn two_columns_rows_in_lanes(wa: &[Self], wb: &[Self], groups: &[avx512::Group16]) -> [f32; 16] {
         avx512::q6k_two_columns_rows_in_lanes(wa, wb, groups)
+    }
+    const SIXTEEN_COLUMNS: bool = true;
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn sixteen_columns<'a>(col: impl Fn(usize) -> &'a [Self], kb: usize, ys: &[Q8K], rows: usize, out: &mut [[f32; 16]]) {
+        avx512::q6k_sixteen_columns(col, kb, ys, rows, out)
     }
     fn unpack(&self) -> Unpacked {
         let u = std::array::from_fn(|c| {
@@ -602,6 +624,233 @@ mod avx512 {
         }
     }
 
+    /// Rows one pass over a tile of sixteen columns takes: their sums wait on the stack.
+    pub const TILE_ROWS: usize = 32;
+    /// Tiles ahead the kernels prefetch: the next tile's blocks, which the same thread reads next.
+    const AHEAD: usize = 16;
+    /// Where a [`super::Q8K`]'s quants start.
+    const Y_QS: usize = std::mem::offset_of!(super::Q8K, qs);
+
+    /// Sixteen bytes at each of `p(0..16)`, transposed: `out[k]` lane c is dword k of `p(c)`'s.
+    /// Lane `4l + q` comes from 128-bit lane l of the q-th gathered vector, so that vector takes
+    /// columns q, q + 4, q + 8, q + 12 and a 4 × 4 transpose inside each 128-bit lane finishes.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn transpose16x4(p: impl Fn(usize) -> *const u8) -> [__m512i; 4] {
+        let load = |c: usize| _mm_loadu_si128(p(c) as *const __m128i);
+        let h: [__m512i; 4] = std::array::from_fn(|q| {
+            let v = _mm512_castsi128_si512(load(q));
+            let v = _mm512_inserti32x4::<1>(v, load(q + 4));
+            let v = _mm512_inserti32x4::<2>(v, load(q + 8));
+            _mm512_inserti32x4::<3>(v, load(q + 12))
+        });
+        let (t0, t1) = (_mm512_unpacklo_epi32(h[0], h[1]), _mm512_unpackhi_epi32(h[0], h[1]));
+        let (t2, t3) = (_mm512_unpacklo_epi32(h[2], h[3]), _mm512_unpackhi_epi32(h[2], h[3]));
+        [_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2), _mm512_unpacklo_epi64(t1, t3), _mm512_unpackhi_epi64(t1, t3)]
+    }
+
+    /// i32 lanes of `v` shifted right by `bits`, masked to `mask`.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn field(v: __m512i, bits: u32, mask: i32) -> __m512i {
+        _mm512_and_si512(_mm512_srl_epi32(v, _mm_cvtsi32_si128(bits as i32)), _mm512_set1_epi32(mask))
+    }
+
+    /// `isum[r] += sc · Σ u · y_r` over one 32-weight sub-block of sixteen columns (`u[t]` lane c:
+    /// column c's weights 4t..4t+4) for `R` rows (`y[r]`: their 32 activation bytes), the rows'
+    /// `dpbusd` chains interleaved so that they overlap. Each 16-weight half's sum fits in i16
+    /// (|Σ| ≤ 16 · 15 · 128), so `dpwssd` against the scale (an i32 lane is the i16 pair
+    /// (sc, 0)) multiplies it exactly, in one uop where `mullo` takes two.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn sub_block_rows<const R: usize>(u: &[__m512i; 8], y: [*const i32; R], sc: __m512i, isum: &mut [__m512i]) {
+        let mut a = [[_mm512_setzero_si512(); 2]; R];
+        for (t, &u) in u.iter().enumerate() {
+            for (a, y) in a.iter_mut().zip(y) {
+                a[t / 4] = _mm512_dpbusd_epi32(a[t / 4], u, _mm512_set1_epi32(y.add(t).read_unaligned()));
+            }
+        }
+        for (s, a) in isum.iter_mut().zip(a) {
+            *s = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(*s, a[0], sc), a[1], sc);
+        }
+    }
+
+    /// Up to [`TILE_ROWS`] rows (`ys`, row r's blocks at `r * kb`) against sixteen Q4_K columns
+    /// (`col(c)` is column c's blocks), columns in the lanes: the weights are transposed four
+    /// bytes per lane as they are read, so each 4-weight group of every column takes one
+    /// `dpbusd` against a row's four activation bytes broadcast, and one transposed load serves
+    /// every row. Each lane runs [`super::step`] on exact integer sums: the one-row bits.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c")]
+    pub unsafe fn q4k_sixteen_columns<'a>(col: impl Fn(usize) -> &'a [super::Q4K], kb: usize, ys: &[super::Q8K], rows: usize, out: &mut [[f32; 16]]) {
+        debug_assert!(rows <= TILE_ROWS && out.len() >= rows);
+        let m4 = _mm512_set1_epi8(0x0F);
+        let mut acc = [_mm512_setzero_ps(); TILE_ROWS];
+        let mut isum = [_mm512_setzero_si512(); TILE_ROWS];
+        let cols: [&[super::Q4K]; 16] = std::array::from_fn(&col);
+        assert!(cols.iter().all(|c| c.len() >= kb) && ys.len() >= rows * kb);
+        for b in 0..kb {
+            // Raw addresses, checked once above: the transposes read 144 of them per block.
+            let at: [*const u8; 16] = std::array::from_fn(|c| cols[c].as_ptr().add(b) as *const u8);
+            let x = |c: usize| &*(at[c] as *const super::Q4K);
+            for c in 0..16 {
+                super::super::prefetch_at(x(c), AHEAD * kb * std::mem::size_of_val(x(c)));
+            }
+            // d and dmin, then the twelve scale bytes q[0..12] as three dwords per lane.
+            let [dd, s0, s1, s2] = transpose16x4(|c| at[c]);
+            let xd = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));
+            let xdmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(dd)));
+            // `Q4K::scale_min` lane by lane: sub-blocks 0-3 are the low six bits of q[j] and
+            // q[j + 4]; 4-7 take q[j + 4]'s nibbles and the top two bits of q[j - 4] or q[j].
+            let high = |lo: __m512i, top: __m512i, k: u32, shift: u32| {
+                _mm512_or_si512(field(lo, 8 * k + shift, 0x0F), _mm512_slli_epi32::<4>(field(top, 8 * k + 6, 3)))
+            };
+            let sc: [__m512i; 8] = std::array::from_fn(|j| if j < 4 { field(s0, 8 * j as u32, 63) } else { high(s2, s0, j as u32 - 4, 0) });
+            let mins: [__m512i; 8] = std::array::from_fn(|j| {
+                let m = if j < 4 { field(s1, 8 * j as u32, 63) } else { high(s2, s1, j as u32 - 4, 4) };
+                // In both i16 halves, against a (bsums[2j], bsums[2j + 1]) pair.
+                _mm512_or_si512(_mm512_slli_epi32::<16>(m), m)
+            });
+            isum[..rows].fill(_mm512_setzero_si512());
+            for i in 0..4 {
+                let qs = std::mem::offset_of!(super::Q4K, qs) + 32 * i;
+                let lo = transpose16x4(|c| at[c].add(qs));
+                let hi = transpose16x4(|c| at[c].add(qs + 16));
+                let q = [lo[0], lo[1], lo[2], lo[3], hi[0], hi[1], hi[2], hi[3]];
+                // Sub-block 2i in the low nibbles, 2i + 1 in the high.
+                for half in 0..2 {
+                    let u: [__m512i; 8] = std::array::from_fn(|t| {
+                        if half == 0 {
+                            _mm512_and_si512(q[t], m4)
+                        } else {
+                            _mm512_and_si512(_mm512_srli_epi16::<4>(q[t]), m4)
+                        }
+                    });
+                    let (j, first) = (2 * i + half, 64 * i + 32 * half);
+                    let y = |r: usize| ys.as_ptr().add(r * kb + b).cast::<u8>().add(Y_QS + first) as *const i32;
+                    let mut r = 0;
+                    while r + 4 <= rows {
+                        sub_block_rows::<4>(&u, std::array::from_fn(|e| y(r + e)), sc[j], &mut isum[r..r + 4]);
+                        r += 4;
+                    }
+                    for r in r..rows {
+                        sub_block_rows::<1>(&u, [y(r)], sc[j], &mut isum[r..r + 1]);
+                    }
+                }
+            }
+            for (r, (acc, &isum)) in acc[..rows].iter_mut().zip(&isum).enumerate() {
+                let y = &ys[r * kb + b];
+                let bs = y.bsums.as_ptr() as *const i32;
+                let mut imin = _mm512_setzero_si512();
+                for (j, &m) in mins.iter().enumerate() {
+                    imin = _mm512_dpwssd_epi32(imin, m, _mm512_set1_epi32(bs.add(j).read_unaligned()));
+                }
+                let yd = _mm512_set1_ps(y.d);
+                let a = _mm512_mul_ps(_mm512_mul_ps(yd, xd), _mm512_cvtepi32_ps(isum));
+                let m = _mm512_mul_ps(_mm512_mul_ps(yd, xdmin), _mm512_cvtepi32_ps(imin));
+                *acc = _mm512_add_ps(*acc, _mm512_sub_ps(a, m));
+            }
+        }
+        for (o, a) in out.iter_mut().zip(&acc[..rows]) {
+            _mm512_storeu_ps(o.as_mut_ptr(), *a);
+        }
+    }
+
+    /// `isum[r] += sc · Σ u · y_r` over one 16-weight half of sixteen Q6_K columns (`u[g]` lane c:
+    /// column c's weights 4g..4g+4) for `R` rows, the rows' chains interleaved. A half's sum
+    /// (up to 16 · 63 · 128) needs i32, so the scale takes a `mullo`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn half_rows<const R: usize>(u: &[__m512i; 4], y: [*const i32; R], sc: __m512i, isum: &mut [__m512i]) {
+        let mut a = [_mm512_setzero_si512(); R];
+        for (g, &u) in u.iter().enumerate() {
+            for (a, y) in a.iter_mut().zip(y) {
+                *a = _mm512_dpbusd_epi32(*a, u, _mm512_set1_epi32(y.add(g).read_unaligned()));
+            }
+        }
+        for (s, a) in isum.iter_mut().zip(a) {
+            *s = _mm512_add_epi32(*s, _mm512_mullo_epi32(a, sc));
+        }
+    }
+
+    /// [`q4k_sixteen_columns`] for Q6_K: per 16-weight half, four transposed dwords of `ql` (two
+    /// places) and `qh` give the four chunks' 6-bit weights, each summed by `dpbusd` against a
+    /// row's broadcast bytes and times that half's scale; the `bsums` term and the float step
+    /// are [`super::step`]'s, lane by lane.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c")]
+    pub unsafe fn q6k_sixteen_columns<'a>(col: impl Fn(usize) -> &'a [super::Q6K], kb: usize, ys: &[super::Q8K], rows: usize, out: &mut [[f32; 16]]) {
+        debug_assert!(rows <= TILE_ROWS && out.len() >= rows);
+        let (m4, m30) = (_mm512_set1_epi8(0x0F), _mm512_set1_epi8(0x30));
+        let mut acc = [_mm512_setzero_ps(); TILE_ROWS];
+        let mut isum = [_mm512_setzero_si512(); TILE_ROWS];
+        let cols: [&[super::Q6K]; 16] = std::array::from_fn(&col);
+        assert!(cols.iter().all(|c| c.len() >= kb) && ys.len() >= rows * kb);
+        for b in 0..kb {
+            let at: [*const u8; 16] = std::array::from_fn(|c| cols[c].as_ptr().add(b) as *const u8);
+            let x = |c: usize| &*(at[c] as *const super::Q6K);
+            for c in 0..16 {
+                super::super::prefetch_at(x(c), AHEAD * kb * std::mem::size_of_val(x(c)));
+            }
+            // The block ends two bytes after its scales, so `d` comes in lane by lane.
+            let d: [u16; 16] = std::array::from_fn(|c| x(c).d.to_bits());
+            let xd = _mm512_cvtph_ps(_mm256_loadu_si256(d.as_ptr() as *const __m256i));
+            let packed = transpose16x4(|c| at[c].add(std::mem::offset_of!(super::Q6K, scales)));
+            // Scale s (i8) sign-extended in each lane, and the pairs (s = 2p, 2p + 1) as i16
+            // against the (bsums[2p], bsums[2p + 1]) pairs.
+            let sc: [__m512i; 16] = std::array::from_fn(|s| {
+                let v = packed[s / 4];
+                _mm512_srai_epi32::<24>(_mm512_sll_epi32(v, _mm_cvtsi32_si128(24 - 8 * (s % 4) as i32)))
+            });
+            let pairs: [__m512i; 8] = std::array::from_fn(|p| {
+                _mm512_or_si512(_mm512_and_si512(sc[2 * p], _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32::<16>(sc[2 * p + 1]))
+            });
+            isum[..rows].fill(_mm512_setzero_si512());
+            for n in 0..2 {
+                for half in 0..2 {
+                    let (ql, qh) = (std::mem::offset_of!(super::Q6K, ql), std::mem::offset_of!(super::Q6K, qh));
+                    let a = transpose16x4(|c| at[c].add(ql + 64 * n + 16 * half));
+                    let bq = transpose16x4(|c| at[c].add(ql + 64 * n + 32 + 16 * half));
+                    let h = transpose16x4(|c| at[c].add(qh + 32 * n + 16 * half));
+                    for t in 0..4 {
+                        // `Q6K::unpack` for chunk 4n + t: a nibble of `ql`, two bits of `qh`.
+                        let u: [__m512i; 4] = std::array::from_fn(|g| {
+                            let (lo, hi) = match t {
+                                0 => (_mm512_and_si512(a[g], m4), _mm512_slli_epi16::<4>(h[g])),
+                                1 => (_mm512_and_si512(bq[g], m4), _mm512_slli_epi16::<2>(h[g])),
+                                2 => (_mm512_and_si512(_mm512_srli_epi16::<4>(a[g]), m4), h[g]),
+                                _ => (_mm512_and_si512(_mm512_srli_epi16::<4>(bq[g]), m4), _mm512_srli_epi16::<2>(h[g])),
+                            };
+                            // lo | (hi & 0x30)
+                            _mm512_ternarylogic_epi32::<0xF8>(lo, hi, m30)
+                        });
+                        let s = 8 * n + 2 * t + half;
+                        let y = |r: usize| ys.as_ptr().add(r * kb + b).cast::<u8>().add(Y_QS + 16 * s) as *const i32;
+                        let mut r = 0;
+                        while r + 4 <= rows {
+                            half_rows::<4>(&u, std::array::from_fn(|e| y(r + e)), sc[s], &mut isum[r..r + 4]);
+                            r += 4;
+                        }
+                        for r in r..rows {
+                            half_rows::<1>(&u, [y(r)], sc[s], &mut isum[r..r + 1]);
+                        }
+                    }
+                }
+            }
+            for (r, (acc, &isum)) in acc[..rows].iter_mut().zip(&isum).enumerate() {
+                let y = &ys[r * kb + b];
+                let bs = y.bsums.as_ptr() as *const i32;
+                let mut ib = _mm512_setzero_si512();
+                for (p, &pair) in pairs.iter().enumerate() {
+                    ib = _mm512_dpwssd_epi32(ib, pair, _mm512_set1_epi32(bs.add(p).read_unaligned()));
+                }
+                let isum = _mm512_sub_epi32(isum, _mm512_mullo_epi32(ib, _mm512_set1_epi32(super::Q6K::OFFSET)));
+                *acc = _mm512_add_ps(*acc, _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(y.d), xd), _mm512_cvtepi32_ps(isum)));
+            }
+        }
+        for (o, a) in out.iter_mut().zip(&acc[..rows]) {
+            _mm512_storeu_ps(o.as_mut_ptr(), *a);
+        }
+    }
+
     /// [`super::q4k_column_rows_in_lanes`] for two columns at once: each 4-weight group of a
     /// column reaches that column's eight row lanes by one permute of the two columns' packed
     /// nibbles, VNNI sums four products per lane into i32, and the sub-block's scale and min
@@ -753,6 +1002,8 @@ fn element<W: KBlock>(wc: &[W], y: &[Q8K]) -> f32 {
 const COLS_PER_TASK: usize = 16;
 /// Rows at which rows in the lanes beat columns in the lanes (both give the same bits).
 const GROUP_MIN_ROWS: usize = 3;
+/// Rows from which the sixteen-column AVX-512 kernel runs: its transposes pay off.
+const SIXTEEN_MIN_ROWS: usize = 3;
 
 static ZERO_Q8K: Q8K = Q8K { d: 0.0, qs: [0; 256], bsums: [0; 16] };
 
@@ -766,7 +1017,9 @@ fn matmul<W: KBlock>(w: &[W], xq: &[Q8K], m: usize, k: usize, n: usize, out: &mu
     #[cfg(not(target_arch = "x86_64"))]
     let simd = false;
     #[cfg(target_arch = "x86_64")]
-    let groups: Vec<Vec<Group8>> = if (W::ROWS_IN_LANES || (W::WIDE_ROWS_IN_LANES && wide)) && simd && m >= GROUP_MIN_ROWS {
+    let sixteen = W::SIXTEEN_COLUMNS && wide && m >= SIXTEEN_MIN_ROWS;
+    #[cfg(target_arch = "x86_64")]
+    let groups: Vec<Vec<Group8>> = if !sixteen && (W::ROWS_IN_LANES || (W::WIDE_ROWS_IN_LANES && wide)) && simd && m >= GROUP_MIN_ROWS {
         (0..m).step_by(8).map(|r0| groups_of(xq, kb, r0, 8.min(m - r0))).collect()
     } else {
         Vec::new()
@@ -785,6 +1038,24 @@ fn matmul<W: KBlock>(w: &[W], xq: &[Q8K], m: usize, k: usize, n: usize, out: &mu
         // SAFETY (all writes below): each (row, column) of this task's columns is written by
         // this task alone, inside `out`; AVX2 was detected at run time where it is used.
         let put = |r: usize, c: usize, v: f32| unsafe { *p.0.add(r * n + c) = v };
+        #[cfg(target_arch = "x86_64")]
+        if sixteen {
+            // A short last tile repeats its last column in the spare lanes, never written.
+            let last = cols.end - 1;
+            let col = |c: usize| {
+                let c = (cols.start + c).min(last);
+                &w[c * kb..(c + 1) * kb]
+            };
+            let mut got = [[0f32; 16]; avx512::TILE_ROWS];
+            for r0 in (0..m).step_by(avx512::TILE_ROWS) {
+                let rows = avx512::TILE_ROWS.min(m - r0);
+                unsafe { W::sixteen_columns(col, kb, &xq[r0 * kb..], rows, &mut got) };
+                for (i, g) in got[..rows].iter().enumerate() {
+                    cols.clone().zip(g).for_each(|(c, &v)| put(r0 + i, c, v));
+                }
+            }
+            return;
+        }
         #[cfg(target_arch = "x86_64")]
         if simd && m >= GROUP_MIN_ROWS {
             let mut cols = cols.clone();

@@ -148,8 +148,15 @@ const PREFETCH_AHEAD: usize = 4096;
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(crate) fn prefetch_ahead<T>(block: &T) {
+    prefetch_at(block, PREFETCH_AHEAD)
+}
+
+/// Asks for the cache lines of the `T` that lies `distance` bytes after `block`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) fn prefetch_at<T>(block: &T, distance: usize) {
     use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-    let p = (block as *const T as *const i8).wrapping_add(PREFETCH_AHEAD);
+    let p = (block as *const T as *const i8).wrapping_add(distance);
     for off in (0..std::mem::size_of::<T>()).step_by(64) {
         // SAFETY: a prefetch never faults, whatever the address (SSE is in the x86-64 baseline).
         unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off)) };
