@@ -10,9 +10,15 @@
 //! and the float part is one fixed expression, super-block after super-block:
 //! `acc = acc + ((d_y·d_x)·isum − (d_y·dmin_x)·imin)` (Q6_K: `acc = acc + (d_y·d_x)·isum`).
 //! Integer sums cannot depend on how they are grouped, and the float expression is the same
-//! scalar operations whether eight rows (the batched kernel), eight columns (the GEMV) or one
-//! element (the portable path) sit in the vector lanes — so every row count gives the same bits,
-//! on every x86-64 with AVX2 and on the portable path alike (tested).
+//! scalar operations whether eight rows (the AVX2 batched kernel), sixteen columns (the AVX-512
+//! batched kernel), eight columns (the GEMV) or one element (the portable path) sit in the
+//! vector lanes — so every row count gives the same bits, on every x86-64 with AVX2 and on the
+//! portable path alike (tested).
+//!
+//! The AVX-512 batched kernel reads the GGUF blocks as they are and transposes four bytes of
+//! sixteen columns into each vector on the fly (`avx512::transpose16x4`), once per pass over
+//! up to 32 rows: Candle gets the same `dpbusd`-per-four-weights shape by keeping a repacked
+//! copy of the weights, which would break the memory budget and needs no other order of sums.
 
 use candle_core::quantized::k_quants::{BlockQ4K, BlockQ6K, BlockQ8K};
 use half::f16;
@@ -90,30 +96,13 @@ pub(crate) trait KBlock: Sync + 'static {
     {
         unreachable!("no rows-in-lanes kernel for this type")
     }
-    /// Whether [`KBlock::sixteen_columns`] exists for this type.
-    const SIXTEEN_COLUMNS: bool = false;
     /// Up to `avx512::TILE_ROWS` rows against sixteen columns, columns in the lanes: `out[r]`
     /// lane c is row r · column `col(c)`, each lane exactly [`element`]'s.
     /// SAFETY: AVX-512 F/BW/VL and VNNI must be available.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn sixteen_columns<'a>(_col: impl Fn(usize) -> &'a [Self], _kb: usize, _ys: &[Q8K], _rows: usize, _out: &mut [[f32; 16]])
+    unsafe fn sixteen_columns<'a>(col: impl Fn(usize) -> &'a [Self], kb: usize, ys: &[Q8K], rows: usize, out: &mut [[f32; 16]])
     where
-        Self: Sized,
-    {
-        unreachable!("no sixteen-column kernel for this type")
-    }
-    /// Whether [`KBlock::two_columns_rows_in_lanes`] exists for this type.
-    const WIDE_ROWS_IN_LANES: bool = false;
-    /// Eight rows of two columns, rows in the lanes (`a`'s in lanes 0-7, `b`'s in 8-15), from
-    /// the rows' [`avx512::Group16`]s: each lane exactly [`KBlock::column_rows_in_lanes`]'s.
-    /// SAFETY: AVX-512 F/BW/VL and VNNI must be available.
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn two_columns_rows_in_lanes(_wa: &[Self], _wb: &[Self], _groups: &[avx512::Group16]) -> [f32; 16]
-    where
-        Self: Sized,
-    {
-        unreachable!("no rows-in-lanes kernel for this type")
-    }
+        Self: Sized;
 }
 
 impl KBlock for Q4K {
@@ -124,12 +113,6 @@ impl KBlock for Q4K {
     unsafe fn column_rows_in_lanes(wc: &[Self], groups: &[Group8]) -> [f32; 8] {
         q4k_column_rows_in_lanes(wc, groups)
     }
-    const WIDE_ROWS_IN_LANES: bool = true;
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn two_columns_rows_in_lanes(wa: &[Self], wb: &[Self], groups: &[avx512::Group16]) -> [f32; 16] {
-        avx512::q4k_two_columns_rows_in_lanes(wa, wb, groups)
-    }
-    const SIXTEEN_COLUMNS: bool = true;
     #[cfg(target_arch = "x86_64")]
     unsafe fn sixteen_columns<'a>(col: impl Fn(usize) -> &'a [Self], kb: usize, ys: &[Q8K], rows: usize, out: &mut [[f32; 16]]) {
         avx512::q4k_sixteen_columns(col, kb, ys, rows, out)
@@ -262,12 +245,6 @@ impl Q4K {
 impl KBlock for Q6K {
     const OFFSET: i32 = 32;
     const HAS_MIN: bool = false;
-    const WIDE_ROWS_IN_LANES: bool = true;
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn two_columns_rows_in_lanes(wa: &[Self], wb: &[Self], groups: &[avx512::Group16]) -> [f32; 16] {
-        avx512::q6k_two_columns_rows_in_lanes(wa, wb, groups)
-    }
-    const SIXTEEN_COLUMNS: bool = true;
     #[cfg(target_arch = "x86_64")]
     unsafe fn sixteen_columns<'a>(col: impl Fn(usize) -> &'a [Self], kb: usize, ys: &[Q8K], rows: usize, out: &mut [[f32; 16]]) {
         avx512::q6k_sixteen_columns(col, kb, ys, rows, out)
@@ -594,7 +571,7 @@ unsafe fn q4k_column_rows_in_lanes(wc: &[Q4K], groups: &[Group8]) -> [f32; 8] {
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::super::avx512::{both, both_ps, cat, halves_ps, spread};
+    use super::super::avx512::transpose16x4;
     use super::KBlock;
     use std::arch::x86_64::*;
 
@@ -610,44 +587,12 @@ mod avx512 {
         _mm512_permutexvar_epi16(idx, v)
     }
 
-    /// [`super::Group8`] with each vector in both 256-bit halves: eight rows for two columns.
-    pub struct Group16 {
-        yt: [__m512i; 64],
-        bs: [__m512i; 8],
-        d: __m512,
-    }
-
-    impl Group16 {
-        #[target_feature(enable = "avx512f")]
-        pub unsafe fn of(g: &super::Group8) -> Group16 {
-            Group16 { yt: g.yt.map(|v| both(v)), bs: g.bs.map(|v| both(v)), d: both_ps(g.d) }
-        }
-    }
-
     /// Rows one pass over a tile of sixteen columns takes: their sums wait on the stack.
     pub const TILE_ROWS: usize = 32;
     /// Tiles ahead the kernels prefetch: the next tile's blocks, which the same thread reads next.
     const AHEAD: usize = 16;
     /// Where a [`super::Q8K`]'s quants start.
     const Y_QS: usize = std::mem::offset_of!(super::Q8K, qs);
-
-    /// Sixteen bytes at each of `p(0..16)`, transposed: `out[k]` lane c is dword k of `p(c)`'s.
-    /// Lane `4l + q` comes from 128-bit lane l of the q-th gathered vector, so that vector takes
-    /// columns q, q + 4, q + 8, q + 12 and a 4 × 4 transpose inside each 128-bit lane finishes.
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    pub unsafe fn transpose16x4(p: impl Fn(usize) -> *const u8) -> [__m512i; 4] {
-        let load = |c: usize| _mm_loadu_si128(p(c) as *const __m128i);
-        let h: [__m512i; 4] = std::array::from_fn(|q| {
-            let v = _mm512_castsi128_si512(load(q));
-            let v = _mm512_inserti32x4::<1>(v, load(q + 4));
-            let v = _mm512_inserti32x4::<2>(v, load(q + 8));
-            _mm512_inserti32x4::<3>(v, load(q + 12))
-        });
-        let (t0, t1) = (_mm512_unpacklo_epi32(h[0], h[1]), _mm512_unpackhi_epi32(h[0], h[1]));
-        let (t2, t3) = (_mm512_unpacklo_epi32(h[2], h[3]), _mm512_unpackhi_epi32(h[2], h[3]));
-        [_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2), _mm512_unpacklo_epi64(t1, t3), _mm512_unpackhi_epi64(t1, t3)]
-    }
 
     /// i32 lanes of `v` shifted right by `bits`, masked to `mask`.
     #[inline]
@@ -663,7 +608,7 @@ mod avx512 {
     /// (sc, 0)) multiplies it exactly, in one uop where `mullo` takes two.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-    unsafe fn sub_block_rows<const R: usize>(u: &[__m512i; 8], y: [*const i32; R], sc: __m512i, isum: &mut [__m512i]) {
+    unsafe fn sub_block_rows<const R: usize>(u: &[__m512i; 8], y: [*const i32; R], sc: __m512i, isum: &mut [__m512i]) -> usize {
         let mut a = [[_mm512_setzero_si512(); 2]; R];
         for (t, &u) in u.iter().enumerate() {
             for (a, y) in a.iter_mut().zip(y) {
@@ -673,6 +618,7 @@ mod avx512 {
         for (s, a) in isum.iter_mut().zip(a) {
             *s = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(*s, a[0], sc), a[1], sc);
         }
+        R
     }
 
     /// Up to [`TILE_ROWS`] rows (`ys`, row r's blocks at `r * kb`) against sixteen Q4_K columns
@@ -728,12 +674,14 @@ mod avx512 {
                     let (j, first) = (2 * i + half, 64 * i + 32 * half);
                     let y = |r: usize| ys.as_ptr().add(r * kb + b).cast::<u8>().add(Y_QS + first) as *const i32;
                     let mut r = 0;
-                    while r + 4 <= rows {
-                        sub_block_rows::<4>(&u, std::array::from_fn(|e| y(r + e)), sc[j], &mut isum[r..r + 4]);
-                        r += 4;
-                    }
-                    for r in r..rows {
-                        sub_block_rows::<1>(&u, [y(r)], sc[j], &mut isum[r..r + 1]);
+                    while r < rows {
+                        let (u, sc, isum) = (&u, sc[j], &mut isum[r..]);
+                        r += match rows - r {
+                            1 => sub_block_rows::<1>(u, [y(r)], sc, isum),
+                            2 => sub_block_rows::<2>(u, std::array::from_fn(|e| y(r + e)), sc, isum),
+                            3 => sub_block_rows::<3>(u, std::array::from_fn(|e| y(r + e)), sc, isum),
+                            _ => sub_block_rows::<4>(u, std::array::from_fn(|e| y(r + e)), sc, isum),
+                        };
                     }
                 }
             }
@@ -760,7 +708,7 @@ mod avx512 {
     /// (up to 16 · 63 · 128) needs i32, so the scale takes a `mullo`.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-    unsafe fn half_rows<const R: usize>(u: &[__m512i; 4], y: [*const i32; R], sc: __m512i, isum: &mut [__m512i]) {
+    unsafe fn half_rows<const R: usize>(u: &[__m512i; 4], y: [*const i32; R], sc: __m512i, isum: &mut [__m512i]) -> usize {
         let mut a = [_mm512_setzero_si512(); R];
         for (g, &u) in u.iter().enumerate() {
             for (a, y) in a.iter_mut().zip(y) {
@@ -770,6 +718,7 @@ mod avx512 {
         for (s, a) in isum.iter_mut().zip(a) {
             *s = _mm512_add_epi32(*s, _mm512_mullo_epi32(a, sc));
         }
+        R
     }
 
     /// [`q4k_sixteen_columns`] for Q6_K: per 16-weight half, four transposed dwords of `ql` (two
@@ -825,12 +774,14 @@ mod avx512 {
                         let s = 8 * n + 2 * t + half;
                         let y = |r: usize| ys.as_ptr().add(r * kb + b).cast::<u8>().add(Y_QS + 16 * s) as *const i32;
                         let mut r = 0;
-                        while r + 4 <= rows {
-                            half_rows::<4>(&u, std::array::from_fn(|e| y(r + e)), sc[s], &mut isum[r..r + 4]);
-                            r += 4;
-                        }
-                        for r in r..rows {
-                            half_rows::<1>(&u, [y(r)], sc[s], &mut isum[r..r + 1]);
+                        while r < rows {
+                            let (u, sc, isum) = (&u, sc[s], &mut isum[r..]);
+                            r += match rows - r {
+                                1 => half_rows::<1>(u, [y(r)], sc, isum),
+                                2 => half_rows::<2>(u, std::array::from_fn(|e| y(r + e)), sc, isum),
+                                3 => half_rows::<3>(u, std::array::from_fn(|e| y(r + e)), sc, isum),
+                                _ => half_rows::<4>(u, std::array::from_fn(|e| y(r + e)), sc, isum),
+                            };
                         }
                     }
                 }
@@ -851,102 +802,6 @@ mod avx512 {
         }
     }
 
-    /// [`super::q4k_column_rows_in_lanes`] for two columns at once: each 4-weight group of a
-    /// column reaches that column's eight row lanes by one permute of the two columns' packed
-    /// nibbles, VNNI sums four products per lane into i32, and the sub-block's scale and min
-    /// (each lane its column's) multiply the exact sums. The float step is
-    /// [`super::avx2::step8`]'s, lane for lane.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c")]
-    pub unsafe fn q4k_two_columns_rows_in_lanes(wa: &[super::Q4K], wb: &[super::Q4K], groups: &[Group16]) -> [f32; 16] {
-        let m4 = _mm512_set1_epi8(0x0F);
-        let mut acc = _mm512_setzero_ps();
-        for ((xa, xb), g) in wa.iter().zip(wb).zip(groups) {
-            super::super::prefetch_ahead(xa);
-            super::super::prefetch_ahead(xb);
-            let (sa, sb) = (xa.scale_min_bytes(), xb.scale_min_bytes());
-            let scales = cat(_mm256_cvtepu8_epi32(sa), _mm256_cvtepu8_epi32(sb));
-            let mins = cat(_mm256_cvtepu8_epi32(_mm_srli_si128::<8>(sa)), _mm256_cvtepu8_epi32(_mm_srli_si128::<8>(sb)));
-            let (mut isum, mut imin) = (_mm512_setzero_si512(), _mm512_setzero_si512());
-            for i in 0..4 {
-                let load = |x: &super::Q4K| _mm256_loadu_si256(x.qs.as_ptr().add(32 * i) as *const __m256i);
-                let q = cat(load(xa), load(xb));
-                let (mut lo, mut hi) = (_mm512_setzero_si512(), _mm512_setzero_si512());
-                for t in 0..8 {
-                    let w = spread(q, t as i32);
-                    lo = _mm512_dpbusd_epi32(lo, _mm512_and_si512(w, m4), g.yt[16 * i + t]);
-                    hi = _mm512_dpbusd_epi32(hi, _mm512_and_si512(_mm512_srli_epi16::<4>(w), m4), g.yt[16 * i + 8 + t]);
-                }
-                for (j, part) in [(2 * i, lo), (2 * i + 1, hi)] {
-                    isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(part, spread(scales, j as i32)));
-                    // The min in both i16 halves of each lane, against the bsums pair.
-                    let m = spread(mins, j as i32);
-                    imin = _mm512_dpwssd_epi32(imin, g.bs[j], _mm512_or_si512(_mm512_slli_epi32::<16>(m), m));
-                }
-            }
-            let a = _mm512_mul_ps(_mm512_mul_ps(g.d, halves_ps(xa.d(), xb.d())), _mm512_cvtepi32_ps(isum));
-            let b = _mm512_mul_ps(_mm512_mul_ps(g.d, halves_ps(xa.dmin(), xb.dmin())), _mm512_cvtepi32_ps(imin));
-            acc = _mm512_add_ps(acc, _mm512_sub_ps(a, b));
-        }
-        let mut out = [0f32; 16];
-        _mm512_storeu_ps(out.as_mut_ptr(), acc);
-        out
-    }
-
-    /// Eight rows of two Q6_K columns, rows in the lanes, as [`q4k_two_columns_rows_in_lanes`]:
-    /// one permute per 4-byte group of `ql` (two halves) and `qh` gives four chunks' weights,
-    /// each summed by VNNI into its 16-weight half's i32 lanes, then times that half's scale
-    /// (each lane its column's); the `bsums` term and the float step are
-    /// [`super::avx2::step8`]'s, lane for lane.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c")]
-    pub unsafe fn q6k_two_columns_rows_in_lanes(wa: &[super::Q6K], wb: &[super::Q6K], groups: &[Group16]) -> [f32; 16] {
-        let (m4, m2) = (_mm512_set1_epi8(0x0F), _mm512_set1_epi8(0x03));
-        let six = |q: __m512i, h: __m512i| _mm512_or_si512(_mm512_and_si512(q, m4), _mm512_slli_epi16::<4>(_mm512_and_si512(h, m2)));
-        let mut acc = _mm512_setzero_ps();
-        for ((xa, xb), g) in wa.iter().zip(wb).zip(groups) {
-            super::super::prefetch_ahead(xa);
-            super::super::prefetch_ahead(xb);
-            let eight = |x: &super::Q6K, h: usize| _mm256_cvtepi8_epi32(_mm_loadl_epi64(x.scales.as_ptr().add(8 * h) as *const __m128i));
-            // Half s's scale in lane s % 8 of scales[s / 8]; pairs lane j: scales 2j, 2j + 1 as i16.
-            let scales = [cat(eight(xa, 0), eight(xb, 0)), cat(eight(xa, 1), eight(xb, 1))];
-            let sixteen = |x: &super::Q6K| _mm256_cvtepi8_epi16(_mm_loadu_si128(x.scales.as_ptr() as *const __m128i));
-            let pairs = cat(sixteen(xa), sixteen(xb));
-            let mut ib = _mm512_setzero_si512();
-            for j in 0..8 {
-                ib = _mm512_dpwssd_epi32(ib, g.bs[j], spread(pairs, j as i32));
-            }
-            let mut isum = _mm512_setzero_si512();
-            for n in 0..2 {
-                let load = |p: *const u8| _mm256_loadu_si256(p as *const __m256i);
-                let ql0 = cat(load(xa.ql.as_ptr().add(64 * n)), load(xb.ql.as_ptr().add(64 * n)));
-                let ql1 = cat(load(xa.ql.as_ptr().add(64 * n + 32)), load(xb.ql.as_ptr().add(64 * n + 32)));
-                let qh = cat(load(xa.qh.as_ptr().add(32 * n)), load(xb.qh.as_ptr().add(32 * n)));
-                // part[2t + half]: chunk 4n + t, weights 16 · half.. of it.
-                let mut part = [_mm512_setzero_si512(); 8];
-                for q in 0..8 {
-                    let (a, b, h) = (spread(ql0, q as i32), spread(ql1, q as i32), spread(qh, q as i32));
-                    let u = [
-                        six(a, h),
-                        six(b, _mm512_srli_epi16::<2>(h)),
-                        six(_mm512_srli_epi16::<4>(a), _mm512_srli_epi16::<4>(h)),
-                        six(_mm512_srli_epi16::<4>(b), _mm512_srli_epi16::<6>(h)),
-                    ];
-                    for (t, u) in u.into_iter().enumerate() {
-                        let k = 2 * t + q / 4;
-                        part[k] = _mm512_dpbusd_epi32(part[k], u, g.yt[8 * (4 * n + t) + q]);
-                    }
-                }
-                for (k, p) in part.into_iter().enumerate() {
-                    let s = 8 * n + k;
-                    isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(p, spread(scales[s / 8], (s % 8) as i32)));
-                }
-            }
-            let isum = _mm512_sub_epi32(isum, _mm512_mullo_epi32(ib, _mm512_set1_epi32(super::Q6K::OFFSET)));
-            acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_mul_ps(g.d, halves_ps(xa.d(), xb.d())), _mm512_cvtepi32_ps(isum)));
-        }
-        let mut out = [0f32; 16];
-        _mm512_storeu_ps(out.as_mut_ptr(), acc);
-        out
-    }
 }
 
 /// The one-row loop of every SIMD tier: `sums(x, y)` is a block's exact (Σ sc·u·y, Σ bcoef·bsums),
@@ -1000,10 +855,12 @@ fn element<W: KBlock>(wc: &[W], y: &[Q8K]) -> f32 {
 
 /// Columns handed to a worker at once.
 const COLS_PER_TASK: usize = 16;
-/// Rows at which rows in the lanes beat columns in the lanes (both give the same bits).
+/// Rows at which rows in the lanes beat columns in the lanes (AVX2; both give the same bits).
 const GROUP_MIN_ROWS: usize = 3;
-/// Rows from which the sixteen-column AVX-512 kernel runs: its transposes pay off.
-const SIXTEEN_MIN_ROWS: usize = 3;
+/// Rows from which the sixteen-column AVX-512 kernel runs: its transposes pay off from two rows
+/// (Qwen2.5 1.5B's 1536 × 1536 Q4_K on one thread of the Xeon: 111 µs against 164 µs for the
+/// one-row kernel twice; the 151936-column Q6_K output breaks even).
+const SIXTEEN_MIN_ROWS: usize = 2;
 
 static ZERO_Q8K: Q8K = Q8K { d: 0.0, qs: [0; 256], bsums: [0; 16] };
 
@@ -1017,18 +874,10 @@ fn matmul<W: KBlock>(w: &[W], xq: &[Q8K], m: usize, k: usize, n: usize, out: &mu
     #[cfg(not(target_arch = "x86_64"))]
     let simd = false;
     #[cfg(target_arch = "x86_64")]
-    let sixteen = W::SIXTEEN_COLUMNS && wide && m >= SIXTEEN_MIN_ROWS;
+    let sixteen = wide && m >= SIXTEEN_MIN_ROWS;
     #[cfg(target_arch = "x86_64")]
-    let groups: Vec<Vec<Group8>> = if !sixteen && (W::ROWS_IN_LANES || (W::WIDE_ROWS_IN_LANES && wide)) && simd && m >= GROUP_MIN_ROWS {
+    let groups: Vec<Vec<Group8>> = if W::ROWS_IN_LANES && !sixteen && simd && m >= GROUP_MIN_ROWS {
         (0..m).step_by(8).map(|r0| groups_of(xq, kb, r0, 8.min(m - r0))).collect()
-    } else {
-        Vec::new()
-    };
-    // The same rows for the AVX-512 two-column kernel, where it runs.
-    #[cfg(target_arch = "x86_64")]
-    let wide_groups: Vec<Vec<avx512::Group16>> = if wide {
-        // SAFETY: AVX-512 F is part of the tier checked (`wide`).
-        groups.iter().map(|g| g.iter().map(|g| unsafe { avx512::Group16::of(g) }).collect()).collect()
     } else {
         Vec::new()
     };
@@ -1058,21 +907,6 @@ fn matmul<W: KBlock>(w: &[W], xq: &[Q8K], m: usize, k: usize, n: usize, out: &mu
         }
         #[cfg(target_arch = "x86_64")]
         if simd && m >= GROUP_MIN_ROWS {
-            let mut cols = cols.clone();
-            if W::WIDE_ROWS_IN_LANES && wide {
-                while cols.len() >= 2 {
-                    let c = cols.start;
-                    let col = |c: usize| &w[c * kb..(c + 1) * kb];
-                    for r0 in (0..m).step_by(8) {
-                        let got = unsafe { W::two_columns_rows_in_lanes(col(c), col(c + 1), &wide_groups[r0 / 8]) };
-                        for (i, (&va, &vb)) in got[..8].iter().zip(&got[8..]).take(8.min(m - r0)).enumerate() {
-                            put(r0 + i, c, va);
-                            put(r0 + i, c + 1, vb);
-                        }
-                    }
-                    cols.start += 2;
-                }
-            }
             for c in cols {
                 let wc = &w[c * kb..(c + 1) * kb];
                 for r0 in (0..m).step_by(8) {
