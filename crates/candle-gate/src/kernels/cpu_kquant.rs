@@ -601,6 +601,23 @@ mod avx512 {
         _mm512_and_si512(_mm512_srl_epi32(v, _mm_cvtsi32_si128(bits as i32)), _mm512_set1_epi32(mask))
     }
 
+    /// `acc + dpbusd(u, *y broadcast)`, the four bytes at `y` read by the instruction itself
+    /// (`{1to16}`): left to itself, LLVM hoists the broadcasts into registers, through general
+    /// registers when they run out, which costs a shuffle uop per `dpbusd`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512vnni")]
+    unsafe fn dpbusd_broadcast(acc: __m512i, u: __m512i, y: *const i32) -> __m512i {
+        let mut acc = acc;
+        std::arch::asm!(
+            "vpdpbusd {acc}, {u}, dword ptr [{y}]{{1to16}}",
+            acc = inout(zmm_reg) acc,
+            u = in(zmm_reg) u,
+            y = in(reg) y,
+            options(pure, readonly, nostack, preserves_flags),
+        );
+        acc
+    }
+
     /// `isum[r] += sc · Σ u · y_r` over one 32-weight sub-block of sixteen columns (`u[t]` lane c:
     /// column c's weights 4t..4t+4) for `R` rows (`y[r]`: their 32 activation bytes), the rows'
     /// `dpbusd` chains interleaved so that they overlap. Each 16-weight half's sum fits in i16
@@ -612,7 +629,7 @@ mod avx512 {
         let mut a = [[_mm512_setzero_si512(); 2]; R];
         for (t, &u) in u.iter().enumerate() {
             for (a, y) in a.iter_mut().zip(y) {
-                a[t / 4] = _mm512_dpbusd_epi32(a[t / 4], u, _mm512_set1_epi32(y.add(t).read_unaligned()));
+                a[t / 4] = dpbusd_broadcast(a[t / 4], u, y.add(t));
             }
         }
         for (s, a) in isum.iter_mut().zip(a) {
@@ -712,7 +729,7 @@ mod avx512 {
         let mut a = [_mm512_setzero_si512(); R];
         for (g, &u) in u.iter().enumerate() {
             for (a, y) in a.iter_mut().zip(y) {
-                *a = _mm512_dpbusd_epi32(*a, u, _mm512_set1_epi32(y.add(g).read_unaligned()));
+                *a = dpbusd_broadcast(*a, u, y.add(g));
             }
         }
         for (s, a) in isum.iter_mut().zip(a) {
