@@ -917,7 +917,9 @@ fn matmul<W: KBlock>(w: &[W], xq: &[Q8K], m: usize, k: usize, n: usize, out: &mu
                 let rows = avx512::TILE_ROWS.min(m - r0);
                 unsafe { W::sixteen_columns(col, kb, &xq[r0 * kb..], rows, &mut got) };
                 for (i, g) in got[..rows].iter().enumerate() {
-                    cols.clone().zip(g).for_each(|(c, &v)| put(r0 + i, c, v));
+                    for (c, &v) in cols.clone().zip(g) {
+                        put(r0 + i, c, v);
+                    }
                 }
             }
             return;
