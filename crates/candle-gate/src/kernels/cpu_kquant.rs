@@ -878,6 +878,11 @@ const GROUP_MIN_ROWS: usize = 3;
 /// (Qwen2.5 1.5B's 1536 × 1536 Q4_K on one thread of the Xeon: 111 µs against 164 µs for the
 /// one-row kernel twice; the 151936-column Q6_K output breaks even).
 const SIXTEEN_MIN_ROWS: usize = 2;
+/// Super-blocks per column from which the sixteen-column kernel also takes one row: Qwen2.5
+/// 1.5B's `ffn_down` (k = 8960, 35 super-blocks), every layer in turn on the Xeon, 372 µs a
+/// layer against 540 for the one-row kernel; at k = 1536 and 4864 (6 and 19) the one-row kernel
+/// stays ahead (41 against 44 µs, 80 against 99).
+const SIXTEEN_ONE_ROW_MIN_BLOCKS: usize = 32;
 
 static ZERO_Q8K: Q8K = Q8K { d: 0.0, qs: [0; 256], bsums: [0; 16] };
 
@@ -891,7 +896,7 @@ fn matmul<W: KBlock>(w: &[W], xq: &[Q8K], m: usize, k: usize, n: usize, out: &mu
     #[cfg(not(target_arch = "x86_64"))]
     let simd = false;
     #[cfg(target_arch = "x86_64")]
-    let sixteen = wide && m >= SIXTEEN_MIN_ROWS;
+    let sixteen = wide && (m >= SIXTEEN_MIN_ROWS || kb >= SIXTEEN_ONE_ROW_MIN_BLOCKS);
     #[cfg(target_arch = "x86_64")]
     let groups: Vec<Vec<Group8>> = if W::ROWS_IN_LANES && !sixteen && simd && m >= GROUP_MIN_ROWS {
         (0..m).step_by(8).map(|r0| groups_of(xq, kb, r0, 8.min(m - r0))).collect()
