@@ -870,8 +870,10 @@ fn element<W: KBlock>(wc: &[W], y: &[Q8K]) -> f32 {
     acc
 }
 
-/// Columns handed to a worker at once.
+/// Columns handed to a worker at once: one tile of the sixteen-column kernel, which takes a
+/// task's columns whole.
 const COLS_PER_TASK: usize = 16;
+const _: () = assert!(COLS_PER_TASK == 16);
 /// Rows at which rows in the lanes beat columns in the lanes (AVX2; both give the same bits).
 const GROUP_MIN_ROWS: usize = 3;
 /// Rows from which the sixteen-column AVX-512 kernel runs: its transposes pay off from two rows

@@ -183,6 +183,8 @@ const ONE_ROW_COLS: usize = 2;
 /// memory needs: on the 2-core Xeon the 151936 × 896 output took 5.0 ms with one pair against
 /// 5.8 with two (hot in cache, more pairs hide more latency: 25 against 21 GB/s at 1024 × 896).
 const ONE_ROW_PAIRS: usize = 1;
+/// The most outputs one step of the one-row path gives (either tier).
+const ONE_ROW_OUT: usize = if 2 * ONE_ROW_PAIRS > ONE_ROW_COLS { 2 * ONE_ROW_PAIRS } else { ONE_ROW_COLS };
 /// Columns handed to a worker at once.
 const COLS_PER_TASK: usize = 16;
 /// Rows sharing one pass over a weight column (AVX-512: as many pairs, two per vector).
@@ -227,7 +229,7 @@ pub fn matmul(w: &[BlockQ8_0], xq: &[BlockQ8_0], m: usize, k: usize, n: usize, o
                 let mut c = cols.start;
                 while c < cols.end {
                     // SAFETY: the tier's features detected (`isa`); columns c.. belong to this task.
-                    let mut buf = [0f32; 2 * if ONE_ROW_COLS > ONE_ROW_PAIRS { ONE_ROW_COLS } else { ONE_ROW_PAIRS }];
+                    let mut buf = [0f32; ONE_ROW_OUT];
                     let got: &[f32] = unsafe {
                         if wide && c + 2 * ONE_ROW_PAIRS <= cols.end {
                             let w2: [[&[Q80]; 2]; ONE_ROW_PAIRS] = std::array::from_fn(|i| [col(c + 2 * i), col(c + 2 * i + 1)]);
