@@ -10,15 +10,16 @@
 //! and the float part is one fixed expression, super-block after super-block:
 //! `acc = acc + ((d_y·d_x)·isum − (d_y·dmin_x)·imin)` (Q6_K: `acc = acc + (d_y·d_x)·isum`).
 //! Integer sums cannot depend on how they are grouped, and the float expression is the same
-//! scalar operations whether eight rows (the AVX2 batched kernel), sixteen columns (the AVX-512
-//! batched kernel), eight columns (the GEMV) or one element (the portable path) sit in the
-//! vector lanes — so every row count gives the same bits, on every x86-64 with AVX2 and on the
-//! portable path alike (tested).
+//! scalar operations whether eight columns (the AVX2 batched kernel), sixteen columns (the
+//! AVX-512 batched kernel), one element's partial sums (the one-row kernels) or one element
+//! (the portable path) sit in the vector lanes — so every row count gives the same bits, on
+//! every x86-64 with AVX2 and on the portable path alike (tested).
 //!
-//! The AVX-512 batched kernel reads the GGUF blocks as they are and transposes four bytes of
-//! sixteen columns into each vector on the fly (`avx512::transpose16x4`), once per pass over
-//! up to 32 rows: Candle gets the same `dpbusd`-per-four-weights shape by keeping a repacked
-//! copy of the weights, which would break the memory budget and needs no other order of sums.
+//! The batched kernels read the GGUF blocks as they are and transpose four bytes of eight
+//! (`avx2::transpose8x4`) or sixteen (`avx512::transpose16x4`) columns into each vector on the
+//! fly, once per pass over up to 32 rows, so that one broadcast of a row's four activation
+//! bytes serves every column: Candle gets that shape by keeping a repacked copy of the
+//! weights, which would break the memory budget and needs no other order of sums.
 
 use candle_core::quantized::k_quants::{BlockQ4K, BlockQ6K, BlockQ8K};
 use half::f16;
@@ -68,13 +69,8 @@ pub(crate) trait KBlock: Sync + 'static {
     const OFFSET: i32;
     const HAS_MIN: bool;
     fn unpack(&self) -> Unpacked;
-    /// [`KBlock::unpack`] straight into vector registers.
-    /// SAFETY: AVX2 must be available.
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn vectors(&self) -> avx2::Vectors;
-    /// [`avx2::partials`] of this block against `y`, unpacking as it goes rather than into a
-    /// [`avx2::Vectors`] first: the one-row kernel uses each block once, and sixteen unpacked
-    /// registers would spill.
+    /// The exact integer partial sums (Σ sc·u·y, Σ bcoef·bsums) of this block against `y`, in
+    /// eight i32 lanes each, unpacking as it goes: the one-row kernel uses each block once.
     /// SAFETY: AVX2 must be available.
     #[cfg(target_arch = "x86_64")]
     unsafe fn partials_with(&self, y: &Q8K) -> (std::arch::x86_64::__m256i, std::arch::x86_64::__m256i);
@@ -85,22 +81,23 @@ pub(crate) trait KBlock: Sync + 'static {
     unsafe fn partials_avx512(&self, y: &Q8K) -> (std::arch::x86_64::__m512i, std::arch::x86_64::__m256i);
     fn d(&self) -> f32;
     fn dmin(&self) -> f32;
-    /// Whether [`KBlock::column_rows_in_lanes`] exists for this type.
-    const ROWS_IN_LANES: bool = false;
-    /// Eight rows of one column, rows in the lanes, from the rows' [`Group8`]s.
-    /// SAFETY: AVX2 must be available.
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn column_rows_in_lanes(_wc: &[Self], _groups: &[Group8]) -> [f32; 8]
-    where
-        Self: Sized,
-    {
-        unreachable!("no rows-in-lanes kernel for this type")
-    }
-    /// Up to `avx512::TILE_ROWS` rows against sixteen columns, columns in the lanes: `out[r]`
+    /// Up to [`TILE_ROWS`] rows against sixteen columns, columns in the lanes: `out[r]`
     /// lane c is row r · column `col(c)`, each lane exactly [`element`]'s.
     /// SAFETY: AVX-512 F/BW/VL and VNNI must be available.
     #[cfg(target_arch = "x86_64")]
     unsafe fn sixteen_columns<'a>(col: impl Fn(usize) -> &'a [Self], kb: usize, ys: &[Q8K], rows: usize, out: &mut [[f32; 16]])
+    where
+        Self: Sized;
+    /// Rows from which the AVX2 tier runs [`KBlock::eight_columns`] (fewer take the one-row
+    /// kernel per element): on the EPYC, Q4_K's eight-column kernel beats two one-row passes
+    /// (Qwen2.5 1.5B's 8960 × 1536 at two rows: 0.63 against 0.81 ms), Q6_K's only from three
+    /// (1536 × 8960: 1.10 against 0.92 ms at two rows, 1.30 against 2.34 at three).
+    #[cfg(target_arch = "x86_64")]
+    const EIGHT_MIN_ROWS: usize;
+    /// [`KBlock::sixteen_columns`] eight columns wide, in AVX2, for up to [`TILE_ROWS`] rows.
+    /// SAFETY: AVX2, FMA and F16C must be available.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn eight_columns<'a>(col: impl Fn(usize) -> &'a [Self], kb: usize, ys: &[Q8K], rows: usize, out: &mut [[f32; 8]])
     where
         Self: Sized;
 }
@@ -108,14 +105,15 @@ pub(crate) trait KBlock: Sync + 'static {
 impl KBlock for Q4K {
     const OFFSET: i32 = 0;
     const HAS_MIN: bool = true;
-    const ROWS_IN_LANES: bool = true;
     #[cfg(target_arch = "x86_64")]
-    unsafe fn column_rows_in_lanes(wc: &[Self], groups: &[Group8]) -> [f32; 8] {
-        q4k_column_rows_in_lanes(wc, groups)
-    }
+    const EIGHT_MIN_ROWS: usize = 2;
     #[cfg(target_arch = "x86_64")]
     unsafe fn sixteen_columns<'a>(col: impl Fn(usize) -> &'a [Self], kb: usize, ys: &[Q8K], rows: usize, out: &mut [[f32; 16]]) {
         avx512::q4k_sixteen_columns(col, kb, ys, rows, out)
+    }
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn eight_columns<'a>(col: impl Fn(usize) -> &'a [Self], kb: usize, ys: &[Q8K], rows: usize, out: &mut [[f32; 8]]) {
+        eight::q4k_eight_columns(col, kb, ys, rows, out)
     }
     fn unpack(&self) -> Unpacked {
         let sm = |j: usize| self.scale_min(j);
@@ -133,18 +131,6 @@ impl KBlock for Q4K {
             std::array::from_fn(|l| if c % 2 == 0 { src[l] & 0xF } else { src[l] >> 4 })
         });
         Unpacked { u, sc, bcoef }
-    }
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn vectors(&self) -> avx2::Vectors {
-        use std::arch::x86_64::*;
-        let mut u = [_mm256_setzero_si256(); 8];
-        for i in 0..4 {
-            (u[2 * i], u[2 * i + 1]) = self.nibbles(i);
-        }
-        let (dup, bcoef) = self.scales_mins();
-        let sc = std::array::from_fn(|c| _mm256_shuffle_epi8(dup, avx2::broadcast_i16(c, c)));
-        avx2::Vectors { u, sc, bcoef }
     }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
@@ -246,8 +232,14 @@ impl KBlock for Q6K {
     const OFFSET: i32 = 32;
     const HAS_MIN: bool = false;
     #[cfg(target_arch = "x86_64")]
+    const EIGHT_MIN_ROWS: usize = 3;
+    #[cfg(target_arch = "x86_64")]
     unsafe fn sixteen_columns<'a>(col: impl Fn(usize) -> &'a [Self], kb: usize, ys: &[Q8K], rows: usize, out: &mut [[f32; 16]]) {
         avx512::q6k_sixteen_columns(col, kb, ys, rows, out)
+    }
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn eight_columns<'a>(col: impl Fn(usize) -> &'a [Self], kb: usize, ys: &[Q8K], rows: usize, out: &mut [[f32; 8]]) {
+        eight::q6k_eight_columns(col, kb, ys, rows, out)
     }
     fn unpack(&self) -> Unpacked {
         let u = std::array::from_fn(|c| {
@@ -261,18 +253,6 @@ impl KBlock for Q6K {
         });
         let sc = self.scales.map(|s| s as i16);
         Unpacked { u, sc, bcoef: sc }
-    }
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn vectors(&self) -> avx2::Vectors {
-        use std::arch::x86_64::*;
-        let mut u = [_mm256_setzero_si256(); 8];
-        for n in 0..2 {
-            u[4 * n..4 * n + 4].copy_from_slice(&self.sixes(n));
-        }
-        let (lo, hi, bcoef) = self.scale_halves();
-        let sc = std::array::from_fn(|c| Self::scale(lo, hi, c));
-        avx2::Vectors { u, sc, bcoef }
     }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
@@ -401,16 +381,8 @@ fn step<W: KBlock>(acc: f32, isum: i32, imin: i32, xd: f32, xdmin: f32, yd: f32)
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{KBlock, Q8K};
+    use super::KBlock;
     use std::arch::x86_64::*;
-
-    /// A super-block's weights and coefficients in vector registers: what
-    /// [`super::Unpacked`] holds.
-    pub struct Vectors {
-        pub u: [__m256i; 8],
-        pub sc: [__m256i; 8],
-        pub bcoef: __m256i,
-    }
 
     /// `_mm256_shuffle_epi8` controls: entry `a * 8 + b` fills the low half with i16 lane `a`
     /// and the high half with i16 lane `b` of a 128-bit source repeated in both halves.
@@ -435,21 +407,6 @@ mod avx2 {
         _mm256_loadu_si256(BROADCAST_I16[a * 8 + b].as_ptr() as *const __m256i)
     }
 
-    /// Eight i32 partial sums of the scaled weight·activation products, and of bcoef·bsums.
-    #[inline(always)]
-    pub unsafe fn partials(v: &Vectors, y: &Q8K) -> (__m256i, __m256i) {
-        let mut acc = _mm256_setzero_si256();
-        for c in 0..8 {
-            let yq = _mm256_loadu_si256(y.qs.as_ptr().add(32 * c) as *const __m256i);
-            // u ≤ 63, so a pair of products fits in i16; times a scale it is summed in i32.
-            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(v.u[c], yq), v.sc[c]));
-        }
-        let b = _mm256_madd_epi16(_mm256_loadu_si256(y.bsums.as_ptr() as *const __m256i), v.bcoef);
-        (acc, b)
-    }
-
-    pub(crate) use super::super::cpu_q32::avx2::lanes8;
-
     /// The sum of eight i32 lanes.
     #[inline(always)]
     pub unsafe fn hsum(v: __m256i) -> i32 {
@@ -473,106 +430,194 @@ mod avx2 {
     }
 }
 
-/// Rows `rows` (at most 8; lanes beyond are zero activations) of `xq` against column `wc`.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn column_8rows<W: KBlock>(wc: &[W], xq: &[Q8K], kb: usize, rows: usize, zero: &Q8K) -> [f32; 8] {
+mod eight {
+    use super::super::avx2::{f16_halves, transpose8x4};
+    use super::{avx2::step8, Q4K, Q6K, Q8K, TILE_ROWS};
     use std::arch::x86_64::*;
-    let mut acc = _mm256_setzero_ps();
-    for (b, x) in wc.iter().enumerate() {
-        let v = x.vectors();
-        let y = |i: usize| if i < rows { &xq[i * kb + b] } else { zero };
-        let mut p = [_mm256_setzero_si256(); 8];
-        let mut q = [_mm256_setzero_si256(); 8];
-        for i in 0..8 {
-            (p[i], q[i]) = avx2::partials(&v, y(i));
-        }
-        let yd = _mm256_setr_ps(y(0).d, y(1).d, y(2).d, y(3).d, y(4).d, y(5).d, y(6).d, y(7).d);
-        acc = avx2::step8::<W>(acc, avx2::lanes8(p), avx2::lanes8(q), _mm256_set1_ps(x.d()), _mm256_set1_ps(x.dmin()), yd);
+
+    /// Columns ahead the kernels prefetch: the next tile's eight, which the same thread reads next.
+    const AHEAD: usize = 8;
+    /// Where a [`Q8K`]'s quants start.
+    const Y_QS: usize = std::mem::offset_of!(Q8K, qs);
+
+    /// i32 lanes of `v` shifted right by `bits`, masked to `mask`.
+    #[inline(always)]
+    unsafe fn field(v: __m256i, bits: u32, mask: i32) -> __m256i {
+        _mm256_and_si256(_mm256_srl_epi32(v, _mm_cvtsi32_si128(bits as i32)), _mm256_set1_epi32(mask))
     }
-    let mut out = [0f32; 8];
-    _mm256_storeu_ps(out.as_mut_ptr(), acc);
-    out
-}
 
-/// Eight rows' activations for one super-block, rows in the lanes (Q4_K's multi-row kernel).
-#[cfg(target_arch = "x86_64")]
-pub(crate) struct Group8 {
-    /// `yt[g]` lane r: row r's bytes `4g..4g+4`.
-    yt: [std::arch::x86_64::__m256i; 64],
-    /// `bs[j]` lane r: row r's `bsums[2j]` and `bsums[2j + 1]` as two i16.
-    bs: [std::arch::x86_64::__m256i; 8],
-    d: std::arch::x86_64::__m256,
-}
+    /// An i32 lane's low i16 in both its halves: a coefficient that `madd` against an i16 pair
+    /// multiplies into both.
+    #[inline(always)]
+    unsafe fn pair(v: __m256i) -> __m256i {
+        _mm256_or_si256(_mm256_slli_epi32::<16>(v), _mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)))
+    }
 
-/// Rows `r0..r0+rows` (at most 8; the other lanes zero, never written back) in [`Group8`]s, one
-/// per super-block: built once per matmul, shared by every column task.
-#[cfg(target_arch = "x86_64")]
-fn groups_of(xq: &[Q8K], kb: usize, r0: usize, rows: usize) -> Vec<Group8> {
-    use std::arch::x86_64::*;
-    (0..kb)
-        .map(|b| {
-            let mut yt = [[0i32; 8]; 64];
-            let mut bs = [[0i32; 8]; 8];
-            let mut d = [0f32; 8];
-            for i in 0..rows {
-                let y = &xq[(r0 + i) * kb + b];
-                for (g, lanes) in yt.iter_mut().enumerate() {
-                    let q = &y.qs[4 * g..4 * g + 4];
-                    lanes[i] = i32::from_le_bytes([q[0] as u8, q[1] as u8, q[2] as u8, q[3] as u8]);
+    /// The four bytes at `y` in every i32 lane.
+    #[inline(always)]
+    unsafe fn broadcast(y: *const i32) -> __m256i {
+        _mm256_set1_epi32(y.read_unaligned())
+    }
+
+    /// The eight columns' blocks `b` as raw addresses (bounds checked by the caller), with the
+    /// next tile's asked for.
+    #[inline(always)]
+    unsafe fn block_addresses<W>(cols: &[&[W]; 8], b: usize, kb: usize) -> [*const u8; 8] {
+        let at: [*const u8; 8] = std::array::from_fn(|c| cols[c].as_ptr().add(b) as *const u8);
+        for &a in &at {
+            super::super::prefetch_at(&*(a as *const W), AHEAD * kb * std::mem::size_of::<W>());
+        }
+        at
+    }
+
+    /// Up to [`TILE_ROWS`] rows (`ys`, row r's blocks at `r * kb`) against eight Q4_K columns
+    /// (`col(c)` is column c's blocks), columns in the lanes: the weights are transposed four
+    /// bytes per lane as they are read, so each 4-weight group of every column takes one
+    /// `maddubs` against a row's four activation bytes broadcast, and one transposed load serves
+    /// every row. A sub-block's eight `maddubs` sum in i16 (|Σ| ≤ 8 · 2 · 15 · 128 = 30,720),
+    /// then one `madd` against the scale; each lane runs [`super::step`] on exact integer sums:
+    /// the one-row bits.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn q4k_eight_columns<'a>(col: impl Fn(usize) -> &'a [Q4K], kb: usize, ys: &[Q8K], rows: usize, out: &mut [[f32; 8]]) {
+        debug_assert!(rows <= TILE_ROWS && out.len() >= rows);
+        let m4 = _mm256_set1_epi8(0x0F);
+        let mut acc = [_mm256_setzero_ps(); TILE_ROWS];
+        let mut isum = [_mm256_setzero_si256(); TILE_ROWS];
+        let cols: [&[Q4K]; 8] = std::array::from_fn(&col);
+        assert!(cols.iter().all(|c| c.len() >= kb) && ys.len() >= rows * kb);
+        for b in 0..kb {
+            let at = block_addresses(&cols, b, kb);
+            // d and dmin, then the twelve scale bytes q[0..12] as three dwords per lane.
+            let [dd, s0, s1, s2] = transpose8x4(|c| at[c]);
+            let (xd, xdmin) = f16_halves(dd);
+            // `Q4K::scale_min` lane by lane: sub-blocks 0-3 are the low six bits of q[j] and
+            // q[j + 4]; 4-7 take q[j + 4]'s nibbles and the top two bits of q[j - 4] or q[j].
+            let high = |lo: __m256i, top: __m256i, k: u32, shift: u32| {
+                _mm256_or_si256(field(lo, 8 * k + shift, 0x0F), _mm256_slli_epi32::<4>(field(top, 8 * k + 6, 3)))
+            };
+            let sc: [__m256i; 8] =
+                std::array::from_fn(|j| pair(if j < 4 { field(s0, 8 * j as u32, 63) } else { high(s2, s0, j as u32 - 4, 0) }));
+            let mins: [__m256i; 8] =
+                std::array::from_fn(|j| pair(if j < 4 { field(s1, 8 * j as u32, 63) } else { high(s2, s1, j as u32 - 4, 4) }));
+            isum[..rows].fill(_mm256_setzero_si256());
+            for i in 0..4 {
+                let qs = std::mem::offset_of!(Q4K, qs) + 32 * i;
+                let lo = transpose8x4(|c| at[c].add(qs));
+                let hi = transpose8x4(|c| at[c].add(qs + 16));
+                let q = [lo[0], lo[1], lo[2], lo[3], hi[0], hi[1], hi[2], hi[3]];
+                // Sub-block 2i in the low nibbles, 2i + 1 in the high.
+                for half in 0..2 {
+                    let u: [__m256i; 8] = std::array::from_fn(|t| {
+                        if half == 0 {
+                            _mm256_and_si256(q[t], m4)
+                        } else {
+                            _mm256_and_si256(_mm256_srli_epi16::<4>(q[t]), m4)
+                        }
+                    });
+                    let (j, first) = (2 * i + half, 64 * i + 32 * half);
+                    for (r, isum) in isum[..rows].iter_mut().enumerate() {
+                        let y = ys.as_ptr().add(r * kb + b).cast::<u8>().add(Y_QS + first) as *const i32;
+                        let mut a = _mm256_setzero_si256();
+                        for (t, &u) in u.iter().enumerate() {
+                            a = _mm256_add_epi16(a, _mm256_maddubs_epi16(u, broadcast(y.add(t))));
+                        }
+                        *isum = _mm256_add_epi32(*isum, _mm256_madd_epi16(a, sc[j]));
+                    }
                 }
-                for (j, lanes) in bs.iter_mut().enumerate() {
-                    lanes[i] = (y.bsums[2 * j] as u16 as u32 | (y.bsums[2 * j + 1] as u16 as u32) << 16) as i32;
+            }
+            for (r, (acc, &isum)) in acc[..rows].iter_mut().zip(&isum).enumerate() {
+                let y = &ys[r * kb + b];
+                let bs = y.bsums.as_ptr() as *const i32;
+                let mut imin = _mm256_setzero_si256();
+                for (j, &m) in mins.iter().enumerate() {
+                    imin = _mm256_add_epi32(imin, _mm256_madd_epi16(m, broadcast(bs.add(j))));
                 }
-                d[i] = y.d;
-            }
-            // SAFETY: plain loads from arrays of eight lanes (AVX2 is checked by the caller).
-            unsafe {
-                let v = |l: &[i32; 8]| _mm256_loadu_si256(l.as_ptr() as *const __m256i);
-                Group8 { yt: yt.each_ref().map(v), bs: bs.each_ref().map(v), d: _mm256_loadu_ps(d.as_ptr()) }
-            }
-        })
-        .collect()
-}
-
-/// Eight rows of one Q4_K column with the rows in the lanes: each 4-weight group is broadcast
-/// to every lane straight from the packed nibbles (one load gives sub-blocks 2i and 2i+1), so no
-/// lane reduction is needed; `isum` and `imin` come out exact, as in [`column_8rows`], and the
-/// float step is [`avx2::step8`]. The i16 sums of a sub-block's eight `maddubs` stay under
-/// 8 · 2 · 15 · 128 = 30,720.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn q4k_column_rows_in_lanes(wc: &[Q4K], groups: &[Group8]) -> [f32; 8] {
-    use super::cpu_q32::avx2::nibble_group_dots;
-    use std::arch::x86_64::*;
-    let mut acc = _mm256_setzero_ps();
-    for (x, g) in wc.iter().zip(groups) {
-        super::prefetch_ahead(x);
-        let q = x.qs.as_ptr() as *const i32;
-        let mut isum = _mm256_setzero_si256();
-        let mut imin = _mm256_setzero_si256();
-        for i in 0..4 {
-            let (mut lo, mut hi) = (_mm256_setzero_si256(), _mm256_setzero_si256());
-            for t in 0..8 {
-                nibble_group_dots(q.add(8 * i + t), g.yt[16 * i + t], g.yt[16 * i + 8 + t], &mut lo, &mut hi);
-            }
-            for (j, part) in [(2 * i, lo), (2 * i + 1, hi)] {
-                let (sc, m) = x.scale_min(j);
-                isum = _mm256_add_epi32(isum, _mm256_madd_epi16(part, _mm256_set1_epi16(sc as i16)));
-                imin = _mm256_add_epi32(imin, _mm256_madd_epi16(g.bs[j], _mm256_set1_epi16(m as i16)));
+                *acc = step8::<Q4K>(*acc, isum, imin, xd, xdmin, _mm256_set1_ps(y.d));
             }
         }
-        acc = avx2::step8::<Q4K>(acc, isum, imin, _mm256_set1_ps(x.d()), _mm256_set1_ps(x.dmin()), g.d);
+        for (o, a) in out.iter_mut().zip(&acc[..rows]) {
+            _mm256_storeu_ps(o.as_mut_ptr(), *a);
+        }
     }
-    let mut out = [0f32; 8];
-    _mm256_storeu_ps(out.as_mut_ptr(), acc);
-    out
+
+    /// [`q4k_eight_columns`] for Q6_K: per 16-weight half, four transposed dwords of `ql` (two
+    /// places) and `qh` give the four chunks' 6-bit weights, each 4-weight group summed by
+    /// `maddubs` against a row's broadcast bytes. Two groups' sums still fit in i16
+    /// (2 · 2 · 63 · 128 = 32,256), so a half takes two `madd`s against its scale; the `bsums`
+    /// term and the float step are [`super::step`]'s, lane by lane.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn q6k_eight_columns<'a>(col: impl Fn(usize) -> &'a [Q6K], kb: usize, ys: &[Q8K], rows: usize, out: &mut [[f32; 8]]) {
+        debug_assert!(rows <= TILE_ROWS && out.len() >= rows);
+        let (m4, m30) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x30));
+        let mut acc = [_mm256_setzero_ps(); TILE_ROWS];
+        let mut isum = [_mm256_setzero_si256(); TILE_ROWS];
+        let cols: [&[Q6K]; 8] = std::array::from_fn(&col);
+        assert!(cols.iter().all(|c| c.len() >= kb) && ys.len() >= rows * kb);
+        for b in 0..kb {
+            let at = block_addresses(&cols, b, kb);
+            // The block ends two bytes after its scales, so `d` comes in lane by lane.
+            let d: [u16; 8] = std::array::from_fn(|c| (*(at[c] as *const Q6K)).d.to_bits());
+            let xd = _mm256_cvtph_ps(_mm_loadu_si128(d.as_ptr() as *const __m128i));
+            let packed = transpose8x4(|c| at[c].add(std::mem::offset_of!(Q6K, scales)));
+            // Scale s (i8) sign-extended in each lane.
+            let sc: [__m256i; 16] = std::array::from_fn(|s| {
+                let v = packed[s / 4];
+                _mm256_srai_epi32::<24>(_mm256_sll_epi32(v, _mm_cvtsi32_si128(24 - 8 * (s % 4) as i32)))
+            });
+            isum[..rows].fill(_mm256_setzero_si256());
+            for n in 0..2 {
+                for half in 0..2 {
+                    let (ql, qh) = (std::mem::offset_of!(Q6K, ql), std::mem::offset_of!(Q6K, qh));
+                    let a = transpose8x4(|c| at[c].add(ql + 64 * n + 16 * half));
+                    let bq = transpose8x4(|c| at[c].add(ql + 64 * n + 32 + 16 * half));
+                    let h = transpose8x4(|c| at[c].add(qh + 32 * n + 16 * half));
+                    for t in 0..4 {
+                        // `Q6K::unpack` for chunk 4n + t: a nibble of `ql`, two bits of `qh`.
+                        let u: [__m256i; 4] = std::array::from_fn(|g| {
+                            let (lo, hi) = match t {
+                                0 => (_mm256_and_si256(a[g], m4), _mm256_slli_epi16::<4>(h[g])),
+                                1 => (_mm256_and_si256(bq[g], m4), _mm256_slli_epi16::<2>(h[g])),
+                                2 => (_mm256_and_si256(_mm256_srli_epi16::<4>(a[g]), m4), h[g]),
+                                _ => (_mm256_and_si256(_mm256_srli_epi16::<4>(bq[g]), m4), _mm256_srli_epi16::<2>(h[g])),
+                            };
+                            _mm256_or_si256(lo, _mm256_and_si256(hi, m30))
+                        });
+                        let s = 8 * n + 2 * t + half;
+                        let scale = pair(sc[s]);
+                        for (r, isum) in isum[..rows].iter_mut().enumerate() {
+                            let y = ys.as_ptr().add(r * kb + b).cast::<u8>().add(Y_QS + 16 * s) as *const i32;
+                            let p = |g: usize| _mm256_maddubs_epi16(u[g], broadcast(y.add(g)));
+                            let (p01, p23) = (_mm256_add_epi16(p(0), p(1)), _mm256_add_epi16(p(2), p(3)));
+                            *isum = _mm256_add_epi32(*isum, _mm256_add_epi32(_mm256_madd_epi16(p01, scale), _mm256_madd_epi16(p23, scale)));
+                        }
+                    }
+                }
+            }
+            // The (scale 2p, scale 2p + 1) pairs as i16, against the (bsums[2p], bsums[2p + 1]) pairs.
+            let pairs: [__m256i; 8] = std::array::from_fn(|p| {
+                _mm256_or_si256(_mm256_and_si256(sc[2 * p], _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32::<16>(sc[2 * p + 1]))
+            });
+            for (r, (acc, &isum)) in acc[..rows].iter_mut().zip(&isum).enumerate() {
+                let y = &ys[r * kb + b];
+                let bs = y.bsums.as_ptr() as *const i32;
+                let mut ib = _mm256_setzero_si256();
+                for (p, &pair) in pairs.iter().enumerate() {
+                    ib = _mm256_add_epi32(ib, _mm256_madd_epi16(pair, broadcast(bs.add(p))));
+                }
+                *acc = step8::<Q6K>(*acc, isum, ib, xd, _mm256_setzero_ps(), _mm256_set1_ps(y.d));
+            }
+        }
+        for (o, a) in out.iter_mut().zip(&acc[..rows]) {
+            _mm256_storeu_ps(o.as_mut_ptr(), *a);
+        }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use super::super::avx512::transpose16x4;
-    use super::KBlock;
+    use super::{KBlock, TILE_ROWS};
     use std::arch::x86_64::*;
 
     /// i16 lane l of the result: lane `first + l / run` of `v` (`run` a power of two): each
@@ -587,8 +632,6 @@ mod avx512 {
         _mm512_permutexvar_epi16(idx, v)
     }
 
-    /// Rows one pass over a tile of sixteen columns takes: their sums wait on the stack.
-    pub const TILE_ROWS: usize = 32;
     /// Columns ahead the kernels prefetch: the next tile's sixteen, which the same thread reads next.
     const AHEAD: usize = 16;
     /// Where a [`super::Q8K`]'s quants start.
@@ -870,12 +913,12 @@ fn element<W: KBlock>(wc: &[W], y: &[Q8K]) -> f32 {
     acc
 }
 
-/// Columns handed to a worker at once: one tile of the sixteen-column kernel, which takes a
-/// task's columns whole.
+/// Columns handed to a worker at once: one tile of the sixteen-column kernel and two of the
+/// eight-column one, which take a task's columns whole.
 const COLS_PER_TASK: usize = 16;
 const _: () = assert!(COLS_PER_TASK == 16);
-/// Rows at which rows in the lanes beat columns in the lanes (AVX2; both give the same bits).
-const GROUP_MIN_ROWS: usize = 3;
+/// Rows one pass of a columns-in-lanes kernel takes over its tile: their sums wait on the stack.
+const TILE_ROWS: usize = 32;
 /// Rows from which the sixteen-column AVX-512 kernel runs: its transposes pay off from two rows
 /// (Qwen2.5 1.5B's 1536 × 1536 Q4_K on one thread of the Xeon: 111 µs against 164 µs for the
 /// one-row kernel twice; the 151936-column Q6_K output breaks even).
@@ -883,68 +926,33 @@ const SIXTEEN_MIN_ROWS: usize = 2;
 /// Super-blocks per column from which the sixteen-column kernel also takes one row: Qwen2.5
 /// 1.5B's `ffn_down` (k = 8960, 35 super-blocks), every layer in turn on the Xeon, 372 µs a
 /// layer against 540 for the one-row kernel; at k = 1536 and 4864 (6 and 19) the one-row kernel
-/// stays ahead (41 against 44 µs, 80 against 99).
+/// stays ahead (41 against 44 µs, 80 against 99). The eight-column AVX2 kernels never take one
+/// row: on the EPYC they tie the one-row kernel there (Q4_K) or lose (Q6_K, 1.6x slower).
 const SIXTEEN_ONE_ROW_MIN_BLOCKS: usize = 32;
-
-static ZERO_Q8K: Q8K = Q8K { d: 0.0, qs: [0; 256], bsums: [0; 16] };
 
 fn matmul<W: KBlock>(w: &[W], xq: &[Q8K], m: usize, k: usize, n: usize, out: &mut [f32]) {
     let kb = k / 256;
     let ptr = OutPtr(out.as_mut_ptr());
     #[cfg(target_arch = "x86_64")]
-    let simd = super::isa() >= super::Isa::Avx2;
-    #[cfg(target_arch = "x86_64")]
-    let wide = super::isa() == super::Isa::Avx512;
-    #[cfg(not(target_arch = "x86_64"))]
-    let simd = false;
+    let (simd, wide) = (super::isa() >= super::Isa::Avx2, super::isa() == super::Isa::Avx512);
     #[cfg(target_arch = "x86_64")]
     let sixteen = wide && (m >= SIXTEEN_MIN_ROWS || kb >= SIXTEEN_ONE_ROW_MIN_BLOCKS);
     #[cfg(target_arch = "x86_64")]
-    let groups: Vec<Vec<Group8>> = if W::ROWS_IN_LANES && !sixteen && simd && m >= GROUP_MIN_ROWS {
-        (0..m).step_by(8).map(|r0| groups_of(xq, kb, r0, 8.min(m - r0))).collect()
-    } else {
-        Vec::new()
-    };
+    let eight = simd && !wide && m >= W::EIGHT_MIN_ROWS;
     let run = |task: usize| {
         let p = ptr;
         let cols = task * COLS_PER_TASK..n.min((task + 1) * COLS_PER_TASK);
         // SAFETY (all writes below): each (row, column) of this task's columns is written by
-        // this task alone, inside `out`; AVX2 was detected at run time where it is used.
+        // this task alone, inside `out`; the instructions used were detected at run time.
         let put = |r: usize, c: usize, v: f32| unsafe { *p.0.add(r * n + c) = v };
         #[cfg(target_arch = "x86_64")]
         if sixteen {
-            // A short last tile repeats its last column in the spare lanes, never written.
-            let last = cols.end - 1;
-            let col = |c: usize| {
-                let c = (cols.start + c).min(last);
-                &w[c * kb..(c + 1) * kb]
-            };
-            let mut got = [[0f32; 16]; avx512::TILE_ROWS];
-            for r0 in (0..m).step_by(avx512::TILE_ROWS) {
-                let rows = avx512::TILE_ROWS.min(m - r0);
-                unsafe { W::sixteen_columns(col, kb, &xq[r0 * kb..], rows, &mut got) };
-                for (i, g) in got[..rows].iter().enumerate() {
-                    for (c, &v) in cols.clone().zip(g) {
-                        put(r0 + i, c, v);
-                    }
-                }
-            }
+            by_tiles::<W, 16>(w, kb, cols, m, |col, r0, rows, got| unsafe { W::sixteen_columns(col, kb, &xq[r0 * kb..], rows, got) }, put);
             return;
         }
         #[cfg(target_arch = "x86_64")]
-        if simd && m >= GROUP_MIN_ROWS {
-            for c in cols {
-                let wc = &w[c * kb..(c + 1) * kb];
-                for r0 in (0..m).step_by(8) {
-                    let rows = 8.min(m - r0);
-                    let got = if W::ROWS_IN_LANES {
-                        unsafe { W::column_rows_in_lanes(wc, &groups[r0 / 8]) }
-                    } else {
-                        unsafe { column_8rows(wc, &xq[r0 * kb..], kb, rows, &ZERO_Q8K) }
-                    };
-                    got.iter().take(rows).enumerate().for_each(|(i, &v)| put(r0 + i, c, v));
-                }
-            }
+        if eight {
+            by_tiles::<W, 8>(w, kb, cols, m, |col, r0, rows, got| unsafe { W::eight_columns(col, kb, &xq[r0 * kb..], rows, got) }, put);
             return;
         }
         // Fewer rows: one element at a time, each column's bytes read in order (eight
@@ -965,8 +973,39 @@ fn matmul<W: KBlock>(w: &[W], xq: &[Q8K], m: usize, k: usize, n: usize, out: &mu
             }
         }
     };
-    let _ = simd;
     super::parallel_for(n.div_ceil(COLS_PER_TASK), run);
+}
+
+/// Columns `cols` of all `m` rows through a columns-in-lanes kernel `L` columns wide:
+/// `kernel(col, r0, rows, got)` fills `got[..rows]` for rows `r0..r0 + rows` (at most
+/// [`TILE_ROWS`]) of the tile whose column c is `col(c)`. A short last tile repeats its last
+/// column in the spare lanes, never written.
+#[cfg(target_arch = "x86_64")]
+fn by_tiles<'a, W: KBlock, const L: usize>(
+    w: &'a [W],
+    kb: usize,
+    cols: std::ops::Range<usize>,
+    m: usize,
+    kernel: impl Fn(&dyn Fn(usize) -> &'a [W], usize, usize, &mut [[f32; L]]),
+    put: impl Fn(usize, usize, f32),
+) {
+    for c0 in cols.clone().step_by(L) {
+        let last = (c0 + L).min(cols.end) - 1;
+        let col = |c: usize| {
+            let c = (c0 + c).min(last);
+            &w[c * kb..(c + 1) * kb]
+        };
+        let mut got = [[0f32; L]; TILE_ROWS];
+        for r0 in (0..m).step_by(TILE_ROWS) {
+            let rows = TILE_ROWS.min(m - r0);
+            kernel(&col, r0, rows, &mut got);
+            for (i, g) in got[..rows].iter().enumerate() {
+                for (c, &v) in (c0..=last).zip(g) {
+                    put(r0 + i, c, v);
+                }
+            }
+        }
+    }
 }
 
 pub fn matmul_q4k(w: &[BlockQ4K], xq: &[BlockQ8K], m: usize, k: usize, n: usize, out: &mut [f32]) {
@@ -1012,7 +1051,13 @@ mod tests {
     }
 
     fn check<B: GgmlType<VecDotType = BlockQ8K>, W: KBlock>(run: fn(&[B], &[BlockQ8K], usize, usize, usize, &mut [f32])) {
-        let (n, k) = (37, 512);
+        // Two super-blocks per column, and as many as take the sixteen-column kernel at one row.
+        for kb in [2, SIXTEEN_ONE_ROW_MIN_BLOCKS] {
+            check_shape::<B, W>(run, 37, 256 * kb);
+        }
+    }
+
+    fn check_shape<B: GgmlType<VecDotType = BlockQ8K>, W: KBlock>(run: fn(&[B], &[BlockQ8K], usize, usize, usize, &mut [f32]), n: usize, k: usize) {
         let mut wq = vec![B::zeros(); n * k / 256];
         B::from_float(&data(n * k, 3), &mut wq);
         let x = data(19 * k, 5);
@@ -1024,7 +1069,7 @@ mod tests {
         for m in 1..=19 {
             let mut got = vec![0f32; m * n];
             run(&wq, &xq[..m * k / 256], m, k, n, &mut got);
-            assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "m={m}");
+            assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "m={m} k={k}");
         }
         // The definition computes the dot product of the dequantized operands.
         let mut wf = vec![0f32; n * k];

@@ -285,13 +285,10 @@ pub(crate) mod avx2 {
 
     /// The two f16s that open each of eight blocks (`d`, then Q4_1's `m`), as f32 lanes: one
     /// vector of the eight 4-byte heads, split by one shuffle, instead of sixteen scalar loads
-    /// and conversions. (An f16 to f32 conversion is exact, whichever instruction does it.)
+    /// and conversions.
     #[inline(always)]
     pub unsafe fn head_halves(heads: [i32; 8]) -> (__m256, __m256) {
-        let v = _mm256_loadu_si256(heads.as_ptr() as *const __m256i);
-        let split = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, 0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
-        let v = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, split), 0b11_01_10_00);
-        (_mm256_cvtph_ps(_mm256_castsi256_si128(v)), _mm256_cvtph_ps(_mm256_extracti128_si256(v, 1)))
+        super::super::avx2::f16_halves(_mm256_loadu_si256(heads.as_ptr() as *const __m256i))
     }
 
     /// Eight vectors of eight i32 partial sums to one vector of their eight totals.

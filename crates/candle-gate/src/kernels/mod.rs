@@ -2,6 +2,8 @@
 //! GPU backends are stubs unless their cargo feature is on.
 
 #[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
 mod avx512;
 pub mod cpu;
 mod cpu_kquant;
