@@ -433,13 +433,11 @@ mod avx2 {
 #[cfg(target_arch = "x86_64")]
 mod eight {
     use super::super::avx2::{f16_halves, transpose8x4};
-    use super::{avx2::step8, Q4K, Q6K, Q8K, TILE_ROWS};
+    use super::{avx2::step8, Q4K, Q6K, Q8K, TILE_ROWS, Y_QS};
     use std::arch::x86_64::*;
 
     /// Columns ahead the kernels prefetch: the next tile's eight, which the same thread reads next.
     const AHEAD: usize = 8;
-    /// Where a [`Q8K`]'s quants start.
-    const Y_QS: usize = std::mem::offset_of!(Q8K, qs);
 
     /// i32 lanes of `v` shifted right by `bits`, masked to `mask`.
     #[inline(always)]
@@ -617,7 +615,7 @@ mod eight {
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use super::super::avx512::transpose16x4;
-    use super::{KBlock, TILE_ROWS};
+    use super::{KBlock, TILE_ROWS, Y_QS};
     use std::arch::x86_64::*;
 
     /// i16 lane l of the result: lane `first + l / run` of `v` (`run` a power of two): each
@@ -634,8 +632,6 @@ mod avx512 {
 
     /// Columns ahead the kernels prefetch: the next tile's sixteen, which the same thread reads next.
     const AHEAD: usize = 16;
-    /// Where a [`super::Q8K`]'s quants start.
-    const Y_QS: usize = std::mem::offset_of!(super::Q8K, qs);
 
     /// i32 lanes of `v` shifted right by `bits`, masked to `mask`.
     #[inline]
@@ -919,6 +915,8 @@ const COLS_PER_TASK: usize = 16;
 const _: () = assert!(COLS_PER_TASK == 16);
 /// Rows one pass of a columns-in-lanes kernel takes over its tile: their sums wait on the stack.
 const TILE_ROWS: usize = 32;
+/// Where a [`Q8K`]'s quants start: the columns-in-lanes kernels broadcast from raw addresses.
+const Y_QS: usize = std::mem::offset_of!(Q8K, qs);
 /// Rows from which the sixteen-column AVX-512 kernel runs: its transposes pay off from two rows
 /// (Qwen2.5 1.5B's 1536 × 1536 Q4_K on one thread of the Xeon: 111 µs against 164 µs for the
 /// one-row kernel twice; the 151936-column Q6_K output breaks even).
