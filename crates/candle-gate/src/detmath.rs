@@ -9,6 +9,9 @@ const LN2_HI: f64 = 6.931_471_803_691_238_2e-1; // ln 2 with trailing zero bits:
 const LN2_LO: f64 = 1.908_214_929_270_587_7e-10; // ln 2 - LN2_HI
 const INV_LN2: f64 = std::f64::consts::LOG2_E;
 
+/// The factorials 12! down to 0! that `exp_f64`'s Taylor series divides by (after 13!).
+const EXP_TAYLOR: [f64; 13] = [479_001_600.0, 39_916_800.0, 3_628_800.0, 362_880.0, 40_320.0, 5_040.0, 720.0, 120.0, 24.0, 6.0, 2.0, 1.0, 1.0];
+
 /// 2^k as an f64, for -1022 <= k <= 1023.
 fn pow2(k: i64) -> f64 {
     f64::from_bits(((k + 1023) as u64) << 52)
@@ -29,7 +32,7 @@ pub fn exp_f64(x: f64) -> f64 {
     let r = (x - k * LN2_HI) - k * LN2_LO; // |r| <= ln2/2
     // Taylor series to r^13: remainder < 0.35^14/14! ~ 5e-18.
     let mut p = 1.0 / 6_227_020_800.0;
-    for d in [479_001_600.0, 39_916_800.0, 3_628_800.0, 362_880.0, 40_320.0, 5_040.0, 720.0, 120.0, 24.0, 6.0, 2.0, 1.0, 1.0] {
+    for d in EXP_TAYLOR {
         p = p * r + 1.0 / d;
     }
     let k = k as i64;
@@ -47,6 +50,72 @@ pub fn exp_f64(x: f64) -> f64 {
 #[inline]
 pub fn exp_f32(x: f32) -> f32 {
     exp_f64(x as f64) as f32
+}
+
+/// `exp_f32` of every element, in place, bit for bit: softmax over a cached sequence and SiLU
+/// over a layer's hidden width call it thousands of times a token, and one scalar `exp_f64` is a
+/// chain of fourteen dependent multiply-adds.
+pub fn exp_f32_in_place(xs: &mut [f32]) {
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
+    let xs = {
+        let mut chunks = xs.chunks_exact_mut(8);
+        for c in &mut chunks {
+            // SAFETY: AVX2 is enabled at compile time; `c` holds eight floats.
+            unsafe { avx2::exp_f32x8(c) };
+        }
+        chunks.into_remainder()
+    };
+    for x in xs {
+        *x = exp_f32(*x);
+    }
+}
+
+/// `exp_f64`'s arithmetic four lanes at a time: the same multiplies and adds in the same order
+/// (no FMA), the same round-half-away-from-zero `k`, the same `p * 2^k`; lanes that would leave
+/// its common path (NaN, |x| > 690, where `k` passes ±1000) send all eight back to the scalar.
+#[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    pub unsafe fn exp_f32x8(c: &mut [f32]) {
+        debug_assert_eq!(c.len(), 8);
+        let x = _mm256_loadu_ps(c.as_ptr());
+        let lo = exp_f64x4(_mm256_cvtps_pd(_mm256_castps256_ps128(x)));
+        let hi = exp_f64x4(_mm256_cvtps_pd(_mm256_extractf128_ps::<1>(x)));
+        match (lo, hi) {
+            // `cvtpd_ps` rounds to nearest even, as `as f32` does.
+            (Some(lo), Some(hi)) => _mm256_storeu_ps(c.as_mut_ptr(), _mm256_set_m128(_mm256_cvtpd_ps(hi), _mm256_cvtpd_ps(lo))),
+            _ => c.iter_mut().for_each(|v| *v = super::exp_f32(*v)),
+        }
+    }
+
+    pub(super) unsafe fn exp_f64x4(x: __m256d) -> Option<__m256d> {
+        let sign = _mm256_set1_pd(-0.0);
+        let in_range = _mm256_cmp_pd::<_CMP_LE_OQ>(_mm256_andnot_pd(sign, x), _mm256_set1_pd(690.0));
+        if _mm256_movemask_pd(in_range) != 0b1111 {
+            return None;
+        }
+        let t = _mm256_mul_pd(x, _mm256_set1_pd(super::INV_LN2));
+        // f64::round: trunc, then one step away from zero when the (exact) fraction is ≥ 1/2.
+        let whole = _mm256_round_pd::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(t);
+        let frac = _mm256_andnot_pd(sign, _mm256_sub_pd(t, whole));
+        let half_or_more = _mm256_cmp_pd::<_CMP_GE_OQ>(frac, _mm256_set1_pd(0.5));
+        let step = _mm256_and_pd(half_or_more, _mm256_or_pd(_mm256_set1_pd(1.0), _mm256_and_pd(t, sign)));
+        let k = _mm256_add_pd(whole, step);
+        let r = _mm256_sub_pd(
+            _mm256_sub_pd(x, _mm256_mul_pd(k, _mm256_set1_pd(super::LN2_HI))),
+            _mm256_mul_pd(k, _mm256_set1_pd(super::LN2_LO)),
+        );
+        let mut p = _mm256_set1_pd(1.0 / 6_227_020_800.0);
+        for d in super::EXP_TAYLOR {
+            p = _mm256_add_pd(_mm256_mul_pd(p, r), _mm256_set1_pd(1.0 / d));
+        }
+        // 2^k for |k| <= 1000: k + 1023 (exact) in the low mantissa bits of 2^52 + (k + 1023),
+        // shifted up into the exponent field.
+        let biased = _mm256_add_pd(k, _mm256_set1_pd(4_503_599_627_370_496.0 + 1023.0));
+        let pow2 = _mm256_castsi256_pd(_mm256_slli_epi64::<52>(_mm256_castpd_si256(biased)));
+        Some(_mm256_mul_pd(p, pow2))
+    }
 }
 
 /// Natural log in f64 for finite x > 0 (relative error ~1e-16).
@@ -139,6 +208,66 @@ mod tests {
         assert_eq!(exp_f32(100.0), f32::INFINITY);
         assert!(exp_f32(f32::NAN).is_nan());
         assert!(exp_f32(-100.0) > 0.0); // subnormal, not flushed
+    }
+
+    #[test]
+    fn exp_in_place_is_exp_f32_bit_for_bit() {
+        // Every edge of the vector path: its range limit (±690) and the scalar's (709, -745),
+        // halfway points of k = round(x / ln 2), subnormal and zero results, NaN, infinities,
+        // signed zeros, mixed into vectors whose other lanes are ordinary.
+        let ln2 = std::f64::consts::LN_2;
+        let mut xs: Vec<f32> = vec![0.0, -0.0, 1.0, -1.0, 690.0, -690.0, 690.01, -690.01, 88.7, 88.8, -87.3, -103.9, -104.0, -150.0,
+            709.0, 710.0, -745.0, -746.0, f32::MAX, f32::MIN, f32::MIN_POSITIVE, -f32::MIN_POSITIVE, 1e-30, -1e-30,
+            f32::INFINITY, f32::NEG_INFINITY, f32::NAN];
+        for k in -160..160 {
+            let mid = ((k as f64 + 0.5) * ln2) as f32;
+            xs.extend([mid, f32::from_bits(mid.to_bits() + 1), f32::from_bits(mid.to_bits() - 1)]);
+        }
+        let mut s = 0x9E3779B97F4A7C15u64;
+        for _ in 0..20_000 {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            xs.push(((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 240.0);
+        }
+        // Every offset, so each special value meets each lane and the scalar tail.
+        for off in 0..8 {
+            let mut got = xs[off..].to_vec();
+            exp_f32_in_place(&mut got);
+            for (&x, g) in xs[off..].iter().zip(&got) {
+                assert_eq!(g.to_bits(), exp_f32(x).to_bits(), "exp({x:e})");
+            }
+        }
+    }
+
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
+    #[test]
+    fn exp_f64x4_is_exp_f64_at_exact_halfway_points() {
+        use std::arch::x86_64::*;
+        // f32 inputs never land x / ln 2 on a half exactly; f64 ones do, and there f64::round
+        // goes away from zero where a round-to-even would not.
+        let mut halfway = Vec::new();
+        for k in -990i64..990 {
+            let x0 = (k as f64 + 0.5) * std::f64::consts::LN_2;
+            for d in -64i64..=64 {
+                let x = f64::from_bits((x0.to_bits() as i64 + d) as u64);
+                if x * INV_LN2 == k as f64 + 0.5 {
+                    halfway.push(x);
+                }
+            }
+        }
+        assert!(halfway.len() > 100, "found only {} halfway points", halfway.len());
+        for xs in halfway.chunks_exact(4) {
+            let mut got = [0f64; 4];
+            // SAFETY: AVX2 is enabled at compile time.
+            unsafe {
+                let v = avx2::exp_f64x4(_mm256_loadu_pd(xs.as_ptr())).expect("inside the vector range");
+                _mm256_storeu_pd(got.as_mut_ptr(), v);
+            }
+            for (g, &x) in got.iter().zip(xs) {
+                assert_eq!(g.to_bits(), exp_f64(x).to_bits(), "exp({x:e})");
+            }
+        }
     }
 
     #[test]

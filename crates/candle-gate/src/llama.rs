@@ -19,7 +19,7 @@ use rayon::prelude::*;
 use crate::dispatch::{QMatMul, Policy};
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
-use crate::ops::{attend_head, rms_norm, rope_tables, silu};
+use crate::ops::{attend_head, rms_norm, rope_tables, silu_mul};
 use crate::scratch::{sized, Scratch, ScratchPool};
 
 pub use crate::kv_cache::{KvCache, SavedPosition};
@@ -270,7 +270,7 @@ impl Mlp {
     fn forward(&self, lane: &dyn Lane, r: usize, s: &mut Scratch) -> Result<()> {
         lane.matmul_into(&self.w_gate, &s.xn, r, &mut s.gate)?;
         lane.matmul_into(&self.w_up, &s.xn, r, &mut s.up)?;
-        s.up.iter_mut().zip(&s.gate).for_each(|(u, &g)| *u *= silu(g));
+        silu_mul(&mut s.up, &s.gate);
         lane.matmul_into(&self.w_down, &s.up, r, &mut s.proj)
     }
 }
