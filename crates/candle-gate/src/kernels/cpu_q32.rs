@@ -210,11 +210,10 @@ pub(crate) mod avx2 {
     /// 16 bytes of nibbles as 32 unsigned bytes: low nibbles first, then high nibbles.
     #[inline(always)]
     pub unsafe fn nibbles(qs: &[u8; 16]) -> __m256i {
-        let q = _mm_loadu_si128(qs.as_ptr() as *const __m128i);
-        let mask = _mm_set1_epi8(0x0F);
-        let lo = _mm_and_si128(q, mask);
-        let hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
-        _mm256_set_m128i(hi, lo)
+        // One load into both halves and one shift of the high half only: three instructions
+        // where two 128-bit halves, shifted and masked apart and then joined, take five.
+        let q = _mm256_broadcastsi128_si256(_mm_loadu_si128(qs.as_ptr() as *const __m128i));
+        _mm256_and_si256(_mm256_srlv_epi64(q, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0F))
     }
 
     /// Bit j of the 32-bit little-endian `qh` as byte j: 0xFF where set, 0 where not.
@@ -291,18 +290,16 @@ pub(crate) mod avx2 {
         super::super::avx2::f16_halves(_mm256_loadu_si256(heads.as_ptr() as *const __m256i))
     }
 
-    /// Eight vectors of eight i32 partial sums to one vector of their eight totals.
+    /// Eight vectors of eight i32 partial sums to one vector of their eight totals: in-lane
+    /// unpacks and adds (one instruction each), where `hadd` costs several.
     #[inline(always)]
     pub(crate) unsafe fn lanes8(p: [__m256i; 8]) -> __m256i {
-        let h01 = _mm256_hadd_epi32(p[0], p[1]);
-        let h23 = _mm256_hadd_epi32(p[2], p[3]);
-        let h45 = _mm256_hadd_epi32(p[4], p[5]);
-        let h67 = _mm256_hadd_epi32(p[6], p[7]);
-        let q0 = _mm256_hadd_epi32(h01, h23);
-        let q1 = _mm256_hadd_epi32(h45, h67);
-        let lo = _mm256_permute2x128_si256(q0, q1, 0x20);
-        let hi = _mm256_permute2x128_si256(q0, q1, 0x31);
-        _mm256_add_epi32(lo, hi)
+        let pair = |a, b| _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
+        let quad = |a, b| _mm256_add_epi32(_mm256_unpacklo_epi64(a, b), _mm256_unpackhi_epi64(a, b));
+        // 128-bit lane L of q0: columns 0..4's sums over their lane-L partials (q1: 4..8).
+        let q0 = quad(pair(p[0], p[1]), pair(p[2], p[3]));
+        let q1 = quad(pair(p[4], p[5]), pair(p[6], p[7]));
+        _mm256_add_epi32(_mm256_permute2x128_si256(q0, q1, 0x20), _mm256_permute2x128_si256(q0, q1, 0x31))
     }
 }
 
@@ -487,8 +484,10 @@ unsafe fn row_8cols<W: Weights>(w: &[W], kb: usize, c0: usize, y: &[W::Y], ysum:
     let next = first.wrapping_add(8 * kb) as *const i8;
     let per_block = 8 * std::mem::size_of::<W>();
     for b in 0..kb {
-        for off in (b * per_block..(b + 1) * per_block).step_by(64) {
-            _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(off));
+        // A fixed count of lines from the block's start (unrolled; a line past its end is the
+        // next block's): a `step_by` over the block's own range cost integer work every block.
+        for line in 0..per_block.div_ceil(64) {
+            _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(b * per_block + 64 * line));
         }
         // SAFETY: column c0 + i, block b < kb: inside `w` (asserted above).
         let xs: [&W; 8] = std::array::from_fn(|i| &*first.add(i * kb + b));
