@@ -220,9 +220,11 @@ impl Attention {
         s: &mut Scratch,
     ) -> Result<()> {
         let (r, hd, kvd) = (rows.tokens.len(), cfg.head_dim, cfg.kv_dim());
-        lane.matmul_into(&self.wq, &s.xn, r, &mut s.q)?;
-        lane.matmul_into(&self.wk, &s.xn, r, &mut s.k)?;
-        lane.matmul_into(&self.wv, &s.xn, r, &mut s.v)?;
+        let (xn, q, k, v) = (&s.xn, &mut s.q, &mut s.k, &mut s.v);
+        side_by_side(
+            || lane.matmul_into(&self.wq, xn, r, q),
+            || side_by_side(|| lane.matmul_into(&self.wk, xn, r, k), || lane.matmul_into(&self.wv, xn, r, v)),
+        )?;
         if let Some([bq, bk, bv]) = &self.bias {
             add_rowwise(&mut s.q, bq);
             add_rowwise(&mut s.k, bk);
@@ -259,6 +261,20 @@ impl Attention {
     }
 }
 
+/// Two independent matmuls of the same rows side by side on the rayon pool: the workers that
+/// finish one's columns start on the other's instead of waiting at its join, so a single decode
+/// row pays fewer idle ends. Every output element is still computed whole by one worker, so the
+/// bits are those of running them in turn. Candle's barrier pool is not reentrant: in turn there.
+fn side_by_side(a: impl FnOnce() -> Result<()> + Send, b: impl FnOnce() -> Result<()> + Send) -> Result<()> {
+    if crate::kernels::pool() == crate::kernels::Pool::Rayon {
+        let (x, y) = rayon::join(a, b);
+        x.and(y)
+    } else {
+        a()?;
+        b()
+    }
+}
+
 pub struct Mlp {
     pub w_gate: QMatMul,
     pub w_up: QMatMul,
@@ -268,8 +284,8 @@ pub struct Mlp {
 impl Mlp {
     /// SwiGLU of the `r` rows of `s.xn`, `down(silu(gate(x)) * up(x))`, into `s.proj`.
     fn forward(&self, lane: &dyn Lane, r: usize, s: &mut Scratch) -> Result<()> {
-        lane.matmul_into(&self.w_gate, &s.xn, r, &mut s.gate)?;
-        lane.matmul_into(&self.w_up, &s.xn, r, &mut s.up)?;
+        let (xn, gate, up) = (&s.xn, &mut s.gate, &mut s.up);
+        side_by_side(|| lane.matmul_into(&self.w_gate, xn, r, gate), || lane.matmul_into(&self.w_up, xn, r, up))?;
         silu_mul(&mut s.up, &s.gate);
         lane.matmul_into(&self.w_down, &s.up, r, &mut s.proj)
     }
