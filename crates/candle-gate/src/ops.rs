@@ -151,20 +151,17 @@ pub fn attend_head(cfg: &LlamaConfig, h: usize, q: &[f32], k: &[f32], v: &[f32],
 }
 
 /// `out[d] = Σ_t p[t] · v[t·stride + offset + d]`, summed over t in order from zero (a multiply,
-/// then an add): the outputs live in registers, up to eight groups of eight at a time, instead of
-/// being loaded and stored once per position.
+/// then an add): the outputs live in registers, 64 at a time (head widths are multiples of 64),
+/// instead of being loaded and stored once per position; other widths finish eight at a time.
 fn weighted_sum(p: &[f32], v: &[f32], stride: usize, offset: usize, out: &mut [f32]) {
     assert!(p.is_empty() || (p.len() - 1) * stride + offset + out.len() <= v.len(), "weighted_sum: v too short");
     let whole = out.len() - out.len() % 8;
     let mut d = 0;
+    while d + 64 <= whole {
+        d += weighted_groups::<8>(p, v, stride, offset + d, &mut out[d..]);
+    }
     while d < whole {
-        let block = &mut out[d..whole];
-        d += match block.len() / 8 {
-            8.. => weighted_groups::<8>(p, v, stride, offset + d, block),
-            4..=7 => weighted_groups::<4>(p, v, stride, offset + d, block),
-            2 | 3 => weighted_groups::<2>(p, v, stride, offset + d, block),
-            _ => weighted_groups::<1>(p, v, stride, offset + d, block),
-        };
+        d += weighted_groups::<1>(p, v, stride, offset + d, &mut out[d..]);
     }
     for (j, o) in out.iter_mut().enumerate().skip(whole) {
         *o = p.iter().enumerate().fold(0f32, |a, (t, &pt)| a + pt * v[t * stride + offset + j]);
