@@ -221,8 +221,8 @@ pub(crate) mod avx2 {
     pub unsafe fn bits(qh: [u8; 4]) -> __m256i {
         let shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
         let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(i32::from_le_bytes(qh)), shuf);
-        let bit = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe);
-        _mm256_cmpeq_epi8(_mm256_or_si256(bytes, bit), _mm256_set1_epi64x(-1))
+        let bit = _mm256_set1_epi64x(0x8040201008040201u64 as i64);
+        _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit)
     }
 
     /// Σ u·y over a block as eight i32 partial sums (u ≤ 31, so pairs fit in i16).
