@@ -198,7 +198,7 @@ def main(argv=None) -> int:
             ours_best: Dict[str, float] = {}
             peer_best: Dict[str, float] = {}
             # Single stream: each candle-gate round's decode rate over the bandwidth read just
-            # before it, since this host's bandwidth moves by a third within an hour.
+            # before it, since a shared host's bandwidth moves between minutes.
             paired: List[float] = []
             candle_gate_run(model, toks, 4, a.threads)  # warm-up: page in the weights, both sides
             peer.run(toks, 4)
