@@ -1,4 +1,4 @@
-//! `cargo bench --bench kernels [-- --model NAME|PATH] [-- --rows 1,8]`: every distinct
+//! `cargo bench --bench kernels [-- --model NAME|PATH] [-- --rows 1,8] [-- --only Q5_0,Q8_0]`: every distinct
 //! (dtype, shape) of a model's linear layers, timed side by side in one run: the invariant
 //! kernel against Candle's own `QMatMul` (whatever it dispatches for that row count, repacked
 //! tiles included) and against Candle's single-row dot product run for every element (the
@@ -88,6 +88,8 @@ fn run() {
     let args: Vec<String> = std::env::args().collect();
     let model = arg(&args, "--model").unwrap_or_else(|| registry::DEFAULT_MODEL.into());
     let rows: Vec<usize> = arg(&args, "--rows").unwrap_or_else(|| "1,8".into()).split(',').map(|r| r.parse().unwrap()).collect();
+    // Only these dtypes (as printed, e.g. `Q5_0,Q4K`): a kernel's own shapes, quickly.
+    let only: Option<Vec<String>> = arg(&args, "--only").map(|o| o.split(',').map(|d| d.trim().to_string()).collect());
     let path = registry::resolve(&model).expect("fetch the model first (`candle-gate fetch --model ...`)");
     let mut f = GgufFile::open(&path).expect("cannot open the model");
     // One representative tensor per (dtype, shape), and how many layers use it.
@@ -100,6 +102,9 @@ fn run() {
             continue;
         }
         let key = (format!("{:?}", info.ggml_dtype), dims[0], dims[1]);
+        if only.as_ref().is_some_and(|o| !o.contains(&key.0)) {
+            continue;
+        }
         kinds.entry(key).or_default().push(name.clone());
     }
     let tier = isa();
