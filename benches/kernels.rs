@@ -107,6 +107,10 @@ fn run() {
         }
         kinds.entry(key).or_default().push(name.clone());
     }
+    if kinds.is_empty() {
+        eprintln!("no linear layer of {model} has a dtype in --only {:?}", only.unwrap_or_default());
+        std::process::exit(2);
+    }
     let tier = isa();
     println!("model {model}: {}", path.display());
     println!("invariant kernels' tier: {} (CANDLE_GATE_ISA caps it)", tier.name());
