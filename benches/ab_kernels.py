@@ -13,7 +13,10 @@ than the next, so a single run of each build compares the host's moods, not the 
         [--after BIN] [--rounds 3] -- --model qwen2.5-coder-0.5b-instruct-q4_k_m --rows 1,8 --only Q5_0
 
 `--after` defaults to this tree's bench (built with `cargo bench --bench kernels --no-run`).
-Nothing is asserted: the ratios are the host's, at the time of the run.
+Benches older than `--only` ignore it and time every shape; only the shapes both printed are
+compared. The rows are read by column position, so this follows `benches/kernels.rs`'s row
+layout (unchanged since the `vs avx2` column). Nothing is asserted: the ratios are the host's,
+at the time of the run.
 """
 import argparse
 import os
