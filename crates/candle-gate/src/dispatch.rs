@@ -138,7 +138,9 @@ pub struct Policy {
     pub mode: Mode,
     pub default_row_split_max: usize,
     pub row_split_max: BTreeMap<(Backend, String), usize>,
-    /// Where the thresholds came from (a profile path) — part of result fingerprints.
+    /// Where the thresholds came from (a profile path), for people reading a policy. Not part
+    /// of result fingerprints: those hash the values ([`Policy::describe`]), which alone decide
+    /// the bits, so two profiles that set the same thresholds fingerprint alike.
     pub source: Option<String>,
 }
 
