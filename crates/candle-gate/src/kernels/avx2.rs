@@ -17,6 +17,19 @@ pub unsafe fn transpose8x4(p: impl Fn(usize) -> *const u8) -> [__m256i; 4] {
     [_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2), _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)]
 }
 
+/// The f16 at each of `p(0..8)` as f32 lanes (lane i from `p(i)`). Read as integers and
+/// packed by shifts on the integer pipes, which the Q8_0 GEMV leaves idle, then one conversion,
+/// instead of a scalar conversion per value in the vector loop that the memory stream waits on
+/// (docs/DESIGN.md §2). Not a win everywhere: for the Q4_1 GEMV's eight column heads (`d` and
+/// `m`), one gathered vector split by a shuffle stayed faster.
+#[inline(always)]
+pub unsafe fn f16x8(p: impl Fn(usize) -> *const u8) -> __m256 {
+    let h = |i: usize| std::ptr::read_unaligned(p(i) as *const u16) as u64;
+    let lo = h(0) | h(1) << 16 | h(2) << 32 | h(3) << 48;
+    let hi = h(4) | h(5) << 16 | h(6) << 32 | h(7) << 48;
+    _mm256_cvtph_ps(_mm_set_epi64x(hi as i64, lo as i64))
+}
+
 /// Each i32 lane's two f16 halves as f32: the low halves, then the high. (An f16 to f32
 /// conversion is exact, whichever instruction does it.)
 #[inline]
