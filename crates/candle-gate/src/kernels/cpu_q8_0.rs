@@ -37,60 +37,55 @@ mod avx2 {
         _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_set1_epi16(1), _mm256_maddubs_epi16(ax, sy)))
     }
 
-    /// Rows `ys[0..R]` (each `kb` blocks) against one weight column: lane-wise exactly Candle's
-    /// `acc = fma(d_x·d_y, cvt(Σ pairs), acc)`, block after block, then its horizontal sum.
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn column<const R: usize>(w: &[Q80], ys: [&[Q80]; R], yd: [&[f32]; R]) -> [f32; R] {
-        let mut acc = [_mm256_setzero_ps(); R];
-        for (b, x) in w.iter().enumerate() {
-            prefetch_ahead(x);
-            let bx = _mm256_loadu_si256(x.qs.as_ptr() as *const __m256i);
-            let ax = _mm256_sign_epi8(bx, bx);
-            let xd = x.d.to_f32();
-            for r in 0..R {
-                let by = _mm256_loadu_si256(ys[r][b].qs.as_ptr() as *const __m256i);
-                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(xd * yd[r][b]), pair_sums(ax, bx, by), acc[r]);
-            }
+    /// Block `b` of one weight column against rows `ys[0..R]`, each row's scale product given by
+    /// `d(r)`: Candle's `acc = fma(d_x·d_y, cvt(Σ pairs), acc)`, the weight block loaded and its
+    /// absolute value taken once for all the rows.
+    #[inline(always)]
+    unsafe fn block<const R: usize>(acc: &mut [__m256; R], x: *const Q80, ys: [*const Q80; R], b: usize, d: impl Fn(usize) -> f32) {
+        let x = &*x.add(b);
+        prefetch_ahead(x);
+        let bx = _mm256_loadu_si256(x.qs.as_ptr() as *const __m256i);
+        let ax = _mm256_sign_epi8(bx, bx);
+        for (r, a) in acc.iter_mut().enumerate() {
+            let by = _mm256_loadu_si256((*ys[r].add(b)).qs.as_ptr() as *const __m256i);
+            *a = _mm256_fmadd_ps(_mm256_set1_ps(d(r)), pair_sums(ax, bx, by), *a);
         }
-        acc.map(|a| hsum(a))
     }
 
-    /// One row against one weight column: lane for lane [`column`]'s arithmetic, in its order.
-    /// The scale products `d_x · d_y` (the same f32 multiply) are made eight blocks at a time,
-    /// the scales read on the integer side ([`f16x8`]; a conversion, a multiply and a broadcast
-    /// per block were four vector instructions of about ten), and read back as broadcasts from
-    /// memory. One column at a time reads the matrix in its own order. The memory stream waits
-    /// on this loop's vector work: on Zen 3 the 151936 × 896 output read 31–32 GB/s this way,
-    /// 24–26 with two columns side by side and a scale per block, while a plain two-thread sum
-    /// of the same bytes read 33–45.
+    /// Rows `ys[0..R]` (each `kb` blocks) against one weight column: lane for lane exactly
+    /// Candle's `acc = fma(d_x·d_y, cvt(Σ pairs), acc)`, block after block, then its horizontal
+    /// sum. The scale products `d_x·d_y` (the same f32 multiply) are made eight blocks at a
+    /// time, the weight's scales read on the integer side ([`f16x8`]), and read back as
+    /// broadcasts from memory: a conversion, a multiply and a broadcast per block and row were
+    /// three vector instructions of eight, and the memory stream of a one-row GEMV waits on
+    /// this loop's vector work. One row reads one column at a time, the matrix in its own order:
+    /// on Zen 3 the 151936 × 896 output read 31–32 GB/s so, 24–26 with two columns side by side
+    /// and a scale per block, while a plain two-thread sum of the same bytes read 33–45.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn column_one_row(w: &[Q80], y: &[Q80], yd: &[f32]) -> f32 {
+    pub unsafe fn column<const R: usize>(w: &[Q80], ys: [&[Q80]; R], yd: [&[f32]; R]) -> [f32; R] {
         let kb = w.len();
-        assert!(y.len() >= kb && yd.len() >= kb);
-        let (x, y, yd) = (w.as_ptr(), y.as_ptr(), yd.as_ptr());
-        let block = |acc: __m256, b: usize, d: f32| {
-            let x = &*x.add(b);
-            prefetch_ahead(x);
-            let bx = _mm256_loadu_si256(x.qs.as_ptr() as *const __m256i);
-            let by = _mm256_loadu_si256((*y.add(b)).qs.as_ptr() as *const __m256i);
-            _mm256_fmadd_ps(_mm256_set1_ps(d), pair_sums(_mm256_sign_epi8(bx, bx), bx, by), acc)
-        };
-        let mut acc = _mm256_setzero_ps();
+        assert!(ys.iter().zip(&yd).all(|(y, d)| y.len() >= kb && d.len() >= kb));
+        let (x, ys, yd) = (w.as_ptr(), ys.map(|y| y.as_ptr()), yd.map(|d| d.as_ptr()));
+        let mut acc = [_mm256_setzero_ps(); R];
         let mut b = 0;
         while b + 8 <= kb {
-            let mut d = [0f32; 8];
-            _mm256_storeu_ps(d.as_mut_ptr(), _mm256_mul_ps(f16x8(|i| x.add(b + i) as *const u8), _mm256_loadu_ps(yd.add(b))));
+            let xd = f16x8(|i| x.add(b + i) as *const u8);
+            let mut d = [[0f32; 8]; R];
+            for (r, dr) in d.iter_mut().enumerate() {
+                _mm256_storeu_ps(dr.as_mut_ptr(), _mm256_mul_ps(xd, _mm256_loadu_ps(yd[r].add(b))));
+            }
             // Kept in memory, so that each scale is one broadcast load, not a lane permute.
             let d = std::hint::black_box(&d);
-            for (i, &d) in d.iter().enumerate() {
-                acc = block(acc, b + i, d);
+            for i in 0..8 {
+                block(&mut acc, x, ys, b + i, |r| d[r][i]);
             }
             b += 8;
         }
         for b in b..kb {
-            acc = block(acc, b, (*x.add(b)).d.to_f32() * *yd.add(b));
+            let xd = (*x.add(b)).d.to_f32();
+            block(&mut acc, x, ys, b, |r| xd * *yd[r].add(b));
         }
-        hsum(acc)
+        acc.map(|a| hsum(a))
     }
 }
 
@@ -172,7 +167,7 @@ mod avx512 {
     }
 
     /// One row (its blocks, each [`Rows2`] holding it twice) against `2P` adjacent columns, every
-    /// element exactly [`super::avx2::column_one_row`]'s, column pair by pair.
+    /// element exactly [`super::avx2::column`]'s, column pair by pair.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
     pub unsafe fn columns<const P: usize>(w: [[&[Q80]; 2]; P], y: &[Rows2]) -> [[f32; 2]; P] {
         let mut acc = [_mm512_setzero_ps(); P];
@@ -255,7 +250,7 @@ pub fn matmul(w: &[BlockQ8_0], xq: &[BlockQ8_0], m: usize, k: usize, n: usize, o
                         c += 2 * ONE_ROW_PAIRS;
                     } else {
                         // SAFETY: AVX2, FMA and F16C are part of the tier; (0, c) is this task's.
-                        unsafe { *p.0.add(c) = avx2::column_one_row(col(c), y, d) };
+                        unsafe { *p.0.add(c) = avx2::column::<1>(col(c), [y], [d])[0] };
                         c += 1;
                     }
                 }
