@@ -205,6 +205,8 @@ const ROW_GROUP: usize = 4;
 /// block's registers once the scale products are broadcast from memory: 1.10–1.29x over four
 /// at 8 rows on Zen 3, the weight block read once instead of twice.
 const AVX2_ROWS: usize = 8;
+/// The most outputs one pass over a column gives (either tier).
+const GROUP_OUT: usize = if AVX2_ROWS > 2 * ROW_GROUP { AVX2_ROWS } else { 2 * ROW_GROUP };
 
 /// `y = x · Wᵀ` for `m` rows; bitwise equal to Candle's Q8_0 matmul row by row on x86 (AVX2).
 /// Returns false (and writes nothing) where this path does not apply; the caller then uses
@@ -238,35 +240,29 @@ pub fn matmul(w: &[BlockQ8_0], xq: &[BlockQ8_0], m: usize, k: usize, n: usize, o
         let col_tasks = n.div_ceil(COLS_PER_TASK);
         let run = |task: usize| {
             let p = ptr;
-            let cols = task * COLS_PER_TASK..n.min((task + 1) * COLS_PER_TASK);
+            let mut cols = task * COLS_PER_TASK..n.min((task + 1) * COLS_PER_TASK);
             let col = |c: usize| &w[c * kb..(c + 1) * kb];
-            if m == 1 {
-                let (y, d) = row(0);
-                let mut c = cols.start;
-                while c < cols.end {
-                    if wide && c + 2 * ONE_ROW_PAIRS <= cols.end {
-                        let w2: [[&[Q80]; 2]; ONE_ROW_PAIRS] = std::array::from_fn(|i| [col(c + 2 * i), col(c + 2 * i + 1)]);
-                        // SAFETY: AVX-512 F/BW and VNNI are part of the tier (`wide`).
-                        let got = unsafe { avx512::columns::<ONE_ROW_PAIRS>(w2, &pairs[0]) };
-                        for (i, &v) in got.as_flattened().iter().enumerate() {
-                            // SAFETY: (0, c + i) belongs to this task alone.
-                            unsafe { *p.0.add(c + i) = v };
-                        }
-                        c += 2 * ONE_ROW_PAIRS;
-                    } else {
-                        // SAFETY: AVX2, FMA and F16C are part of the tier; (0, c) is this task's.
-                        unsafe { *p.0.add(c) = avx2::column::<1>(col(c), [y], [d])[0] };
-                        c += 1;
+            // One row with AVX-512: columns in pairs, two per vector; a last odd column, and
+            // every other case, goes through the row-group loop below.
+            if m == 1 && wide {
+                while cols.start + 2 * ONE_ROW_PAIRS <= cols.end {
+                    let c = cols.start;
+                    let w2: [[&[Q80]; 2]; ONE_ROW_PAIRS] = std::array::from_fn(|i| [col(c + 2 * i), col(c + 2 * i + 1)]);
+                    // SAFETY: AVX-512 F/BW and VNNI are part of the tier (`wide`).
+                    let got = unsafe { avx512::columns::<ONE_ROW_PAIRS>(w2, &pairs[0]) };
+                    for (i, &v) in got.as_flattened().iter().enumerate() {
+                        // SAFETY: (0, c + i) belongs to this task alone.
+                        unsafe { *p.0.add(c + i) = v };
                     }
+                    cols.start += 2 * ONE_ROW_PAIRS;
                 }
-                return;
             }
             for c in cols {
                 let wc = col(c);
                 let mut r0 = 0;
                 while r0 < m {
                     // SAFETY: the tier's features detected (`isa`); `pairs` holds rows 0..m & !1.
-                    let mut buf = [0f32; if AVX2_ROWS > 2 * ROW_GROUP { AVX2_ROWS } else { 2 * ROW_GROUP }];
+                    let mut buf = [0f32; GROUP_OUT];
                     let got: &[f32] = unsafe {
                         if wide && m - r0 >= 2 * ROW_GROUP {
                             let rows: [&[avx512::Rows2]; ROW_GROUP] = std::array::from_fn(|i| &pairs[r0 / 2 + i][..]);
