@@ -418,7 +418,7 @@ impl Engine {
     #[new]
     #[pyo3(signature = (model, *, mode = None, profile = None, gate = "off", tau = None, deep_tau = None,
         max_num_seqs = 16, max_tokens_per_step = 256, prefill_chunk = 64, kv_budget_tokens = 65536,
-        threads = None, record_logit_hashes = false, row_split_max = None, gate_profiles = None))]
+        kv_dtype = "f16", threads = None, record_logit_hashes = false, row_split_max = None, gate_profiles = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         model: &Model,
@@ -431,6 +431,7 @@ impl Engine {
         max_tokens_per_step: i64,
         prefill_chunk: i64,
         kv_budget_tokens: i64,
+        kv_dtype: &str,
         threads: Option<i64>,
         record_logit_hashes: bool,
         row_split_max: Option<i64>,
@@ -441,6 +442,7 @@ impl Engine {
             let max_tokens_per_step = count("max_tokens_per_step", max_tokens_per_step)?;
             let prefill_chunk = count("prefill_chunk", prefill_chunk)?;
             let kv_budget_tokens = count("kv_budget_tokens", kv_budget_tokens)?;
+            let kv_dtype = candle_gate::llama::KvDtype::from_str(kv_dtype).map_err(to_py)?;
             let threads = threads.map(|t| count("threads", t)).transpose()?;
             let row_split_max = row_split_max.map(|r| count("row_split_max", r)).transpose()?;
             let mode = mode.unwrap_or(model.inner.policy.mode.name());
@@ -471,6 +473,7 @@ impl Engine {
                 max_tokens_per_step,
                 prefill_chunk,
                 kv_budget_tokens,
+                kv_dtype,
                 gate,
                 threads,
                 record_logit_hashes,
@@ -510,7 +513,8 @@ impl Engine {
     fn num_running(&self, py: Python<'_>) -> PyResult<usize> {
         self.with(py, |e| e.num_running())
     }
-    /// KV tokens reserved by the running batch (`kv_budget_tokens` is the most there can be).
+    /// KV positions reserved by the running batch, in whole blocks (`kv_budget_tokens` is the
+    /// most there can be).
     #[getter]
     fn kv_reserved_tokens(&self, py: Python<'_>) -> PyResult<usize> {
         self.with(py, |e| e.kv_reserved_tokens())
@@ -518,6 +522,25 @@ impl Engine {
     #[getter]
     fn kv_budget_tokens(&self, py: Python<'_>) -> PyResult<usize> {
         self.with(py, |e| e.config().kv_budget_tokens)
+    }
+    /// Blocks of the KV pool held by caches now.
+    #[getter]
+    fn kv_used_blocks(&self, py: Python<'_>) -> PyResult<usize> {
+        self.with(py, |e| e.kv_used_blocks())
+    }
+    #[getter]
+    fn kv_block_size(&self) -> usize {
+        candle_gate::kv_cache::KV_BLOCK
+    }
+    /// How K/V values are stored: "f16" or "f32".
+    #[getter]
+    fn kv_dtype(&self, py: Python<'_>) -> PyResult<String> {
+        self.with(py, |e| e.config().kv_dtype.name().to_string())
+    }
+    /// The kernel policy and K/V storage as they enter the result fingerprint.
+    #[getter]
+    fn kernels(&self, py: Python<'_>) -> PyResult<String> {
+        self.with(py, |e| e.describe_kernels())
     }
     #[getter]
     fn num_waiting(&self, py: Python<'_>) -> PyResult<usize> {

@@ -1,18 +1,273 @@
-//! Each sequence's K/V cache: every layer's keys and values, one row per position, f32.
+//! The paged KV cache: a pool of fixed-size blocks of positions, and per sequence a block
+//! table ([`KvCache`]) into it.
+//!
+//! A block holds [`KV_BLOCK`] positions of every layer's keys and values, each layer's part
+//! contiguous, in the layout the attention kernel ([`crate::attention`]) reads: per KV head,
+//! keys transposed (`[head_dim][KV_BLOCK]`: eight positions side by side in one vector lane
+//! group) and values row-major (`[KV_BLOCK][head_dim]`). Blocks are reference counted: a
+//! [`KvCache`] clone shares them read-only (the `n` choices of one prompt, and later prefix
+//! hits), and the first write to a shared block copies it (copy on write), so a write never
+//! reaches a block another sequence reads.
+//!
+//! Where a value lives never enters the arithmetic: the kernel reads a sequence's positions in
+//! order through its block table, so a sequence's bits do not depend on which blocks it got.
 
+use std::sync::{Arc, Mutex};
+
+use half::f16;
+
+use crate::error::{Error, Result};
 use crate::llama::LlamaConfig;
 
-/// One sequence's keys and values, per layer, `[position][kv_head * head_dim]` row-major.
-#[derive(Clone, Debug, Default)]
+/// Positions per block.
+pub const KV_BLOCK: usize = 32;
+
+/// How K/V values are stored. Rounding to f16 is round-to-nearest-even, the same on every host;
+/// the attention kernel widens them exactly.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum KvDtype {
+    #[default]
+    F16,
+    F32,
+}
+
+impl KvDtype {
+    pub const ALL: [KvDtype; 2] = [KvDtype::F16, KvDtype::F32];
+    pub fn name(self) -> &'static str {
+        match self {
+            KvDtype::F16 => "f16",
+            KvDtype::F32 => "f32",
+        }
+    }
+    pub fn size(self) -> usize {
+        match self {
+            KvDtype::F16 => 2,
+            KvDtype::F32 => 4,
+        }
+    }
+}
+
+impl std::str::FromStr for KvDtype {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        KvDtype::ALL
+            .into_iter()
+            .find(|d| d.name() == s)
+            .ok_or_else(|| Error::BadInput(format!("unknown kv_dtype {s:?}; expected f16 or f32")))
+    }
+}
+
+/// Where things are inside a block, in elements.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockLayout {
+    pub n_layer: usize,
+    pub n_kv_head: usize,
+    pub head_dim: usize,
+    pub dtype: KvDtype,
+}
+
+impl BlockLayout {
+    pub fn new(cfg: &LlamaConfig, dtype: KvDtype) -> Self {
+        BlockLayout { n_layer: cfg.n_layer, n_kv_head: cfg.n_kv_head, head_dim: cfg.head_dim, dtype }
+    }
+    fn kv_dim(&self) -> usize {
+        self.n_kv_head * self.head_dim
+    }
+    /// Elements of one layer's K (or V) in a block.
+    fn half_layer(&self) -> usize {
+        self.kv_dim() * KV_BLOCK
+    }
+    /// Elements of a whole block.
+    pub fn block_elems(&self) -> usize {
+        self.n_layer * 2 * self.half_layer()
+    }
+    pub fn block_bytes(&self) -> usize {
+        self.block_elems() * self.dtype.size()
+    }
+    /// Element offset of `(layer, kv_head)`'s transposed keys, `[head_dim][KV_BLOCK]`.
+    pub fn k_offset(&self, layer: usize, kv_head: usize) -> usize {
+        layer * 2 * self.half_layer() + kv_head * self.head_dim * KV_BLOCK
+    }
+    /// Element offset of `(layer, kv_head)`'s values, `[KV_BLOCK][head_dim]`.
+    pub fn v_offset(&self, layer: usize, kv_head: usize) -> usize {
+        layer * 2 * self.half_layer() + self.half_layer() + kv_head * KV_BLOCK * self.head_dim
+    }
+}
+
+struct PoolInner {
+    /// Storage, allocated zeroed (so untouched pages cost nothing); never moved once made.
+    slabs: Vec<Box<[u64]>>,
+    /// Each block's first byte.
+    ptrs: Vec<*mut u8>,
+    refs: Vec<u32>,
+    /// Free blocks; the next allocation takes the last.
+    free: Vec<u32>,
+}
+
+/// A pool of KV blocks. A bounded pool (the engine's) allocates all of its memory when it is
+/// made; an unbounded one (a cache made outside an engine) grows by slabs of blocks.
+pub struct KvPool {
+    layout: BlockLayout,
+    max_blocks: Option<usize>,
+    inner: Mutex<PoolInner>,
+}
+
+// SAFETY: the raw block pointers point into `slabs`, owned by the pool and never moved or freed
+// before it; a block's bytes are written only through the one `KvCache` holding it with a
+// reference count of 1 (`&mut` access), and read through `&KvCache`.
+unsafe impl Send for KvPool {}
+unsafe impl Sync for KvPool {}
+
+/// Blocks an unbounded pool adds at a time.
+const GROWTH_BLOCKS: usize = 16;
+
+impl KvPool {
+    /// A pool of exactly `blocks` blocks, allocated now.
+    pub fn bounded(layout: BlockLayout, blocks: usize) -> Arc<Self> {
+        let pool = KvPool { layout, max_blocks: Some(blocks), inner: Mutex::new(PoolInner::empty()) };
+        pool.lock().grow(&layout, blocks);
+        Arc::new(pool)
+    }
+    /// A pool that grows as its caches do.
+    pub fn unbounded(layout: BlockLayout) -> Arc<Self> {
+        Arc::new(KvPool { layout, max_blocks: None, inner: Mutex::new(PoolInner::empty()) })
+    }
+    pub fn layout(&self) -> &BlockLayout {
+        &self.layout
+    }
+    pub fn capacity_blocks(&self) -> Option<usize> {
+        self.max_blocks
+    }
+    /// Blocks held by at least one cache.
+    pub fn used_blocks(&self) -> usize {
+        let g = self.lock();
+        g.ptrs.len() - g.free.len()
+    }
+    pub fn free_blocks(&self) -> usize {
+        let g = self.lock();
+        match self.max_blocks {
+            Some(_) => g.free.len(),
+            None => usize::MAX,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, PoolInner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn alloc(&self) -> Result<(u32, *mut u8)> {
+        let mut g = self.lock();
+        if g.free.is_empty() {
+            match self.max_blocks {
+                Some(n) => {
+                    return Err(Error::Engine(format!("the KV pool is out of blocks ({n} of {KV_BLOCK} positions)")))
+                }
+                None => g.grow(&self.layout, GROWTH_BLOCKS),
+            }
+        }
+        let id = g.free.pop().expect("a free block");
+        g.refs[id as usize] = 1;
+        Ok((id, g.ptrs[id as usize]))
+    }
+
+    fn retain(&self, id: u32) {
+        self.lock().refs[id as usize] += 1;
+    }
+
+    fn release(&self, id: u32) {
+        let mut g = self.lock();
+        let r = &mut g.refs[id as usize];
+        debug_assert!(*r > 0, "releasing a free block");
+        *r -= 1;
+        if *r == 0 {
+            g.free.push(id);
+        }
+    }
+
+    fn refs(&self, id: u32) -> u32 {
+        self.lock().refs[id as usize]
+    }
+
+    /// Takes the free blocks in the order `order` gives them (a permutation of indices into
+    /// the current free list), for tests that scatter a sequence's blocks over the pool.
+    #[doc(hidden)]
+    pub fn shuffle_free_list(&self, seed: u64) {
+        let mut g = self.lock();
+        let mut s = seed | 1;
+        for i in (1..g.free.len()).rev() {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            let j = (s % (i as u64 + 1)) as usize;
+            g.free.swap(i, j);
+        }
+    }
+}
+
+impl PoolInner {
+    fn empty() -> Self {
+        PoolInner { slabs: Vec::new(), ptrs: Vec::new(), refs: Vec::new(), free: Vec::new() }
+    }
+    fn grow(&mut self, layout: &BlockLayout, blocks: usize) {
+        let words = layout.block_bytes().div_ceil(8);
+        // `vec![0; n]` asks for zeroed memory: the pages are mapped when first written.
+        let mut slab = vec![0u64; words * blocks].into_boxed_slice();
+        let base = slab.as_mut_ptr() as *mut u8;
+        let first = self.ptrs.len();
+        for b in 0..blocks {
+            // SAFETY: inside the slab just made.
+            self.ptrs.push(unsafe { base.add(b * words * 8) });
+            self.refs.push(0);
+        }
+        // Lower ids first out.
+        self.free.extend((first..first + blocks).rev().map(|i| i as u32));
+        self.slabs.push(slab);
+    }
+}
+
+/// One sequence's K/V: its blocks in position order, and how many positions they hold.
 pub struct KvCache {
-    pub k: Vec<Vec<f32>>,
-    pub v: Vec<Vec<f32>>,
+    pool: Arc<KvPool>,
+    blocks: Vec<(u32, *mut u8)>,
     len: usize,
 }
 
+// SAFETY: see `KvPool`; the pointers are into the pool this cache keeps alive.
+unsafe impl Send for KvCache {}
+unsafe impl Sync for KvCache {}
+
+impl Clone for KvCache {
+    /// A cache sharing every block of this one (read-only until either writes).
+    fn clone(&self) -> Self {
+        for &(id, _) in &self.blocks {
+            self.pool.retain(id);
+        }
+        KvCache { pool: self.pool.clone(), blocks: self.blocks.clone(), len: self.len }
+    }
+}
+
+impl Drop for KvCache {
+    fn drop(&mut self) {
+        for &(id, _) in &self.blocks {
+            self.pool.release(id);
+        }
+    }
+}
+
+impl std::fmt::Debug for KvCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let ids: Vec<u32> = self.blocks.iter().map(|b| b.0).collect();
+        f.debug_struct("KvCache").field("len", &self.len).field("blocks", &ids).finish()
+    }
+}
+
 impl KvCache {
-    pub fn new(cfg: &LlamaConfig) -> Self {
-        KvCache { k: vec![Vec::new(); cfg.n_layer], v: vec![Vec::new(); cfg.n_layer], len: 0 }
+    /// An empty cache in its own growing pool.
+    pub fn new(cfg: &LlamaConfig, dtype: KvDtype) -> Self {
+        Self::in_pool(KvPool::unbounded(BlockLayout::new(cfg, dtype)))
+    }
+    pub fn in_pool(pool: Arc<KvPool>) -> Self {
+        KvCache { pool, blocks: Vec::new(), len: 0 }
     }
     pub fn len(&self) -> usize {
         self.len
@@ -20,45 +275,168 @@ impl KvCache {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
-    /// Makes room for one more position (zeros) in every layer.
-    pub fn push_empty(&mut self, kv_dim: usize) {
-        for l in 0..self.k.len() {
-            self.k[l].resize((self.len + 1) * kv_dim, 0.0);
-            self.v[l].resize((self.len + 1) * kv_dim, 0.0);
-        }
-        self.len += 1;
+    pub fn dtype(&self) -> KvDtype {
+        self.pool.layout.dtype
+    }
+    pub fn layout(&self) -> &BlockLayout {
+        &self.pool.layout
+    }
+    pub fn pool(&self) -> &Arc<KvPool> {
+        &self.pool
+    }
+    /// The ids of this cache's blocks in position order.
+    pub fn block_ids(&self) -> Vec<u32> {
+        self.blocks.iter().map(|b| b.0).collect()
+    }
+    /// Each block's first byte, in position order (for the attention kernel).
+    pub(crate) fn block_ptrs(&self) -> impl Iterator<Item = *const u8> + '_ {
+        self.blocks.iter().map(|b| b.1 as *const u8)
     }
 
-    /// Drops positions `len..` (used to roll back or repair).
-    pub fn truncate(&mut self, len: usize, kv_dim: usize) {
-        for l in 0..self.k.len() {
-            self.k[l].truncate(len * kv_dim);
-            self.v[l].truncate(len * kv_dim);
+    /// Makes room for `n` more positions, every block they land in owned by this cache alone.
+    /// Their values are undefined until written. On an error nothing changed.
+    pub fn extend(&mut self, n: usize) -> Result<()> {
+        let new_len = self.len + n;
+        let need = new_len.div_ceil(KV_BLOCK);
+        let mut added = 0;
+        while self.blocks.len() < need {
+            match self.pool.alloc() {
+                Ok(b) => {
+                    self.blocks.push(b);
+                    added += 1;
+                }
+                Err(e) => {
+                    for _ in 0..added {
+                        let (id, _) = self.blocks.pop().unwrap();
+                        self.pool.release(id);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        if n > 0 && self.len % KV_BLOCK != 0 {
+            if let Err(e) = self.make_exclusive(self.len / KV_BLOCK) {
+                for _ in 0..added {
+                    let (id, _) = self.blocks.pop().unwrap();
+                    self.pool.release(id);
+                }
+                return Err(e);
+            }
+        }
+        self.len = new_len;
+        Ok(())
+    }
+
+    /// Makes room for one more position (see [`KvCache::extend`]).
+    pub fn push_empty(&mut self) -> Result<()> {
+        self.extend(1)
+    }
+
+    /// Drops positions `len..` (used to roll back or repair); blocks no longer needed go back.
+    pub fn truncate(&mut self, len: usize) {
+        let keep = len.div_ceil(KV_BLOCK);
+        while self.blocks.len() > keep {
+            let (id, _) = self.blocks.pop().unwrap();
+            self.pool.release(id);
         }
         self.len = self.len.min(len);
     }
 
+    /// Block `b` owned by this cache alone: copied first if another cache shares it.
+    fn make_exclusive(&mut self, b: usize) -> Result<()> {
+        let (id, ptr) = self.blocks[b];
+        if self.pool.refs(id) == 1 {
+            return Ok(());
+        }
+        let (nid, nptr) = self.pool.alloc()?;
+        // SAFETY: two distinct blocks of the pool's block size; the source is only read.
+        unsafe { std::ptr::copy_nonoverlapping(ptr as *const u8, nptr, self.pool.layout.block_bytes()) };
+        self.pool.release(id);
+        self.blocks[b] = (nid, nptr);
+        Ok(())
+    }
+
+    /// Writes one position's K and V (`kv_dim` each, f32, rounded to the cache's dtype) in one
+    /// layer; the position must exist. A shared block is copied first.
+    pub fn write(&mut self, layer: usize, pos: usize, k: &[f32], v: &[f32]) -> Result<()> {
+        assert!(pos < self.len, "write at position {pos} of a cache of {}", self.len);
+        let lay = self.pool.layout;
+        assert!(k.len() == lay.kv_dim() && v.len() == lay.kv_dim() && layer < lay.n_layer);
+        self.make_exclusive(pos / KV_BLOCK)?;
+        let base = self.blocks[pos / KV_BLOCK].1;
+        let t = pos % KV_BLOCK;
+        let hd = lay.head_dim;
+        for h in 0..lay.n_kv_head {
+            let (ko, vo) = (lay.k_offset(layer, h), lay.v_offset(layer, h));
+            for d in 0..hd {
+                // SAFETY: inside this cache's exclusively held block (offsets < block_elems).
+                unsafe {
+                    put(base, lay.dtype, ko + d * KV_BLOCK + t, k[h * hd + d]);
+                    put(base, lay.dtype, vo + t * hd + d, v[h * hd + d]);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// One position's K (or V, with `values`) in one layer as stored, widened to f32.
+    pub fn read(&self, layer: usize, pos: usize, values: bool) -> Vec<f32> {
+        assert!(pos < self.len, "read at position {pos} of a cache of {}", self.len);
+        let lay = self.pool.layout;
+        let base = self.blocks[pos / KV_BLOCK].1 as *const u8;
+        let (t, hd) = (pos % KV_BLOCK, lay.head_dim);
+        let mut out = Vec::with_capacity(lay.kv_dim());
+        for h in 0..lay.n_kv_head {
+            for d in 0..hd {
+                let at = match values {
+                    false => lay.k_offset(layer, h) + d * KV_BLOCK + t,
+                    true => lay.v_offset(layer, h) + t * hd + d,
+                };
+                // SAFETY: inside one of this cache's blocks.
+                out.push(unsafe { get(base, lay.dtype, at) });
+            }
+        }
+        out
+    }
+
+    /// Every position's K (or V) in one layer, `[position][kv_dim]` (for tests and checks).
+    pub fn layer(&self, layer: usize, values: bool) -> Vec<f32> {
+        (0..self.len).flat_map(|p| self.read(layer, p, values)).collect()
+    }
+
     /// A copy of one position's K/V in every layer, to put back with [`KvCache::restore_position`].
-    pub fn save_position(&self, pos: usize, kv_dim: usize) -> SavedPosition {
-        let r = pos * kv_dim..(pos + 1) * kv_dim;
+    pub fn save_position(&self, pos: usize) -> SavedPosition {
+        let n = self.pool.layout.n_layer;
         SavedPosition {
             pos,
-            k: self.k.iter().map(|l| l[r.clone()].to_vec()).collect(),
-            v: self.v.iter().map(|l| l[r.clone()].to_vec()).collect(),
+            k: (0..n).map(|l| self.read(l, pos, false)).collect(),
+            v: (0..n).map(|l| self.read(l, pos, true)).collect(),
         }
     }
 
-    pub fn restore_position(&mut self, saved: SavedPosition) {
+    /// Puts back what [`KvCache::save_position`] saved (exactly: the values were widened from
+    /// this dtype and round back to themselves).
+    pub fn restore_position(&mut self, saved: SavedPosition) -> Result<()> {
         for (l, (k, v)) in saved.k.iter().zip(&saved.v).enumerate() {
-            self.write(l, saved.pos, k, v);
+            self.write(l, saved.pos, k, v)?;
         }
+        Ok(())
     }
+}
 
-    /// Writes one position's K and V in one layer; the position must exist.
-    pub(crate) fn write(&mut self, layer: usize, pos: usize, k: &[f32], v: &[f32]) {
-        let kvd = k.len();
-        self.k[layer][pos * kvd..(pos + 1) * kvd].copy_from_slice(k);
-        self.v[layer][pos * kvd..(pos + 1) * kvd].copy_from_slice(v);
+#[inline]
+unsafe fn put(base: *mut u8, dtype: KvDtype, at: usize, x: f32) {
+    match dtype {
+        KvDtype::F16 => (base as *mut u16).add(at).write_unaligned(f16::from_f32(x).to_bits()),
+        KvDtype::F32 => (base as *mut f32).add(at).write_unaligned(x),
+    }
+}
+
+#[inline]
+unsafe fn get(base: *const u8, dtype: KvDtype, at: usize) -> f32 {
+    match dtype {
+        KvDtype::F16 => f16::from_bits((base as *const u16).add(at).read_unaligned()).to_f32(),
+        KvDtype::F32 => (base as *const f32).add(at).read_unaligned(),
     }
 }
 
@@ -67,4 +445,74 @@ pub struct SavedPosition {
     pos: usize,
     k: Vec<Vec<f32>>,
     v: Vec<Vec<f32>>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layout(dtype: KvDtype) -> BlockLayout {
+        BlockLayout { n_layer: 2, n_kv_head: 2, head_dim: 8, dtype }
+    }
+
+    fn row(seed: usize, n: usize) -> Vec<f32> {
+        (0..n).map(|i| ((seed * 31 + i * 7) % 97) as f32 * 0.25 - 12.0).collect()
+    }
+
+    #[test]
+    fn writes_read_back_in_either_dtype() {
+        for dtype in KvDtype::ALL {
+            let mut c = KvCache::in_pool(KvPool::unbounded(layout(dtype)));
+            c.extend(70).unwrap();
+            for p in 0..70 {
+                for l in 0..2 {
+                    c.write(l, p, &row(p + l, 16), &row(p * 3 + l, 16)).unwrap();
+                }
+            }
+            for p in 0..70 {
+                assert_eq!(c.read(1, p, false), row(p + 1, 16));
+                assert_eq!(c.read(0, p, true), row(p * 3, 16));
+            }
+            assert_eq!(c.block_ids().len(), 3);
+        }
+    }
+
+    #[test]
+    fn clones_share_blocks_and_copy_on_write() {
+        let pool = KvPool::bounded(layout(KvDtype::F16), 8);
+        let mut a = KvCache::in_pool(pool.clone());
+        a.extend(40).unwrap();
+        for p in 0..40 {
+            a.write(0, p, &row(p, 16), &row(p, 16)).unwrap();
+        }
+        assert_eq!(pool.used_blocks(), 2);
+        let mut b = a.clone();
+        assert_eq!(pool.used_blocks(), 2, "a clone shares");
+        // b's next position lands in the shared partial block: b gets its own copy.
+        b.extend(1).unwrap();
+        b.write(0, 40, &row(99, 16), &row(99, 16)).unwrap();
+        assert_eq!(pool.used_blocks(), 3);
+        assert_eq!(a.block_ids()[0], b.block_ids()[0], "the full block stays shared");
+        assert_ne!(a.block_ids()[1], b.block_ids()[1]);
+        // rewriting a shared position copies too, and a does not see it
+        b.write(0, 3, &row(7, 16), &row(7, 16)).unwrap();
+        assert_eq!(a.read(0, 3, false), row(3, 16));
+        assert_eq!(b.read(0, 3, false), row(7, 16));
+        assert_eq!(b.read(0, 39, false), row(39, 16));
+        drop(a);
+        drop(b);
+        assert_eq!(pool.used_blocks(), 0);
+    }
+
+    #[test]
+    fn a_full_pool_is_an_error_that_changes_nothing() {
+        let pool = KvPool::bounded(layout(KvDtype::F32), 2);
+        let mut a = KvCache::in_pool(pool.clone());
+        a.extend(60).unwrap();
+        let e = a.extend(10).unwrap_err();
+        assert!(e.to_string().contains("out of blocks"), "{e}");
+        assert_eq!((a.len(), a.block_ids().len(), pool.used_blocks()), (60, 2, 2));
+        a.truncate(10);
+        assert_eq!(pool.used_blocks(), 1);
+    }
 }

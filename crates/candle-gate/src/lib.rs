@@ -11,6 +11,7 @@
 //! * [`sampling`]: seeded sampling whose draws depend on the request alone; logprobs.
 //! * [`profile`]: measured crossover profiles.
 
+pub mod attention;
 pub mod chat;
 pub mod detmath;
 pub mod dispatch;

@@ -14,15 +14,15 @@ use std::sync::Arc;
 
 use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor};
-use rayon::prelude::*;
 
 use crate::dispatch::{QMatMul, Policy};
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
-use crate::ops::{attend_head, rms_norm, rope_tables, silu_mul};
+use crate::attention::{attend_rows, Heads, Tier};
+use crate::ops::{rms_norm, rope_tables, silu_mul};
 use crate::scratch::{sized, Scratch, ScratchPool};
 
-pub use crate::kv_cache::{KvCache, SavedPosition};
+pub use crate::kv_cache::{KvCache, KvDtype, SavedPosition};
 pub use crate::ops::argmax_margin;
 
 /// The architectures the layer loop runs. They share it; what differs is here and in the
@@ -78,9 +78,12 @@ impl LlamaConfig {
     pub fn kv_dim(&self) -> usize {
         self.n_kv_head * self.head_dim
     }
-    /// KV cache bytes one token occupies (K and V, every layer, f32).
-    pub fn kv_bytes_per_token(&self) -> usize {
-        self.n_layer * 2 * self.kv_dim() * std::mem::size_of::<f32>()
+    /// KV cache bytes one token occupies (K and V, every layer) when stored as `dtype`.
+    pub fn kv_bytes_per_token(&self, dtype: KvDtype) -> usize {
+        self.n_layer * 2 * self.kv_dim() * dtype.size()
+    }
+    pub fn heads(&self) -> Heads {
+        Heads { n_head: self.n_head, n_kv_head: self.n_kv_head, head_dim: self.head_dim }
     }
 
     /// The hyperparameters from a GGUF file's metadata (and the shape of its embedding), with
@@ -241,22 +244,11 @@ impl Attention {
             s.q[row * qd..(row + 1) * qd].chunks_exact_mut(hd).for_each(|head| rope(head, c, sn));
             let k = &mut s.k[row * kvd..(row + 1) * kvd];
             k.chunks_exact_mut(hd).for_each(|head| rope(head, c, sn));
-            caches[rows.seq[row]].write(li, rows.pos[row], k, &s.v[row * kvd..(row + 1) * kvd]);
+            caches[rows.seq[row]].write(li, rows.pos[row], k, &s.v[row * kvd..(row + 1) * kvd])?;
         }
         let caches: Vec<&KvCache> = caches.iter().map(|c| &**c).collect();
-        let q = &s.q;
-        // One task per (row, head): a single decode row still spreads over every worker.
-        let nh = cfg.n_head;
-        let attend_one = |(t, (o, scores)): (usize, (&mut [f32], &mut Vec<f32>))| {
-            let (row, h) = (t / nh, t % nh);
-            let c = caches[rows.seq[row]];
-            attend_head(cfg, h, &q[row * qd..(row + 1) * qd], &c.k[li], &c.v[li], rows.pos[row] + 1, scores, o);
-        };
         let out = sized(&mut s.attn, r * qd);
-        if s.scores.len() < r * nh {
-            s.scores.resize_with(r * nh, Vec::new);
-        }
-        out.par_chunks_mut(hd).zip(s.scores[..r * nh].par_iter_mut()).enumerate().for_each(attend_one);
+        attend_rows(cfg.heads(), li, &s.q, &rows.seq, &rows.pos, &caches, out, Tier::current());
         lane.matmul_into(&self.wo, &s.attn, r, &mut s.proj)
     }
 }
@@ -404,8 +396,12 @@ impl Llama {
         out.pop().flatten().ok_or_else(|| Error::BadInput("no tokens".into()))
     }
 
+    /// An empty f16 cache (the default K/V storage) in a pool of its own.
     pub fn new_cache(&self) -> KvCache {
-        KvCache::new(&self.cfg)
+        self.new_cache_with(KvDtype::F16)
+    }
+    pub fn new_cache_with(&self, dtype: KvDtype) -> KvCache {
+        KvCache::new(&self.cfg, dtype)
     }
 
     /// Bytes of weights one decode step reads (every linear layer plus one embedding row).
@@ -533,15 +529,22 @@ impl Llama {
         }
         let before: Vec<usize> = batch.iter().map(|s| s.cache.len()).collect();
         let mut caches: Vec<&mut KvCache> = batch.iter_mut().map(|s| &mut *s.cache).collect();
-        for &seq in &rows.seq {
-            caches[seq].push_empty(cfg.kv_dim());
+        let rollback = |caches: &mut [&mut KvCache]| {
+            for (c, &len) in caches.iter_mut().zip(&before) {
+                c.truncate(len);
+            }
+        };
+        for i in 0..caches.len() {
+            let n = rows.seq.iter().filter(|&&s| s == i).count();
+            if let Err(e) = caches[i].extend(n) {
+                rollback(&mut caches);
+                return Err(e);
+            }
         }
         let logits = match self.run_layers(lane, &mut caches, &rows, &logit_rows, trace) {
             Ok(l) => l,
             Err(e) => {
-                for (c, &len) in caches.iter_mut().zip(&before) {
-                    c.truncate(len, cfg.kv_dim());
-                }
+                rollback(&mut caches);
                 return Err(e);
             }
         };

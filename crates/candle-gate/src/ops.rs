@@ -1,9 +1,7 @@
 //! The per-row math of the forward, shared by both lanes: dot products with a fixed reduction
-//! order, RMSNorm, RoPE, SiLU, attention of one query row, and the greedy choice. Each result
+//! order, RMSNorm, RoPE, SiLU and the greedy choice (attention is [`crate::attention`]). Each result
 //! depends only on its own row (and its own sequence's cache), never on what else is in the
 //! step; transcendental functions come from [`crate::detmath`], not the platform's libm.
-
-use crate::llama::LlamaConfig;
 
 /// Dot product with eight fixed lanes: vectorizes, and its order depends only on the length.
 #[inline]
@@ -113,79 +111,6 @@ pub fn silu(x: f32) -> f32 {
     x / (1.0 + crate::detmath::exp_f32(-x))
 }
 
-/// Causal attention of head `h` of one query row (`q`: all heads) over `len` cached positions,
-/// into that head's output `out` (`head_dim` values); fixed order. `scores` is working space
-/// (its allocation is reused; its contents are not read). Heads are independent, so running
-/// them in any order or on any thread gives the same bits.
-#[allow(clippy::too_many_arguments)]
-pub fn attend_head(cfg: &LlamaConfig, h: usize, q: &[f32], k: &[f32], v: &[f32], len: usize, scores: &mut Vec<f32>, out: &mut [f32]) {
-    let hd = cfg.head_dim;
-    let kvd = cfg.kv_dim();
-    let kvh = h / (cfg.n_head / cfg.n_kv_head);
-    let scale = 1.0 / (hd as f32).sqrt();
-    let scores = crate::scratch::sized(scores, len);
-    let qh = &q[h * hd..(h + 1) * hd];
-    let key = |t: usize| &k[t * kvd + kvh * hd..t * kvd + (kvh + 1) * hd];
-    // Four positions at a time: one `dot` waits on its accumulator chain; `dot4` has its bits.
-    let mut quads = scores.chunks_exact_mut(4);
-    for (i, s4) in (&mut quads).enumerate() {
-        let t = 4 * i;
-        let d = dot4([qh; 4], [key(t), key(t + 1), key(t + 2), key(t + 3)]);
-        for (s, d) in s4.iter_mut().zip(d) {
-            *s = d * scale;
-        }
-    }
-    let done = len - quads.into_remainder().len();
-    for (t, s) in scores.iter_mut().enumerate().skip(done) {
-        *s = dot(qh, key(t)) * scale;
-    }
-    let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-    scores.iter_mut().for_each(|s| *s -= max);
-    crate::detmath::exp_f32_in_place(scores);
-    let sum = scores.iter().fold(0f32, |a, &s| a + s);
-    weighted_sum(scores, v, kvd, kvh * hd, &mut out[..hd]);
-    let inv = 1.0 / sum;
-    for o in out[..hd].iter_mut() {
-        *o *= inv;
-    }
-}
-
-/// `out[d] = Σ_t p[t] · v[t·stride + offset + d]`, summed over t in order from zero (a multiply,
-/// then an add): the outputs live in registers, 64 at a time (head widths are multiples of 64),
-/// instead of being loaded and stored once per position; other widths finish eight at a time.
-fn weighted_sum(p: &[f32], v: &[f32], stride: usize, offset: usize, out: &mut [f32]) {
-    assert!(p.is_empty() || (p.len() - 1) * stride + offset + out.len() <= v.len(), "weighted_sum: v too short");
-    let whole = out.len() - out.len() % 8;
-    let mut d = 0;
-    while d + 64 <= whole {
-        d += weighted_groups::<8>(p, v, stride, offset + d, &mut out[d..]);
-    }
-    while d < whole {
-        d += weighted_groups::<1>(p, v, stride, offset + d, &mut out[d..]);
-    }
-    for (j, o) in out.iter_mut().enumerate().skip(whole) {
-        *o = p.iter().enumerate().fold(0f32, |a, (t, &pt)| a + pt * v[t * stride + offset + j]);
-    }
-}
-
-/// [`weighted_sum`] of the first `8 * G` outputs of `out`; returns how many it wrote.
-#[inline]
-fn weighted_groups<const G: usize>(p: &[f32], v: &[f32], stride: usize, offset: usize, out: &mut [f32]) -> usize {
-    let mut acc = [[0f32; 8]; G];
-    for (t, &pt) in p.iter().enumerate() {
-        let row = &v[t * stride + offset..][..8 * G];
-        for (a, x) in acc.iter_mut().zip(row.chunks_exact(8)) {
-            for i in 0..8 {
-                a[i] += pt * x[i];
-            }
-        }
-    }
-    for (o, a) in out.chunks_exact_mut(8).zip(&acc) {
-        o.copy_from_slice(a);
-    }
-    8 * G
-}
-
 /// `up[i] *= silu(gate[i])`, eight at a time through [`crate::detmath::exp_f32_in_place`]:
 /// the same bits as [`silu`] element by element.
 pub fn silu_mul(up: &mut [f32], gate: &[f32]) {
@@ -240,73 +165,6 @@ mod tests {
             s ^= s >> 7;
             s ^= s << 17;
             (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-        }
-    }
-
-    /// The one-position-at-a-time definition `attend_head` must keep bit for bit.
-    fn attend_head_definition(cfg: &LlamaConfig, h: usize, q: &[f32], k: &[f32], v: &[f32], len: usize) -> Vec<f32> {
-        let (hd, kvd) = (cfg.head_dim, cfg.kv_dim());
-        let kvh = h / (cfg.n_head / cfg.n_kv_head);
-        let scale = 1.0 / (hd as f32).sqrt();
-        let qh = &q[h * hd..(h + 1) * hd];
-        let mut scores = vec![0f32; len];
-        let mut max = f32::NEG_INFINITY;
-        for (t, s) in scores.iter_mut().enumerate() {
-            *s = dot(qh, &k[t * kvd + kvh * hd..t * kvd + (kvh + 1) * hd]) * scale;
-            max = max.max(*s);
-        }
-        let mut sum = 0f32;
-        for s in scores.iter_mut() {
-            *s = crate::detmath::exp_f32(*s - max);
-            sum += *s;
-        }
-        let mut out = vec![0f32; hd];
-        for (t, &p) in scores.iter().enumerate() {
-            for (o, &x) in out.iter_mut().zip(&v[t * kvd + kvh * hd..t * kvd + (kvh + 1) * hd]) {
-                *o += p * x;
-            }
-        }
-        let inv = 1.0 / sum;
-        out.iter_mut().for_each(|o| *o *= inv);
-        out
-    }
-
-    #[test]
-    fn attend_head_keeps_the_one_position_definition() {
-        let mut next = noise(0x243F6A8885A308D3);
-        // Head widths of the models (64, 128) and odd ones that reach every block size and the
-        // scalar tail; lengths around the four-position step.
-        for (n_head, n_kv_head, head_dim) in [(9, 3, 64), (14, 2, 64), (12, 2, 128), (4, 2, 200), (2, 1, 36), (2, 2, 5)] {
-            let cfg = LlamaConfig {
-                arch: crate::llama::Arch::Llama,
-                rope_style: crate::llama::RopeStyle::Adjacent,
-                n_layer: 1,
-                hidden: n_head * head_dim,
-                ffn: 1,
-                n_head,
-                n_kv_head,
-                head_dim,
-                vocab: 1,
-                context_length: 512,
-                rope_base: 1e4,
-                rms_eps: 1e-5,
-                inv_freq: vec![],
-            };
-            for len in [1, 2, 3, 4, 5, 7, 8, 9, 63, 130] {
-                let kvd = cfg.kv_dim();
-                // Scores spread wide enough that some softmax terms underflow to zero.
-                let q: Vec<f32> = (0..n_head * head_dim).map(|_| 4.0 * next()).collect();
-                let k: Vec<f32> = (0..len * kvd).map(|_| 4.0 * next()).collect();
-                let v: Vec<f32> = (0..len * kvd).map(|_| next()).collect();
-                for h in 0..n_head {
-                    let mut scores = Vec::new();
-                    let mut out = vec![f32::NAN; head_dim];
-                    attend_head(&cfg, h, &q, &k, &v, len, &mut scores, &mut out);
-                    let want = attend_head_definition(&cfg, h, &q, &k, &v, len);
-                    let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-                    assert_eq!(bits(&out), bits(&want), "heads {n_head}/{n_kv_head} dim {head_dim} len {len} head {h}");
-                }
-            }
         }
     }
 

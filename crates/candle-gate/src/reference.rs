@@ -145,19 +145,18 @@ impl Llama {
             return Err(Error::BadInput("reference lane: no tokens".into()));
         }
         let first = cache.len();
-        for _ in tokens {
-            cache.push_empty(self.cfg.kv_dim());
-        }
+        cache.extend(tokens.len())?;
         let out = self.reference_rows(cache, first, tokens, how, trace);
         if out.is_err() {
-            cache.truncate(first, self.cfg.kv_dim());
+            cache.truncate(first);
         }
         out
     }
 
-    /// Reference-lane logits after the last of `tokens`, from an empty cache (for checks).
+    /// Reference-lane logits after the last of `tokens`, from an empty cache (for checks): the
+    /// exact lane keeps its K/V in f32.
     pub fn reference_logits(&self, tokens: &[u32], how: ReferenceWeights) -> Result<Vec<f32>> {
-        self.reference_extend(&mut self.new_cache(), tokens, how)
+        self.reference_extend(&mut self.new_cache_with(crate::kv_cache::KvDtype::F32), tokens, how)
     }
 
     /// Recomputes position `cache.len() - 1`'s step in the reference lane: the cache must

@@ -17,8 +17,6 @@ pub(crate) struct Scratch {
     pub up: Vec<f32>,
     /// The output of `wo` or `w_down`: what a sublayer adds to the residual.
     pub proj: Vec<f32>,
-    /// One attention-score row per (step row, head): every head of every row attends in parallel.
-    pub scores: Vec<Vec<f32>>,
     /// RoPE tables, `rows × head_dim / 2` each.
     pub cos: Vec<f32>,
     pub sin: Vec<f32>,

@@ -199,7 +199,6 @@ impl Gate {
         };
         let pos = cache.len() - 1;
         let fed = s.fed_at(pos);
-        let kvd = model.llama.cfg.kv_dim();
         let mut deciding: Option<Vec<f32>> = None;
         if rechecked {
             let mut ref_logits = model.llama.reference_step(cache, fed, self.reference)?;
@@ -216,9 +215,9 @@ impl Gate {
         } else if self.cfg.mode == GateMode::Shadow {
             // The fast lane's K/V must stay as they are: save the one position the recheck
             // overwrites and put it back.
-            let saved = cache.save_position(pos, kvd);
+            let saved = cache.save_position(pos);
             let ref_logits = model.llama.reference_step(cache, fed, self.reference);
-            cache.restore_position(saved);
+            cache.restore_position(saved)?;
             let reference = choose(&ref_logits?);
             record.reference_margin = reference.margin;
             record.corrected = reference.token != fast.token;
@@ -247,7 +246,7 @@ fn rebuild_in_reference_lane(model: &Model, s: &mut Sequence, cache: &mut KvCach
     debug_assert_eq!(len, s.req.prompt_tokens.len() + s.steps.len());
     // The latest position is always recomputed: it is the one whose logits are wanted.
     let from = s.reference_exact.min(len - 1);
-    cache.truncate(from, model.llama.cfg.kv_dim());
+    cache.truncate(from);
     let fed: Vec<u32> = (from..len).map(|i| s.fed_at(i)).collect();
     let last = model.llama.reference_extend(cache, &fed, how)?;
     s.reference_exact = len;

@@ -19,6 +19,7 @@ use rayon::prelude::*;
 
 use crate::dispatch::Policy;
 use crate::error::{Error, Result};
+use crate::kv_cache::KV_BLOCK;
 use crate::model::{fingerprint, Model};
 use crate::reference::ReferenceWeights;
 
@@ -84,7 +85,7 @@ impl Engine {
             model_sha: model.sha256()?,
             host: crate::host::signature(policy.mode),
             scheduler: Scheduler::new(&cfg),
-            runner: Runner::default(),
+            runner: Runner::new(&model, &cfg),
             gate,
             model,
             policy,
@@ -109,6 +110,11 @@ impl Engine {
     pub fn model(&self) -> &Arc<Model> {
         &self.model
     }
+    /// The kernel policy and the K/V storage: what, besides the gate and the host, decides a
+    /// result's bits (the fingerprint's "policy" part).
+    pub fn describe_kernels(&self) -> String {
+        format!("{};kv={}", self.policy.describe(), self.cfg.kv_dtype.name())
+    }
     pub fn gate_stats(&self) -> GateStats {
         self.stats.clone()
     }
@@ -130,7 +136,7 @@ impl Engine {
         Ok(id)
     }
 
-    /// Checks a request against the model and the budgets; the KV tokens it reserves.
+    /// Checks a request against the model and the budgets; the KV blocks each choice reserves.
     fn validate(&self, req: &Request) -> Result<usize> {
         let ctx = self.model.llama.cfg.context_length;
         let vocab = self.model.llama.cfg.vocab as u32;
@@ -166,14 +172,15 @@ impl Engine {
             }
         }
         let reserve = (req.prompt_tokens.len() + p.max_new_tokens).min(ctx);
-        if reserve * p.n > self.cfg.kv_budget_tokens {
+        let blocks = reserve.div_ceil(KV_BLOCK) * p.n;
+        if blocks > self.cfg.kv_budget_blocks() {
             return Err(Error::BadInput(format!(
-                "the request needs {} tokens of KV cache ((prompt + max_new_tokens) x n) but the whole budget is {}",
-                reserve * p.n,
-                self.cfg.kv_budget_tokens
+                "the request needs {} tokens of KV cache ((prompt + max_new_tokens) x n, in blocks of {KV_BLOCK}) but the whole budget is {}",
+                blocks * KV_BLOCK,
+                self.cfg.kv_budget_blocks() * KV_BLOCK
             )));
         }
-        Ok(reserve)
+        Ok(reserve.div_ceil(KV_BLOCK))
     }
 
     /// Cancels every choice of request `id`; its output keeps what they had generated.
@@ -214,11 +221,16 @@ impl Engine {
     pub fn num_running(&self) -> usize {
         self.scheduler.running.len()
     }
-    /// KV tokens reserved by the running batch, out of `EngineConfig::kv_budget_tokens`:
-    /// admission reserves a sequence's prompt + max_new_tokens (capped by the context), per
-    /// choice, and a finished or cancelled sequence gives it back.
+    /// KV positions reserved by the running batch (whole blocks), out of
+    /// `EngineConfig::kv_budget_tokens`: admission reserves the blocks of a sequence's prompt +
+    /// max_new_tokens (capped by the context), per choice, and a finished or cancelled
+    /// sequence gives them back.
     pub fn kv_reserved_tokens(&self) -> usize {
-        self.scheduler.reserved_tokens()
+        self.scheduler.reserved_blocks() * KV_BLOCK
+    }
+    /// Blocks of the KV pool held by caches now (at most the reserved ones).
+    pub fn kv_used_blocks(&self) -> usize {
+        self.runner.pool().used_blocks()
     }
 
     pub fn drain_events(&mut self) -> Vec<Event> {
@@ -249,7 +261,7 @@ impl Engine {
     fn step_inner(&mut self) -> Result<usize> {
         let (admitted, plan) = self.scheduler.schedule();
         for id in admitted {
-            self.runner.open(id, &self.model);
+            self.runner.open(id);
         }
         if plan.is_empty() {
             return Ok(0);
@@ -266,7 +278,7 @@ impl Engine {
             let s = &mut self.scheduler.running[*i];
             if s.index == 0 && s.steps.is_empty() && s.req.params.n > 1 {
                 let (parent, n) = (s.id, s.req.params.n);
-                let share = s.reserved_tokens / n;
+                let share = s.reserved_blocks / n;
                 let forks: Vec<Sequence> = (1..n as u32).map(|index| s.fork(self.next_id + index as u64 - 1, index, share)).collect();
                 self.next_id += n as u64 - 1;
                 for f in forks {
@@ -316,7 +328,7 @@ impl Engine {
         self.runner.close(s.id);
         let reason = s.finish.unwrap_or(FinishReason::Cancelled);
         let token_ids = s.output();
-        let fp = fingerprint(&self.model_sha, &self.policy.describe(), &self.cfg.gate.describe(), &self.host, &token_ids);
+        let fp = fingerprint(&self.model_sha, &self.describe_kernels(), &self.cfg.gate.describe(), &self.host, &token_ids);
         let steps = &s.steps;
         let choice = Choice {
             index: s.index,

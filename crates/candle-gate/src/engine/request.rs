@@ -4,6 +4,7 @@ use serde::Serialize;
 
 use super::gate::GateConfig;
 use super::sequence::StepRecord;
+use crate::kv_cache::{KvDtype, KV_BLOCK};
 use crate::sampling::SamplingParams;
 
 pub type RequestId = u64;
@@ -13,8 +14,11 @@ pub struct EngineConfig {
     pub max_num_seqs: usize,
     pub max_tokens_per_step: usize,
     pub prefill_chunk: usize,
-    /// KV memory budget in tokens (over all sequences).
+    /// KV memory budget in tokens (over all sequences): the engine's block pool holds this
+    /// many positions, rounded up to whole blocks, and is allocated once.
     pub kv_budget_tokens: usize,
+    /// How K/V values are stored (f16 by default; the reference lane's own caches are f32).
+    pub kv_dtype: KvDtype,
     pub gate: GateConfig,
     /// FP32 copies of the weights for the reference lane are kept only under this many bytes.
     pub reference_dense_max_bytes: usize,
@@ -37,6 +41,13 @@ pub enum InjectedFault {
     Gate { step: u64, id: RequestId },
 }
 
+impl EngineConfig {
+    /// The pool's size in blocks.
+    pub fn kv_budget_blocks(&self) -> usize {
+        self.kv_budget_tokens.div_ceil(KV_BLOCK)
+    }
+}
+
 impl Default for EngineConfig {
     fn default() -> Self {
         EngineConfig {
@@ -44,6 +55,7 @@ impl Default for EngineConfig {
             max_tokens_per_step: 256,
             prefill_chunk: 64,
             kv_budget_tokens: 65536,
+            kv_dtype: KvDtype::F16,
             gate: GateConfig::off(),
             reference_dense_max_bytes: 2 << 30,
             threads: None,

@@ -2,27 +2,38 @@
 //! for one fast-lane forward. The model sees rows and caches, never sequences.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::dispatch::{QMatMul, Policy};
 use crate::error::{Error, Result};
-use crate::llama::{KvCache, Lane, SeqRows};
+use crate::kv_cache::{BlockLayout, KvCache, KvPool};
+use crate::llama::{Lane, SeqRows};
 use crate::model::Model;
 
 use super::scheduler::Work;
 use super::sequence::Sequence;
-use super::RequestId;
+use super::{EngineConfig, RequestId};
 
-#[derive(Default)]
 pub(crate) struct Runner {
+    pool: Arc<KvPool>,
     caches: HashMap<RequestId, KvCache>,
 }
 
 impl Runner {
-    pub fn open(&mut self, id: RequestId, model: &Model) {
-        self.caches.insert(id, model.llama.new_cache());
+    /// A runner whose caches share one pool of `cfg.kv_budget_tokens` (in whole blocks).
+    pub fn new(model: &Model, cfg: &EngineConfig) -> Self {
+        let layout = BlockLayout::new(&model.llama.cfg, cfg.kv_dtype);
+        Runner { pool: KvPool::bounded(layout, cfg.kv_budget_blocks()), caches: HashMap::new() }
     }
-    /// A copy of `from`'s cache for `to` (another choice of the same prompt).
+    pub fn pool(&self) -> &Arc<KvPool> {
+        &self.pool
+    }
+    pub fn open(&mut self, id: RequestId) {
+        self.caches.insert(id, KvCache::in_pool(self.pool.clone()));
+    }
+    /// `from`'s cache shared with `to` (another choice of the same prompt): full blocks stay
+    /// shared, the first write to a shared block copies it.
     pub fn fork(&mut self, from: RequestId, to: RequestId) {
         let c = self.caches[&from].clone();
         self.caches.insert(to, c);

@@ -23,11 +23,11 @@ pub(crate) enum Work {
 pub(crate) struct Scheduler {
     pub waiting: VecDeque<Sequence>,
     pub running: Vec<Sequence>,
-    reserved_tokens: usize,
+    reserved_blocks: usize,
     max_num_seqs: usize,
     max_tokens_per_step: usize,
     prefill_chunk: usize,
-    kv_budget_tokens: usize,
+    kv_budget_blocks: usize,
 }
 
 impl Scheduler {
@@ -35,11 +35,11 @@ impl Scheduler {
         Scheduler {
             waiting: VecDeque::new(),
             running: Vec::new(),
-            reserved_tokens: 0,
+            reserved_blocks: 0,
             max_num_seqs: cfg.max_num_seqs,
             max_tokens_per_step: cfg.max_tokens_per_step,
             prefill_chunk: cfg.prefill_chunk,
-            kv_budget_tokens: cfg.kv_budget_tokens,
+            kv_budget_blocks: cfg.kv_budget_blocks(),
         }
     }
 
@@ -47,9 +47,9 @@ impl Scheduler {
         !self.waiting.is_empty() || !self.running.is_empty()
     }
 
-    /// KV tokens reserved by the running sequences (each admitted with its whole reservation).
-    pub fn reserved_tokens(&self) -> usize {
-        self.reserved_tokens
+    /// KV blocks reserved by the running sequences (each admitted with its whole reservation).
+    pub fn reserved_blocks(&self) -> usize {
+        self.reserved_blocks
     }
 
     /// Moves waiting sequences to running, in arrival order, while the sequence limit and the
@@ -59,12 +59,12 @@ impl Scheduler {
         // A request's `n` choices count from its admission (they fork from it after prefill).
         while let Some(front) = self.waiting.front() {
             if self.running.len() + front.req.params.n > self.max_num_seqs
-                || self.reserved_tokens + front.reserved_tokens > self.kv_budget_tokens
+                || self.reserved_blocks + front.reserved_blocks > self.kv_budget_blocks
             {
                 break;
             }
             let s = self.waiting.pop_front().unwrap();
-            self.reserved_tokens += s.reserved_tokens;
+            self.reserved_blocks += s.reserved_blocks;
             admitted.push(s.id);
             self.running.push(s);
         }
@@ -104,7 +104,7 @@ impl Scheduler {
         while i < self.running.len() {
             if self.running[i].finish.is_some() {
                 let s = self.running.remove(i);
-                self.reserved_tokens -= s.reserved_tokens;
+                self.reserved_blocks -= s.reserved_blocks;
                 done.push(s);
             } else {
                 i += 1;

@@ -47,11 +47,11 @@ pub(crate) struct Sequence {
     /// Why the sequence failed, when `finish` is `Error`.
     pub error: Option<Error>,
     /// KV tokens reserved for it at admission (prompt + max_new_tokens, capped by the context).
-    pub reserved_tokens: usize,
+    pub reserved_blocks: usize,
 }
 
 impl Sequence {
-    pub fn new(id: RequestId, req: Request, seed: u64, reserved_tokens: usize) -> Self {
+    pub fn new(id: RequestId, req: Request, seed: u64, reserved_blocks: usize) -> Self {
         Sequence {
             id,
             request: id,
@@ -64,15 +64,15 @@ impl Sequence {
             text: TextState::default(),
             finish: None,
             error: None,
-            reserved_tokens,
+            reserved_blocks,
         }
     }
 
     /// Choice `index` of the same request, as this one is after its prefill and before its
-    /// first token: it takes `reserved_tokens` of this one's reservation.
-    pub fn fork(&mut self, id: RequestId, index: u32, reserved_tokens: usize) -> Sequence {
+    /// first token: it takes `reserved_blocks` of this one's reservation.
+    pub fn fork(&mut self, id: RequestId, index: u32, reserved_blocks: usize) -> Sequence {
         debug_assert!(!self.in_prefill() && self.steps.is_empty());
-        self.reserved_tokens -= reserved_tokens;
+        self.reserved_blocks -= reserved_blocks;
         Sequence {
             id,
             request: self.request,
@@ -85,7 +85,7 @@ impl Sequence {
             text: TextState::default(),
             finish: None,
             error: None,
-            reserved_tokens,
+            reserved_blocks,
         }
     }
 

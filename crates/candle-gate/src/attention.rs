@@ -1,0 +1,790 @@
+//! Causal attention over the paged KV cache, with one fixed order of arithmetic per row.
+//!
+//! A row at position `p` attends to positions `0..=p` of its own sequence. Those positions are
+//! cut into splits of [`SPLIT`] positions counted from position 0. Within a split, a query's
+//! partial is `(m, l, o)`: the split's largest score, `l = Σ exp(s − m)` and
+//! `o = Σ exp(s − m) · v`; the partials are then folded in position order, each fold rescaling
+//! what came before (the online softmax). What every value depends on is fixed by the row's
+//! position alone:
+//!
+//! * a score is `(Σ_d q[d] · k[d]) · scale`, one fused multiply-add chain over `d` in order;
+//! * `m` is the maximum over the split (exact in any order);
+//! * `l` is summed in eight lanes by position mod 8, then `((l0+l4)+(l1+l5))+((l2+l6)+(l3+l7))`;
+//! * `o[d]` is one fused multiply-add chain over the split's positions in order;
+//! * `exp` is [`exp_neg`], our own f32 polynomial.
+//!
+//! So a row's output is the same bits whether it is computed in a prefill chunk of any size, as
+//! a decode step, next to any other rows, on any number of threads, and wherever its blocks are
+//! in the pool. How the work is spread — tiles of rows, the query heads that share a KV head
+//! read together, splits computed in parallel or one after another — changes only which
+//! thread computes a partial, never a partial's arithmetic or the fold's order.
+//!
+//! The vectorized tier puts eight positions (scores) or eight `d` (values) in one register's
+//! lanes: each lane runs exactly the scalar definition's operations, so the tiers agree bit
+//! for bit (tested, with the tier forced).
+
+use rayon::prelude::*;
+
+use crate::kernels::{isa, Isa};
+use crate::kv_cache::{BlockLayout, KvCache, KvDtype, KV_BLOCK};
+
+/// Positions per split: the partials are folded at these boundaries, counted from position 0.
+pub const SPLIT: usize = 256;
+const BLOCKS_PER_SPLIT: usize = SPLIT / KV_BLOCK;
+/// Rows of one sequence that one task attends for together (they share the blocks it reads).
+const TILE_ROWS: usize = 16;
+
+/// The attention tiers: the scalar definition, and AVX2 lanes running the same operations.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Tier {
+    Portable,
+    Avx2,
+}
+
+impl Tier {
+    /// The tier the kernels' [`Isa`] setting allows (AVX-512 hosts run the AVX2 tier).
+    pub fn current() -> Tier {
+        match isa() {
+            Isa::Portable => Tier::Portable,
+            _ if cfg!(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma")) => Tier::Avx2,
+            _ => Tier::Portable,
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// exp
+
+const LOG2E: f32 = std::f32::consts::LOG2_E;
+/// ln 2 in two parts (Cody–Waite): `k · LN2_HI` is exact for the `k` here.
+const LN2_HI: f32 = 0.693_359_375;
+const LN2_LO: f32 = -2.121_944_4e-4;
+/// Below this, `exp_neg` is 0 (e^-87.33 is the smallest normal f32).
+const EXP_MIN: f32 = -87.33;
+/// Cephes' `expf` polynomial: e^r ≈ 1 + r + r²·P(r) on |r| ≤ ln2/2.
+const EXP_P: [f32; 6] = [1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 5.000_000_1e-1];
+
+/// e^x for x ≤ 0 (softmax's arguments), within 2 ulp, 0 below [`EXP_MIN`] (and for -∞ and NaN).
+/// The definition every tier follows: round to nearest even, two fused reductions, Horner with
+/// fused multiply-adds, and the scale 2^k put into the exponent bits.
+#[inline]
+pub fn exp_neg(x: f32) -> f32 {
+    if !(x >= EXP_MIN) {
+        return 0.0;
+    }
+    let k = (x * LOG2E).round_ties_even();
+    let r = k.mul_add(-LN2_HI, x);
+    let r = k.mul_add(-LN2_LO, r);
+    let z = r * r;
+    let mut y = EXP_P[0];
+    for c in &EXP_P[1..] {
+        y = y.mul_add(r, *c);
+    }
+    let y = y.mul_add(z, r) + 1.0;
+    y * f32::from_bits(((k as i32 + 127) as u32) << 23)
+}
+
+/// `if a > b { a } else { b }`: the vector `max` instruction's exact rule (zeros and NaN too).
+#[inline]
+fn max_like_vector(a: f32, b: f32) -> f32 {
+    if a > b {
+        a
+    } else {
+        b
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reading one sequence's blocks
+
+/// One layer of one sequence's cache, as the kernel reads it.
+#[derive(Clone, Copy)]
+pub(crate) struct LayerKv<'a> {
+    blocks: &'a [*const u8],
+    layout: BlockLayout,
+    layer: usize,
+}
+
+// SAFETY: the pointers are into blocks of a pool kept alive (and not written) for the call.
+unsafe impl Send for LayerKv<'_> {}
+unsafe impl Sync for LayerKv<'_> {}
+
+/// Block `b`'s transposed keys (`[head_dim][KV_BLOCK]`) and values (`[KV_BLOCK][head_dim]`)
+/// of one KV head, widened to f32 (exactly) into `kt` and `v`.
+fn widen_block(kv: &LayerKv, kvh: usize, b: usize, kt: &mut [f32], v: &mut [f32], tier: Tier) {
+    let lay = &kv.layout;
+    let n = lay.head_dim * KV_BLOCK;
+    let base = kv.blocks[b];
+    let (ko, vo) = (lay.k_offset(kv.layer, kvh), lay.v_offset(kv.layer, kvh));
+    // SAFETY: both regions lie inside the block (`BlockLayout` offsets).
+    unsafe {
+        match lay.dtype {
+            KvDtype::F32 => {
+                let p = base as *const f32;
+                kt[..n].copy_from_slice(std::slice::from_raw_parts(p.add(ko), n));
+                v[..n].copy_from_slice(std::slice::from_raw_parts(p.add(vo), n));
+            }
+            KvDtype::F16 => {
+                let p = base as *const u16;
+                let (ks, vs) = (std::slice::from_raw_parts(p.add(ko), n), std::slice::from_raw_parts(p.add(vo), n));
+                widen_f16(ks, &mut kt[..n], tier);
+                widen_f16(vs, &mut v[..n], tier);
+            }
+        }
+    }
+}
+
+fn widen_f16(src: &[u16], dst: &mut [f32], tier: Tier) {
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "f16c"))]
+    if tier == Tier::Avx2 && src.len() % 8 == 0 {
+        // SAFETY: F16C is enabled at compile time; both slices hold src.len() elements.
+        unsafe { avx2::widen_f16(src, dst) };
+        return;
+    }
+    let _ = tier;
+    for (d, &s) in dst.iter_mut().zip(src) {
+        *d = half::f16::from_bits(s).to_f32();
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// One split's partials
+
+/// One query: its vector (`head_dim`) and how many positions it attends to.
+#[derive(Clone, Copy)]
+struct Query<'a> {
+    q: &'a [f32],
+    len: usize,
+}
+
+/// Working space of one task, kept per thread between calls.
+#[derive(Default)]
+struct Work {
+    kt: Vec<f32>,
+    v: Vec<f32>,
+    /// `[query][SPLIT]` scores, then probabilities.
+    s: Vec<f32>,
+}
+
+/// A partial `(m, l, o)` per query, `o` of `head_dim`.
+struct Partials {
+    m: Vec<f32>,
+    l: Vec<f32>,
+    o: Vec<f32>,
+}
+
+impl Partials {
+    fn new(n: usize, hd: usize) -> Self {
+        Partials { m: vec![0.0; n], l: vec![0.0; n], o: vec![0.0; n * hd] }
+    }
+}
+
+/// The partials of split `split` for every query that reaches into it (others are left as
+/// they were). `qs` all read KV head `kvh` of `kv`.
+fn split_partials(kv: &LayerKv, kvh: usize, qs: &[Query], split: usize, scale: f32, w: &mut Work, out: &mut Partials, tier: Tier) {
+    let hd = kv.layout.head_dim;
+    let start = split * SPLIT;
+    let reach = qs.iter().map(|q| q.len.saturating_sub(start).min(SPLIT)).max().unwrap_or(0);
+    if reach == 0 {
+        return;
+    }
+    let nb = reach.div_ceil(KV_BLOCK);
+    let bsz = hd * KV_BLOCK;
+    w.kt.resize(BLOCKS_PER_SPLIT * bsz, 0.0);
+    w.v.resize(BLOCKS_PER_SPLIT * bsz, 0.0);
+    w.s.resize(qs.len() * SPLIT, 0.0);
+    for b in 0..nb {
+        let (kt, v) = (&mut w.kt[b * bsz..(b + 1) * bsz], &mut w.v[b * bsz..(b + 1) * bsz]);
+        widen_block(kv, kvh, split * BLOCKS_PER_SPLIT + b, kt, v, tier);
+    }
+    // Scores, up to three queries at a time against each block (they share its loads).
+    let mut j = 0;
+    while j < qs.len() {
+        let take = (qs.len() - j).min(3);
+        for b in 0..nb {
+            let kt = &w.kt[b * bsz..(b + 1) * bsz];
+            let at = |i: usize| (j + i) * SPLIT + b * KV_BLOCK;
+            scores_block(&qs[j..j + take], kt, hd, scale, &mut w.s, at, tier);
+        }
+        j += take;
+    }
+    for (i, q) in qs.iter().enumerate() {
+        let n = q.len.saturating_sub(start).min(SPLIT);
+        if n == 0 {
+            continue;
+        }
+        let s = &mut w.s[i * SPLIT..i * SPLIT + n.next_multiple_of(8)];
+        s[n..].fill(f32::NEG_INFINITY);
+        let (m, l) = softmax_in_place(s, tier);
+        out.m[i] = m;
+        out.l[i] = l;
+        weighted_values(&s[..n], &w.v, hd, &mut out.o[i * hd..(i + 1) * hd], tier);
+    }
+}
+
+/// `s[t] = (Σ_d q[d]·kt[d][t]) · scale` for the block's 32 positions, for each query, into
+/// `out[at(i)..at(i) + 32]`.
+fn scores_block(qs: &[Query], kt: &[f32], hd: usize, scale: f32, out: &mut [f32], at: impl Fn(usize) -> usize, tier: Tier) {
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
+    if tier == Tier::Avx2 {
+        // SAFETY: AVX2/FMA are enabled at compile time; `kt` holds hd × 32 values, each q hd.
+        unsafe {
+            match qs.len() {
+                1 => avx2::scores_block::<1>([qs[0].q], kt, hd, scale, out, at),
+                2 => avx2::scores_block::<2>([qs[0].q, qs[1].q], kt, hd, scale, out, at),
+                _ => avx2::scores_block::<3>([qs[0].q, qs[1].q, qs[2].q], kt, hd, scale, out, at),
+            }
+        }
+        return;
+    }
+    let _ = tier;
+    for (i, q) in qs.iter().enumerate() {
+        let o = at(i);
+        for t in 0..KV_BLOCK {
+            let mut acc = 0f32;
+            for d in 0..hd {
+                acc = q.q[d].mul_add(kt[d * KV_BLOCK + t], acc);
+            }
+            out[o + t] = acc * scale;
+        }
+    }
+}
+
+/// A split's scores (a multiple of 8 long, padded with -∞) become `exp(s − m)` in place;
+/// returns `(m, l)`.
+fn softmax_in_place(s: &mut [f32], tier: Tier) -> (f32, f32) {
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
+    if tier == Tier::Avx2 {
+        // SAFETY: AVX2/FMA are enabled at compile time; s.len() is a multiple of 8.
+        return unsafe { avx2::softmax_in_place(s) };
+    }
+    let _ = tier;
+    let mut lanes = [f32::NEG_INFINITY; 8];
+    for c in s.chunks_exact(8) {
+        for (m, &x) in lanes.iter_mut().zip(c) {
+            *m = max_like_vector(*m, x);
+        }
+    }
+    let m = max_like_vector(
+        max_like_vector(max_like_vector(lanes[0], lanes[4]), max_like_vector(lanes[1], lanes[5])),
+        max_like_vector(max_like_vector(lanes[2], lanes[6]), max_like_vector(lanes[3], lanes[7])),
+    );
+    let mut sum = [0f32; 8];
+    for c in s.chunks_exact_mut(8) {
+        for (a, x) in sum.iter_mut().zip(c) {
+            *x = exp_neg(*x - m);
+            *a += *x;
+        }
+    }
+    (m, lane_sum(sum))
+}
+
+#[inline]
+fn lane_sum(a: [f32; 8]) -> f32 {
+    ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]))
+}
+
+/// `o[d] = Σ_t p[t] · v[t][d]` over the split's positions in order (`v`: the split's widened
+/// value blocks back to back, `[t][head_dim]`).
+fn weighted_values(p: &[f32], v: &[f32], hd: usize, o: &mut [f32], tier: Tier) {
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
+    if tier == Tier::Avx2 && hd % 8 == 0 {
+        // SAFETY: AVX2/FMA are enabled at compile time; v holds p.len() rows of hd.
+        unsafe { avx2::weighted_values(p, v, hd, o) };
+        return;
+    }
+    let _ = tier;
+    o.fill(0.0);
+    for (t, &pt) in p.iter().enumerate() {
+        for (od, &vd) in o.iter_mut().zip(&v[t * hd..(t + 1) * hd]) {
+            *od = pt.mul_add(vd, *od);
+        }
+    }
+}
+
+/// Folds split partial `(m, l, o)` into the running `(M, L, O)` of one query (the first split
+/// initializes it).
+fn fold(first: bool, m: f32, l: f32, o: &[f32], big_m: &mut f32, big_l: &mut f32, big_o: &mut [f32]) {
+    if first {
+        *big_m = m;
+        *big_l = l;
+        big_o.copy_from_slice(o);
+        return;
+    }
+    let new_m = max_like_vector(*big_m, m);
+    let (a, b) = (exp_neg(*big_m - new_m), exp_neg(m - new_m));
+    *big_m = new_m;
+    *big_l = l.mul_add(b, *big_l * a);
+    // Elementwise, so any vector width gives these bits.
+    for (bo, &x) in big_o.iter_mut().zip(o) {
+        *bo = x.mul_add(b, *bo * a);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// A layer's attention for a step
+
+/// Output rows of a layer's attention, written by tasks into disjoint (row, head) slices.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: each (row, head) output is written by exactly one task.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    fn at(&self, offset: usize) -> *mut f32 {
+        // SAFETY (of the caller's use): offsets stay inside the output buffer.
+        self.0.wrapping_add(offset)
+    }
+}
+
+/// One task: rows `rows` (consecutive positions of one sequence) × the query heads of KV head
+/// `kvh`.
+struct Task {
+    seq: usize,
+    rows: std::ops::Range<usize>,
+    kvh: usize,
+}
+
+/// Shapes of a layer's attention.
+#[derive(Clone, Copy, Debug)]
+pub struct Heads {
+    pub n_head: usize,
+    pub n_kv_head: usize,
+    pub head_dim: usize,
+}
+
+thread_local! {
+    static WORK: std::cell::RefCell<Work> = std::cell::RefCell::new(Work::default());
+}
+
+/// Causal attention of a step's rows in layer `layer`: row `i` (of sequence `seq[i]`, at
+/// position `pos[i]`, its K/V already in the cache) attends to positions `0..=pos[i]` of its
+/// own cache. `q` and `out` are `rows × n_head × head_dim`. Rows of one sequence must be
+/// consecutive positions, in order.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attend_rows(
+    heads: Heads,
+    layer: usize,
+    q: &[f32],
+    seq: &[usize],
+    pos: &[usize],
+    caches: &[&KvCache],
+    out: &mut [f32],
+    tier: Tier,
+) {
+    let Heads { n_head, n_kv_head, head_dim: hd } = heads;
+    let (qd, group) = (n_head * hd, n_head / n_kv_head);
+    let r = seq.len();
+    assert!(q.len() == r * qd && out.len() == r * qd && pos.len() == r);
+    let ptrs: Vec<Vec<*const u8>> = caches.iter().map(|c| c.block_ptrs().collect()).collect();
+    let kvs: Vec<LayerKv> =
+        caches.iter().zip(&ptrs).map(|(c, p)| LayerKv { blocks: p, layout: *c.layout(), layer }).collect();
+    let mut tasks = Vec::new();
+    let mut i = 0;
+    while i < r {
+        let mut j = i + 1;
+        while j < r && j - i < TILE_ROWS && seq[j] == seq[i] && pos[j] == pos[j - 1] + 1 {
+            j += 1;
+        }
+        tasks.extend((0..n_kv_head).map(|kvh| Task { seq: seq[i], rows: i..j, kvh }));
+        i = j;
+    }
+    let scale = 1.0 / (hd as f32).sqrt();
+    let out_ptr = OutPtr(out.as_mut_ptr());
+    let queries = |t: &Task| -> Vec<Query> {
+        t.rows
+            .clone()
+            .flat_map(|row| (0..group).map(move |g| (row, t.kvh * group + g)))
+            .map(|(row, h)| Query { q: &q[row * qd + h * hd..row * qd + (h + 1) * hd], len: pos[row] + 1 })
+            .collect()
+    };
+    let write = |t: &Task, k: usize, o: &[f32], l: f32| {
+        let (row, h) = (t.rows.start + k / group, t.kvh * group + k % group);
+        // SAFETY: this (row, head) slice of `out` belongs to this task alone.
+        let dst = unsafe { std::slice::from_raw_parts_mut(out_ptr.at(row * qd + h * hd), hd) };
+        for (d, &x) in dst.iter_mut().zip(o) {
+            *d = x / l;
+        }
+    };
+    let splits_of = |t: &Task| (pos[t.rows.end - 1] + 1).div_ceil(SPLIT);
+    let threads = rayon::current_num_threads();
+    let total_splits: usize = tasks.iter().map(splits_of).sum();
+    if tasks.len() >= 2 * threads || total_splits <= tasks.len() {
+        // Enough tasks to share out: each folds its splits as it computes them.
+        tasks.par_iter().for_each(|t| {
+            let qs = queries(t);
+            let mut part = Partials::new(qs.len(), hd);
+            let (mut big_m, mut big_l, mut big_o) = (vec![0f32; qs.len()], vec![0f32; qs.len()], vec![0f32; qs.len() * hd]);
+            WORK.with_borrow_mut(|w| {
+                for s in 0..splits_of(t) {
+                    split_partials(&kvs[t.seq], t.kvh, &qs, s, scale, w, &mut part, tier);
+                    for (k, qk) in qs.iter().enumerate() {
+                        if s * SPLIT < qk.len {
+                            let o = &part.o[k * hd..(k + 1) * hd];
+                            fold(s == 0, part.m[k], part.l[k], o, &mut big_m[k], &mut big_l[k], &mut big_o[k * hd..(k + 1) * hd]);
+                        }
+                    }
+                }
+            });
+            for k in 0..qs.len() {
+                write(t, k, &big_o[k * hd..(k + 1) * hd], big_l[k]);
+            }
+        });
+        return;
+    }
+    // Few rows over long contexts (decode): every split is a task of its own, the partials are
+    // kept, and each task's queries fold them in order afterwards.
+    let jobs: Vec<(usize, usize)> = tasks.iter().enumerate().flat_map(|(ti, t)| (0..splits_of(t)).map(move |s| (ti, s))).collect();
+    let parts: Vec<Partials> = jobs
+        .par_iter()
+        .map(|&(ti, s)| {
+            let t = &tasks[ti];
+            let qs = queries(t);
+            let mut part = Partials::new(qs.len(), hd);
+            WORK.with_borrow_mut(|w| split_partials(&kvs[t.seq], t.kvh, &qs, s, scale, w, &mut part, tier));
+            part
+        })
+        .collect();
+    let mut first_job = 0;
+    let starts: Vec<usize> = tasks
+        .iter()
+        .map(|t| {
+            let at = first_job;
+            first_job += splits_of(t);
+            at
+        })
+        .collect();
+    tasks.par_iter().zip(starts).for_each(|(t, at)| {
+        let qs = queries(t);
+        let (mut big_m, mut big_l, mut big_o) = (0f32, 0f32, vec![0f32; hd]);
+        for (k, qk) in qs.iter().enumerate() {
+            for s in 0..qk.len.div_ceil(SPLIT) {
+                let p = &parts[at + s];
+                fold(s == 0, p.m[k], p.l[k], &p.o[k * hd..(k + 1) * hd], &mut big_m, &mut big_l, &mut big_o);
+            }
+            write(t, k, &big_o, big_l);
+        }
+    });
+}
+
+#[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::{EXP_MIN, EXP_P, KV_BLOCK, LN2_HI, LN2_LO, LOG2E};
+
+    #[cfg(target_feature = "f16c")]
+    pub unsafe fn widen_f16(src: &[u16], dst: &mut [f32]) {
+        for (s, d) in src.chunks_exact(8).zip(dst.chunks_exact_mut(8)) {
+            let h = _mm_loadu_si128(s.as_ptr() as *const __m128i);
+            _mm256_storeu_ps(d.as_mut_ptr(), _mm256_cvtph_ps(h));
+        }
+    }
+
+    /// [`super::exp_neg`] in eight lanes, operation for operation.
+    #[inline(always)]
+    pub unsafe fn exp_neg8(x: __m256) -> __m256 {
+        let ok = _mm256_cmp_ps::<_CMP_GE_OQ>(x, _mm256_set1_ps(EXP_MIN));
+        let k = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)));
+        let r = _mm256_fmadd_ps(k, _mm256_set1_ps(-LN2_HI), x);
+        let r = _mm256_fmadd_ps(k, _mm256_set1_ps(-LN2_LO), r);
+        let z = _mm256_mul_ps(r, r);
+        let mut y = _mm256_set1_ps(EXP_P[0]);
+        for c in &EXP_P[1..] {
+            y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(*c));
+        }
+        let y = _mm256_add_ps(_mm256_fmadd_ps(y, z, r), _mm256_set1_ps(1.0));
+        // Lanes outside the range may hold any k: the mask zeroes them after the fact.
+        let ki = _mm256_and_si256(_mm256_cvtps_epi32(k), _mm256_castps_si256(ok));
+        let scale = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(ki, _mm256_set1_epi32(127))));
+        _mm256_and_ps(_mm256_mul_ps(y, scale), ok)
+    }
+
+    #[inline(always)]
+    unsafe fn lanes(v: __m256) -> [f32; 8] {
+        let mut a = [0f32; 8];
+        _mm256_storeu_ps(a.as_mut_ptr(), v);
+        a
+    }
+
+    pub unsafe fn scores_block<const NQ: usize>(
+        qs: [&[f32]; NQ],
+        kt: &[f32],
+        hd: usize,
+        scale: f32,
+        out: &mut [f32],
+        at: impl Fn(usize) -> usize,
+    ) {
+        debug_assert!(kt.len() >= hd * KV_BLOCK && qs.iter().all(|q| q.len() >= hd));
+        let mut acc = [[_mm256_setzero_ps(); 4]; NQ];
+        let k = kt.as_ptr();
+        for d in 0..hd {
+            let row = k.add(d * KV_BLOCK);
+            let kv = [_mm256_loadu_ps(row), _mm256_loadu_ps(row.add(8)), _mm256_loadu_ps(row.add(16)), _mm256_loadu_ps(row.add(24))];
+            for j in 0..NQ {
+                let qb = _mm256_set1_ps(*qs[j].get_unchecked(d));
+                for p in 0..4 {
+                    acc[j][p] = _mm256_fmadd_ps(qb, kv[p], acc[j][p]);
+                }
+            }
+        }
+        let sc = _mm256_set1_ps(scale);
+        for j in 0..NQ {
+            let o = at(j);
+            for p in 0..4 {
+                _mm256_storeu_ps(out[o + 8 * p..o + 8 * p + 8].as_mut_ptr(), _mm256_mul_ps(acc[j][p], sc));
+            }
+        }
+    }
+
+    pub unsafe fn softmax_in_place(s: &mut [f32]) -> (f32, f32) {
+        let mut mv = _mm256_set1_ps(f32::NEG_INFINITY);
+        for c in s.chunks_exact(8) {
+            mv = _mm256_max_ps(mv, _mm256_loadu_ps(c.as_ptr()));
+        }
+        let l = lanes(mv);
+        let mx = super::max_like_vector;
+        let m = mx(mx(mx(l[0], l[4]), mx(l[1], l[5])), mx(mx(l[2], l[6]), mx(l[3], l[7])));
+        let mb = _mm256_set1_ps(m);
+        let mut sum = _mm256_setzero_ps();
+        for c in s.chunks_exact_mut(8) {
+            let p = exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(c.as_ptr()), mb));
+            _mm256_storeu_ps(c.as_mut_ptr(), p);
+            sum = _mm256_add_ps(sum, p);
+        }
+        (m, super::lane_sum(lanes(sum)))
+    }
+
+    /// Eight `d` per register, 64 at a time (eight registers), then the rest eight at a time.
+    pub unsafe fn weighted_values(p: &[f32], v: &[f32], hd: usize, o: &mut [f32]) {
+        debug_assert!(v.len() >= p.len() * hd && o.len() == hd && hd % 8 == 0);
+        let mut d0 = 0;
+        while d0 < hd {
+            let w = (hd - d0).min(64) / 8;
+            let mut acc = [_mm256_setzero_ps(); 8];
+            let mut row = v.as_ptr().add(d0);
+            for &pt in p {
+                let pb = _mm256_set1_ps(pt);
+                for (c, a) in acc.iter_mut().enumerate().take(w) {
+                    *a = _mm256_fmadd_ps(pb, _mm256_loadu_ps(row.add(8 * c)), *a);
+                }
+                row = row.add(hd);
+            }
+            for (c, a) in acc.iter().enumerate().take(w) {
+                _mm256_storeu_ps(o.as_mut_ptr().add(d0 + 8 * c), *a);
+            }
+            d0 += 8 * w;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    use crate::kv_cache::KvPool;
+
+    fn noise(seed: u64) -> impl FnMut() -> f32 {
+        let mut s = seed | 1;
+        move || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+        }
+    }
+
+    /// A sequence: its K/V for layer 0 (`[pos][kv_dim]`) and one query row per position.
+    struct Seq {
+        k: Vec<f32>,
+        v: Vec<f32>,
+        q: Vec<f32>,
+    }
+
+    fn seq(h: Heads, len: usize, seed: u64) -> Seq {
+        let mut next = noise(seed);
+        let kvd = h.n_kv_head * h.head_dim;
+        // Spread wide enough that some probabilities underflow, as in real models.
+        Seq {
+            k: (0..len * kvd).map(|_| 6.0 * next()).collect(),
+            v: (0..len * kvd).map(|_| 2.0 * next()).collect(),
+            q: (0..len * h.n_head * h.head_dim).map(|_| 6.0 * next()).collect(),
+        }
+    }
+
+    fn cache(h: Heads, s: &Seq, len: usize, dtype: KvDtype, scatter: Option<u64>) -> KvCache {
+        let lay = BlockLayout { n_layer: 1, n_kv_head: h.n_kv_head, head_dim: h.head_dim, dtype };
+        let pool = KvPool::bounded(lay, len.div_ceil(KV_BLOCK) + 40);
+        if let Some(seed) = scatter {
+            pool.shuffle_free_list(seed);
+        }
+        let mut c = KvCache::in_pool(pool);
+        c.extend(len).unwrap();
+        let kvd = h.n_kv_head * h.head_dim;
+        for p in 0..len {
+            c.write(0, p, &s.k[p * kvd..(p + 1) * kvd], &s.v[p * kvd..(p + 1) * kvd]).unwrap();
+        }
+        c
+    }
+
+    /// Attention of the rows `(seq, first..last)` of several sequences in one call.
+    fn run(h: Heads, caches: &[&KvCache], seqs: &[&Seq], rows: &[(usize, std::ops::Range<usize>)], tier: Tier) -> Vec<Vec<u32>> {
+        let qd = h.n_head * h.head_dim;
+        let (mut q, mut sq, mut pos) = (vec![], vec![], vec![]);
+        for (i, r) in rows {
+            for p in r.clone() {
+                q.extend_from_slice(&seqs[*i].q[p * qd..(p + 1) * qd]);
+                sq.push(*i);
+                pos.push(p);
+            }
+        }
+        let mut out = vec![f32::NAN; q.len()];
+        attend_rows(h, 0, &q, &sq, &pos, caches, &mut out, tier);
+        out.chunks(qd).map(|r| r.iter().map(|x| x.to_bits()).collect()).collect()
+    }
+
+    fn tiers() -> Vec<Tier> {
+        let mut t = vec![Tier::Portable];
+        if cfg!(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma")) {
+            t.push(Tier::Avx2);
+        }
+        t
+    }
+
+    fn pools() -> [rayon::ThreadPool; 2] {
+        [1, 3].map(|n| rayon::ThreadPoolBuilder::new().num_threads(n).build().unwrap())
+    }
+
+    /// A row's output bits depend only on its query and its own sequence's K/V: alone as a
+    /// decode row, inside prefill tiles of any size, next to another sequence's rows, on 1 or 3
+    /// threads, with its blocks scattered over the pool, and in either tier.
+    #[test]
+    fn a_rows_bits_depend_on_nothing_but_its_own_history() {
+        let shapes = [
+            Heads { n_head: 9, n_kv_head: 3, head_dim: 64 },
+            Heads { n_head: 14, n_kv_head: 2, head_dim: 64 },
+            Heads { n_head: 4, n_kv_head: 2, head_dim: 128 },
+            Heads { n_head: 2, n_kv_head: 1, head_dim: 36 },
+        ];
+        for (si, h) in shapes.into_iter().enumerate() {
+            let len = [600, 530, 300, 280][si];
+            for dtype in KvDtype::ALL {
+                let a = seq(h, len, 11 + si as u64);
+                let b = seq(h, 90, 23 + si as u64);
+                let (ca, cb) = (cache(h, &a, len, dtype, None), cache(h, &b, 90, dtype, None));
+                let scattered = cache(h, &a, len, dtype, Some(7));
+                assert_ne!(ca.block_ids(), scattered.block_ids());
+                // Each probed row alone, as a decode step, is the reference.
+                let mut probes: Vec<usize> = [0, 1, 31, 32, 255, 256, 257, 511, 512].into_iter().filter(|&p| p < len).collect();
+                probes.push(len - 1);
+                let alone: Vec<Vec<u32>> = probes.iter().map(|&p| run(h, &[&ca], &[&a], &[(0, p..p + 1)], Tier::Portable).remove(0)).collect();
+                for tier in tiers() {
+                    for pool in pools() {
+                        pool.install(|| {
+                            for (&p, want) in probes.iter().zip(&alone) {
+                                let got = run(h, &[&scattered], &[&a], &[(0, p..p + 1)], tier).remove(0);
+                                assert_eq!(&got, want, "{h:?} {dtype:?} {tier:?} row {p} alone, scattered");
+                            }
+                            // The whole sequence as one prefill, next to another sequence's rows.
+                            let all = run(h, &[&cb, &ca], &[&b, &a], &[(0, 60..90), (1, 0..len)], tier);
+                            for (&p, want) in probes.iter().zip(&alone) {
+                                assert_eq!(&all[30 + p], want, "{h:?} {dtype:?} {tier:?} row {p} in a prefill");
+                            }
+                            // Chunks of 7 positions.
+                            for &p in &probes {
+                                let c0 = p - p % 7;
+                                let got = run(h, &[&ca], &[&a], &[(0, c0..(c0 + 7).min(len))], tier);
+                                assert_eq!(&got[p - c0], &alone[probes.iter().position(|&x| x == p).unwrap()], "{h:?} {tier:?} row {p} in a chunk of 7");
+                            }
+                        });
+                    }
+                }
+            }
+        }
+    }
+
+    /// Against attention in f64 over the same (stored) K/V: the kernel's error stays small.
+    #[test]
+    fn attention_is_close_to_an_f64_reference() {
+        let h = Heads { n_head: 4, n_kv_head: 2, head_dim: 64 };
+        let len = 1100;
+        let a = seq(h, len, 5);
+        let c = cache(h, &a, len, KvDtype::F32, None);
+        let rows: Vec<usize> = vec![0, 7, 255, 256, 700, len - 1];
+        let (hd, kvd, qd) = (64, 128, 256);
+        let mut worst = 0f64;
+        for &p in &rows {
+            let got = run(h, &[&c], &[&a], &[(0, p..p + 1)], Tier::current()).remove(0);
+            for hh in 0..4 {
+                let kvh = hh / 2;
+                let q = &a.q[p * qd + hh * hd..p * qd + (hh + 1) * hd];
+                let s: Vec<f64> = (0..=p)
+                    .map(|t| (0..hd).map(|d| q[d] as f64 * a.k[t * kvd + kvh * hd + d] as f64).sum::<f64>() / (hd as f64).sqrt())
+                    .collect();
+                let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+                let z: f64 = e.iter().sum();
+                for d in 0..hd {
+                    let want = (0..=p).map(|t| e[t] * a.v[t * kvd + kvh * hd + d] as f64).sum::<f64>() / z;
+                    let g = f32::from_bits(got[hh * hd + d]) as f64;
+                    worst = worst.max((g - want).abs());
+                }
+            }
+        }
+        // Values are within ±1; f32 accumulation over ~1000 positions.
+        assert!(worst < 2e-6, "largest absolute error {worst:e}");
+    }
+
+    fn ulps(a: f32, b: f32) -> u32 {
+        (a.to_bits() as i64 - b.to_bits() as i64).unsigned_abs() as u32
+    }
+
+    #[test]
+    fn exp_neg_is_within_two_ulp_of_exp() {
+        let mut worst = 0;
+        let mut x = EXP_MIN;
+        while x <= 0.0 {
+            let want = (x as f64).exp() as f32;
+            worst = worst.max(ulps(exp_neg(x), want));
+            x += 0.000_731;
+        }
+        assert!(worst <= 2, "exp_neg off by {worst} ulp");
+        assert_eq!(exp_neg(0.0), 1.0);
+        assert_eq!(exp_neg(-0.0), 1.0);
+        assert_eq!(exp_neg(f32::NEG_INFINITY), 0.0);
+        assert_eq!(exp_neg(-88.0), 0.0);
+        assert_eq!(exp_neg(f32::NAN), 0.0);
+    }
+
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
+    #[test]
+    fn exp_neg8_is_exp_neg_bit_for_bit() {
+        use std::arch::x86_64::*;
+        let ln2 = std::f32::consts::LN_2;
+        let mut xs: Vec<f32> =
+            vec![0.0, -0.0, -1e-30, -1e-10, EXP_MIN, EXP_MIN - 1e-5, -87.0, -87.5, -88.0, -1000.0, f32::NEG_INFINITY, f32::NAN, -f32::MIN_POSITIVE];
+        for k in 0..130 {
+            let mid = -(k as f32 + 0.5) * ln2;
+            xs.extend([mid, f32::from_bits(mid.to_bits() + 1), f32::from_bits(mid.to_bits() - 1)]);
+        }
+        let mut s = 0x9E3779B97F4A7C15u64;
+        for _ in 0..40_000 {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            xs.push(-((s >> 40) as f32 / (1u64 << 24) as f32) * 90.0);
+        }
+        while xs.len() % 8 != 0 {
+            xs.push(-1.0);
+        }
+        for c in xs.chunks_exact(8) {
+            let mut got = [0f32; 8];
+            // SAFETY: AVX2 is enabled at compile time.
+            unsafe { _mm256_storeu_ps(got.as_mut_ptr(), avx2::exp_neg8(_mm256_loadu_ps(c.as_ptr()))) };
+            for (g, &x) in got.iter().zip(c) {
+                assert_eq!(g.to_bits(), exp_neg(x).to_bits(), "exp_neg({x:e})");
+            }
+        }
+    }
+}
