@@ -3,6 +3,7 @@
     pip install ".[peer]"          # llama-cpp-python, built from source by pip
     python benches/vs_llama_cpp.py [--models smollm2-135m-instruct-q4_1,qwen2.5-coder-0.5b-instruct-q4_k_m]
                                    [--streams 1,8] [--new-tokens 64] [--rounds 2] [--threads 2] [--json OUT]
+                                   [--context 1024,4096,16384]
 
 Both engines get the same prompts as the same token ids (candle-gate's tokenizer and chat
 template render them once) and decode greedily. For each model, stream count and round,
@@ -11,6 +12,12 @@ candle-gate (``invariant`` mode) and llama.cpp run in alternation, and each repo
 * prefill tok/s: prompt tokens / time to the first token, one stream;
 * decode tok/s: tokens generated after every stream's first token / the time that took, summed
   over streams (llama.cpp decodes the streams as one batch of sequences, as its server does).
+
+With ``--context N,...`` each stream's prompt is instead N tokens of running text (the same ids to
+both engines, a different text per stream), prefilled in chunks of 512 by both, and llama.cpp runs
+twice per round, flash attention off and on, keeping its better figure of the two. The bandwidth
+line then counts the K/V bytes each decode step reads at that context (f16, both engines' default)
+on top of the weights.
 
 After one short warm-up run each (pages the weights in), the table keeps each side's best round and prints candle-gate / llama.cpp. The bandwidth line
 divides the weight bytes one decode step reads by the measured single-stream step time and by a
@@ -70,9 +77,26 @@ def prompts(model: Model, n: int) -> List[List[int]]:
     return [model.encode_chat(bench_prompt(i)) for i in range(n)]
 
 
-def candle_gate_run(model: Model, toks: List[List[int]], new_tokens: int, threads: int) -> Dict[str, float]:
-    eng = Engine(model, mode="invariant", max_num_seqs=max(16, len(toks)), max_tokens_per_step=4096,
-                 prefill_chunk=4096, threads=threads)
+def long_prompt(model: Model, n: int, salt: int) -> List[int]:
+    """n tokens of running text (a paragraph whose numbers change each time)."""
+    parts, i = [], salt * 10007
+    while True:
+        chunk = [f"Section {i + j}. The river rose {(i + j) * 7 % 93} centimetres overnight, and the "
+                 f"{(i + j) * 13 % 41 + 2} families on the east bank moved their belongings to the school on the "
+                 f"hill, where volunteers served soup until {(i + j) % 12 + 1} o'clock. " for j in range(64)]
+        parts.extend(chunk)
+        i += 64
+        ids = model.tokenize("".join(parts))
+        if len(ids) >= n:
+            return ids[:n]
+
+
+def candle_gate_run(model: Model, toks: List[List[int]], new_tokens: int, threads: int,
+                    chunk: int = 4096) -> Dict[str, float]:
+    longest = max(len(t) for t in toks)
+    eng = Engine(model, mode="invariant", max_num_seqs=max(16, len(toks)), max_tokens_per_step=chunk + len(toks),
+                 prefill_chunk=chunk, threads=threads,
+                 kv_budget_tokens=max(65536, (longest + new_tokens + 64) * len(toks)))
     t0 = time.perf_counter()
     ids = [eng.submit(t, max_new_tokens=new_tokens) for t in toks]
     started, first = set(), None
@@ -107,7 +131,8 @@ except ImportError:
 class LlamaCpp:
     """llama.cpp through llama-cpp-python's C API: one context, one sequence per stream."""
 
-    def __init__(self, path: str, streams: int, threads: int, n_ctx_per_seq: int):
+    def __init__(self, path: str, streams: int, threads: int, n_ctx_per_seq: int,
+                 n_batch: int = 0, flash_attn: bool = False):
         import llama_cpp as lc
         self.lc = lc
         lc.llama_log_set(_QUIET, ctypes.c_void_p())
@@ -116,8 +141,13 @@ class LlamaCpp:
         self.model = lc.llama_model_load_from_file(path.encode(), mp)
         cp = lc.llama_context_default_params()
         cp.n_ctx = n_ctx_per_seq * streams
-        cp.n_batch = max(512, n_ctx_per_seq)
+        cp.n_batch = n_batch or max(512, n_ctx_per_seq)
         cp.n_ubatch = cp.n_batch
+        if hasattr(cp, "flash_attn_type"):
+            cp.flash_attn_type = 1 if flash_attn else 0
+        elif hasattr(cp, "flash_attn"):
+            cp.flash_attn = flash_attn
+        self.n_batch = cp.n_batch
         cp.n_seq_max = streams
         cp.n_threads = threads
         cp.n_threads_batch = threads
@@ -152,7 +182,9 @@ class LlamaCpp:
         t0 = time.perf_counter()
         last, first = [], None
         for s, t in enumerate(toks):
-            last.append(self._decode([(tok, i, s, i == len(t) - 1) for i, tok in enumerate(t)])[0])
+            for c0 in range(0, len(t), self.n_batch):
+                got = self._decode([(tok, i, s, i == len(t) - 1) for i, tok in enumerate(t) if c0 <= i < c0 + self.n_batch])
+            last.append(got[0])
             if first is None:
                 first = time.perf_counter() - t0
         pos = [len(t) for t in toks]
@@ -166,6 +198,57 @@ class LlamaCpp:
                 "decode_tok_s": n / dt if dt > 0 else 0.0}
 
 
+def compare(model: Model, name: str, ctx: int, c: int, a: argparse.Namespace, bw: float):
+    """One model at one context (0: the short chat prompts) and stream count, both engines in
+    alternating rounds; returns the table row and the best bandwidth seen."""
+    toks = [long_prompt(model, ctx, s) for s in range(c)] if ctx else prompts(model, c)
+    n_ctx = max(len(t) for t in toks) + a.new_tokens + 8
+    chunk = 512 if ctx else 4096
+    # Long contexts: llama.cpp with flash attention off and on, its better figure kept.
+    peers = [(f"llama.cpp{' fa' if fa else ''}", LlamaCpp(model.path, c, a.threads, n_ctx, n_batch=512 if ctx else 0, flash_attn=fa))
+             for fa in ((False, True) if ctx else (False,))]
+    ours_best: Dict[str, float] = {}
+    peer_best: Dict[str, float] = {}
+    # Single stream: each candle-gate round's decode rate over the bandwidth read just
+    # before it, since a shared host's bandwidth moves between minutes.
+    paired: List[float] = []
+    warm = [t[:64] for t in toks]  # warm-up: page in the weights, both sides
+    candle_gate_run(model, warm, 4, a.threads)
+    for _, peer in peers:
+        peer.run(warm, 4)
+    peer_which: Dict[str, str] = {}
+    for rnd in range(a.rounds):
+        sides = [("candle-gate", lambda: candle_gate_run(model, toks, a.new_tokens, a.threads, chunk), ours_best)]
+        sides += [(label, (lambda p=peer: p.run(toks, a.new_tokens)), peer_best) for label, peer in peers]
+        for side, fn, best in sides:
+            pair = side == "candle-gate" and c == 1
+            if pair:
+                bw_round = read_bandwidth_gbs(a.threads)
+                bw = max(bw, bw_round)
+            r = fn()
+            if pair:
+                kv = (ctx + a.new_tokens // 2) * model.config["kv_bytes_per_token_f16"] if ctx else 0
+                paired.append((model.config["bytes_per_decode_token"] + kv) * r["decode_tok_s"] / 1e9 / bw_round)
+            for k, v in r.items():
+                if not np.isnan(v) and v > best.get(k, 0.0):
+                    best[k] = v
+                    if side != "candle-gate":
+                        peer_which[k] = side
+            print(f"  {name} context={ctx or 'chat'} streams={c} round {rnd + 1} {side}: "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in r.items() if not np.isnan(v)), file=sys.stderr, flush=True)
+    for _, peer in peers:
+        peer.close()
+    row = {"model": name, "streams": c, "context": ctx, "candle_gate": ours_best, "llama_cpp": peer_best,
+           "llama_cpp_setting": peer_which}
+    if c == 1:
+        # Bytes one decode step reads: the weights, and the K/V of every cached position.
+        kv = (ctx + a.new_tokens // 2) * model.config["kv_bytes_per_token_f16"] if ctx else 0
+        step_bytes = model.config["bytes_per_decode_token"] + kv
+        row["decode_gbs"] = step_bytes * ours_best["decode_tok_s"] / 1e9
+        row["bandwidth_share_paired"] = sorted(paired)
+    return row, bw
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default=",".join(candle_gate.models.KNOWN_MODELS))
@@ -174,7 +257,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--context", default="", help="prompt lengths in tokens, e.g. 1024,4096,16384 (default: short chat prompts)")
     a = ap.parse_args(argv)
+    contexts = [int(x) for x in a.context.split(",") if x] or [0]
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
@@ -192,47 +277,23 @@ def main(argv=None) -> int:
         # the limit (the share is then, if anything, understated).
         bw = max(bw, read_bandwidth_gbs(a.threads))
         model = Model.load(name)
-        for c in streams:
-            toks = prompts(model, c)
-            peer = LlamaCpp(model.path, c, a.threads, max(len(t) for t in toks) + a.new_tokens + 8)
-            ours_best: Dict[str, float] = {}
-            peer_best: Dict[str, float] = {}
-            # Single stream: each candle-gate round's decode rate over the bandwidth read just
-            # before it, since a shared host's bandwidth moves between minutes.
-            paired: List[float] = []
-            candle_gate_run(model, toks, 4, a.threads)  # warm-up: page in the weights, both sides
-            peer.run(toks, 4)
-            for rnd in range(a.rounds):
-                for side, fn, best in (("candle-gate", lambda: candle_gate_run(model, toks, a.new_tokens, a.threads), ours_best),
-                                       ("llama.cpp", lambda: peer.run(toks, a.new_tokens), peer_best)):
-                    pair = side == "candle-gate" and c == 1
-                    if pair:
-                        bw_round = read_bandwidth_gbs(a.threads)
-                        bw = max(bw, bw_round)
-                    r = fn()
-                    if pair:
-                        paired.append(model.config["bytes_per_decode_token"] * r["decode_tok_s"] / 1e9 / bw_round)
-                    for k, v in r.items():
-                        if not np.isnan(v):
-                            best[k] = max(best.get(k, 0.0), v)
-                    print(f"  {name} streams={c} round {rnd + 1} {side}: "
-                          + ", ".join(f"{k} {v:.1f}" for k, v in r.items() if not np.isnan(v)), file=sys.stderr, flush=True)
-            peer.close()
-            row = {"model": name, "streams": c, "candle_gate": ours_best, "llama_cpp": peer_best}
-            if c == 1:
-                row["decode_gbs"] = model.config["bytes_per_decode_token"] * ours_best["decode_tok_s"] / 1e9
-                row["bandwidth_share_paired"] = sorted(paired)
-            rows.append(row)
+        for ctx in contexts:
+            for c in streams:
+                row, bw = compare(model, name, ctx, c, a, bw)
+                rows.append(row)
     print(f"read bandwidth, best of the measurements: {bw:.1f} GB/s", flush=True)
     for row in rows:
         if "decode_gbs" in row:
             row["bandwidth_share"] = row["decode_gbs"] / bw
-    print(f"\n{'model':<38} {'streams':>7} {'metric':<8} {'candle-gate':>12} {'llama.cpp':>10} {'ratio':>7}")
+    print(f"\n{'model':<38} {'context':>7} {'streams':>7} {'metric':<8} {'candle-gate':>12} {'llama.cpp':>10} {'ratio':>7}")
     for r in rows:
         for k, label in (("prefill_tok_s", "prefill"), ("decode_tok_s", "decode")):
             if k in r["candle_gate"] and k in r["llama_cpp"]:
                 o, p = r["candle_gate"][k], r["llama_cpp"][k]
-                print(f"{r['model']:<38} {r['streams']:>7} {label:<8} {o:>12.1f} {p:>10.1f} {o / p:>6.2f}x")
+                which = r["llama_cpp_setting"].get(k, "")
+                fa = " (llama.cpp with flash attention)" if which.endswith(" fa") else ""
+                ctx = r["context"] or "chat"
+                print(f"{r['model']:<38} {ctx:>7} {r['streams']:>7} {label:<8} {o:>12.1f} {p:>10.1f} {o / p:>6.2f}x{fa}")
         if "bandwidth_share" in r:
             paired = r["bandwidth_share_paired"]
             print(f"{r['model']:<38} {'':>7} decode at {100 * r['bandwidth_share']:.0f}% of the read-bandwidth limit "

@@ -176,7 +176,7 @@ class Engine:
                  max_num_seqs: int = 16, max_tokens_per_step: int = 256, prefill_chunk: int = 64,
                  kv_budget_tokens: int = 65536, threads: Optional[int] = None,
                  record_logit_hashes: bool = False, row_split_max: Optional[int] = None,
-                 deep_tau: Optional[float] = None):
+                 deep_tau: Optional[float] = None, kv_dtype: str = "f16"):
         if not isinstance(model, Model):
             model = Model.load(model)
         self.model = model
@@ -185,7 +185,7 @@ class Engine:
         self._native = _native.Engine(
             model._native, mode=mode, profile=profile, gate=gate, tau=tau, deep_tau=deep_tau,
             max_num_seqs=max_num_seqs, max_tokens_per_step=max_tokens_per_step,
-            prefill_chunk=prefill_chunk, kv_budget_tokens=kv_budget_tokens, threads=threads,
+            prefill_chunk=prefill_chunk, kv_budget_tokens=kv_budget_tokens, kv_dtype=kv_dtype, threads=threads,
             record_logit_hashes=record_logit_hashes, row_split_max=row_split_max,
             gate_profiles=gate_profiles(profile))
 

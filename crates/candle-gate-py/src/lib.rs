@@ -126,6 +126,9 @@ impl Model {
         d.set_item("rope_base", c.rope_base)?;
         d.set_item("weight_bytes", self.inner.llama.weight_bytes)?;
         d.set_item("bytes_per_decode_token", self.inner.llama.bytes_per_decode_token())?;
+        // K/V bytes one cached position adds to each decode step's reads (K and V, every layer).
+        d.set_item("kv_bytes_per_token_f16", c.kv_bytes_per_token(candle_gate::llama::KvDtype::F16))?;
+        d.set_item("kv_bytes_per_token_f32", c.kv_bytes_per_token(candle_gate::llama::KvDtype::F32))?;
         Ok(d)
     }
 
