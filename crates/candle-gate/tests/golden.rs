@@ -1,6 +1,6 @@
 //! Bits across machines: greedy decoding of a few prompts on the default model, 16 steps each,
-//! in `invariant` mode, in the reference lane and in `split_k_f16` (batch dependent, but not host
-//! dependent), must reproduce the committed hashes of every
+//! in `invariant` mode (f16 K/V), in the reference lane (f32 K/V) and in `split_k_f16` (batch
+//! dependent, but not host dependent), must reproduce the committed hashes of every
 //! step's logits and of every layer's output. The hashes were produced on the development
 //! machine (see the file's `produced_on`); any x86-64 host running the same build target must
 //! reproduce them, whatever its CPU generation, core count or glibc.
@@ -71,9 +71,9 @@ fn fast_lane(m: &Model, p: &Policy, prompt: &[u32]) -> Vec<Step> {
         .collect()
 }
 
-/// Greedy decoding in the reference lane, the same way.
+/// Greedy decoding in the reference lane, the same way (its own cache is f32: the exact lane).
 fn reference_lane(m: &Model, prompt: &[u32]) -> Vec<Step> {
-    let mut cache = m.llama.new_cache();
+    let mut cache = m.llama.new_cache_with(candle_gate::llama::KvDtype::F32);
     let mut feed = prompt.to_vec();
     (0..STEPS)
         .map(|_| {
