@@ -103,15 +103,20 @@ def test_bad_requests_are_refused_and_in_flight_requests_are_unchanged(model):
 
 
 def test_kv_budget_queues_requests_that_do_not_fit_yet(model):
-    # each request reserves prompt + max_new_tokens; only one fits at a time
-    eng = Engine(model, kv_budget_tokens=40)
-    a = eng.submit(PROMPTS[0], max_new_tokens=20)
-    b = eng.submit(PROMPTS[1], max_new_tokens=20)
+    # each request reserves the KV blocks of prompt + max_new_tokens; the pool holds two
+    # blocks and each request needs both, so only one fits at a time
+    block = Engine(model).kv_block_size
+    assert all(len(model.encode_prompt(p)) + 40 in range(block + 1, 2 * block + 1) for p in PROMPTS[:2])
+    eng = Engine(model, kv_budget_tokens=2 * block)
+    a = eng.submit(PROMPTS[0], max_new_tokens=40)
+    b = eng.submit(PROMPTS[1], max_new_tokens=40)
     eng.step()
     assert eng._native.num_running == 1 and eng._native.num_waiting == 1
+    assert eng._native.kv_reserved_tokens == 2 * block and eng._native.kv_used_blocks <= 2
     outs = eng.run([a, b])
-    assert [len(o.token_ids) for o in outs] == [20, 20]
-    assert outs[1].token_ids.tolist() == alone(model, PROMPTS[1], 20).token_ids.tolist()
+    for p, o in zip(PROMPTS[:2], outs):
+        assert o.token_ids.tolist() == alone(model, p, 40).token_ids.tolist()
+    assert eng._native.kv_used_blocks == 0
 
 
 def test_submit_from_another_thread_while_stepping(model):

@@ -190,6 +190,16 @@ class Engine:
             gate_profiles=gate_profiles(profile))
 
     @property
+    def kv_block_size(self) -> int:
+        """Positions per KV block: the pool and each request's reservation come in blocks."""
+        return self._native.kv_block_size
+
+    @property
+    def kv_dtype(self) -> str:
+        """How K/V values are stored: ``"f16"`` (the default) or ``"f32"``."""
+        return self._native.kv_dtype
+
+    @property
     def gate_source(self) -> Optional[str]:
         """``"PATH (model/mode)"``: the profile and calibration the gate's tau came from (None
         when tau was given or the engine is not gated)."""
