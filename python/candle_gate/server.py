@@ -619,7 +619,7 @@ class ServerState:
         self.model_name = a.served_model_name or (a.model if a.model in KNOWN_MODELS else stem)
         self.model_aliases = {self.model_name, stem, Path(path).name, path, str(a.model)}
         nat = self.eng._native
-        stack = "\n".join([self.model.sha256(), _native.__version__, nat.policy, nat.gate,
+        stack = "\n".join([self.model.sha256(), _native.__version__, nat.kernels, nat.gate,
                            _native.host_signature(a.mode)])
         self.system_fingerprint = "fp_" + hashlib.sha256(stack.encode()).hexdigest()[:16]
         self.worker = EngineWorker(self.eng, loop, self._count_finished)

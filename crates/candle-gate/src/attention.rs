@@ -109,26 +109,19 @@ pub(crate) struct LayerKv<'a> {
 unsafe impl Send for LayerKv<'_> {}
 unsafe impl Sync for LayerKv<'_> {}
 
-/// Block `b`'s transposed keys (`[head_dim][KV_BLOCK]`) and values (`[KV_BLOCK][head_dim]`)
-/// of one KV head, widened to f32 (exactly) into `kt` and `v`.
-fn widen_block(kv: &LayerKv, kvh: usize, b: usize, kt: &mut [f32], v: &mut [f32], tier: Tier) {
+/// Block `b`'s transposed keys (`[head_dim][KV_BLOCK]`, into `kt`) and/or values
+/// (`[KV_BLOCK][head_dim]`, into `v`) of one KV head, widened to f32 exactly.
+fn widen_block(kv: &LayerKv, kvh: usize, b: usize, kt: Option<&mut Vec<f32>>, v: Option<&mut Vec<f32>>, tier: Tier) {
     let lay = &kv.layout;
     let n = lay.head_dim * KV_BLOCK;
     let base = kv.blocks[b];
-    let (ko, vo) = (lay.k_offset(kv.layer, kvh), lay.v_offset(kv.layer, kvh));
-    // SAFETY: both regions lie inside the block (`BlockLayout` offsets).
-    unsafe {
-        match lay.dtype {
-            KvDtype::F32 => {
-                let p = base as *const f32;
-                kt[..n].copy_from_slice(std::slice::from_raw_parts(p.add(ko), n));
-                v[..n].copy_from_slice(std::slice::from_raw_parts(p.add(vo), n));
-            }
-            KvDtype::F16 => {
-                let p = base as *const u16;
-                let (ks, vs) = (std::slice::from_raw_parts(p.add(ko), n), std::slice::from_raw_parts(p.add(vo), n));
-                widen_f16(ks, &mut kt[..n], tier);
-                widen_f16(vs, &mut v[..n], tier);
+    for (dst, off) in [(kt, lay.k_offset(kv.layer, kvh)), (v, lay.v_offset(kv.layer, kvh))] {
+        let Some(dst) = dst else { continue };
+        // SAFETY: the region lies inside the block (`BlockLayout` offsets).
+        unsafe {
+            match lay.dtype {
+                KvDtype::F32 => dst[..n].copy_from_slice(std::slice::from_raw_parts((base as *const f32).add(off), n)),
+                KvDtype::F16 => widen_f16(std::slice::from_raw_parts((base as *const u16).add(off), n), &mut dst[..n], tier),
             }
         }
     }
@@ -189,24 +182,25 @@ fn split_partials(kv: &LayerKv, kvh: usize, qs: &[Query], split: usize, scale: f
         return;
     }
     let nb = reach.div_ceil(KV_BLOCK);
+    let first = split * BLOCKS_PER_SPLIT;
+    // One block widened at a time, so the f32 copy stays in L1 while every query reads it.
     let bsz = hd * KV_BLOCK;
-    w.kt.resize(BLOCKS_PER_SPLIT * bsz, 0.0);
-    w.v.resize(BLOCKS_PER_SPLIT * bsz, 0.0);
+    w.kt.resize(bsz, 0.0);
+    w.v.resize(bsz, 0.0);
     w.s.resize(qs.len() * SPLIT, 0.0);
     for b in 0..nb {
-        let (kt, v) = (&mut w.kt[b * bsz..(b + 1) * bsz], &mut w.v[b * bsz..(b + 1) * bsz]);
-        widen_block(kv, kvh, split * BLOCKS_PER_SPLIT + b, kt, v, tier);
-    }
-    // Scores, up to three queries at a time against each block (they share its loads).
-    let mut j = 0;
-    while j < qs.len() {
-        let take = (qs.len() - j).min(3);
-        for b in 0..nb {
-            let kt = &w.kt[b * bsz..(b + 1) * bsz];
-            let at = |i: usize| (j + i) * SPLIT + b * KV_BLOCK;
-            scores_block(&qs[j..j + take], kt, hd, scale, &mut w.s, at, tier);
+        if b + 1 < nb {
+            prefetch_block(kv, kvh, first + b + 1, false);
+        } else {
+            prefetch_block(kv, kvh, first, true);
         }
-        j += take;
+        widen_block(kv, kvh, first + b, Some(&mut w.kt), None, tier);
+        // Up to three queries at a time against the block (they share its loads).
+        for j in (0..qs.len()).step_by(3) {
+            let take = (qs.len() - j).min(3);
+            let at = |i: usize| (j + i) * SPLIT + b * KV_BLOCK;
+            scores_block(&qs[j..j + take], &w.kt, hd, scale, &mut w.s, at, tier);
+        }
     }
     for (i, q) in qs.iter().enumerate() {
         let n = q.len.saturating_sub(start).min(SPLIT);
@@ -218,7 +212,39 @@ fn split_partials(kv: &LayerKv, kvh: usize, qs: &[Query], split: usize, scale: f
         let (m, l) = softmax_in_place(s, tier);
         out.m[i] = m;
         out.l[i] = l;
-        weighted_values(&s[..n], &w.v, hd, &mut out.o[i * hd..(i + 1) * hd], tier);
+        out.o[i * hd..(i + 1) * hd].fill(0.0);
+    }
+    for b in 0..nb {
+        if b + 1 < nb {
+            prefetch_block(kv, kvh, first + b + 1, true);
+        }
+        widen_block(kv, kvh, first + b, None, Some(&mut w.v), tier);
+        for (i, q) in qs.iter().enumerate() {
+            // This query's positions in the block: o's chain goes on where the last block left it.
+            let n = q.len.saturating_sub(start + b * KV_BLOCK).min(KV_BLOCK);
+            if n > 0 {
+                let p = &w.s[i * SPLIT + b * KV_BLOCK..][..n];
+                weighted_values(p, &w.v, hd, &mut out.o[i * hd..(i + 1) * hd], tier);
+            }
+        }
+    }
+}
+
+/// Asks for block `b`'s keys (or values) of KV head `kvh` ahead of their use: blocks are
+/// scattered, so the hardware prefetcher cannot see the next one coming.
+#[inline]
+fn prefetch_block(kv: &LayerKv, kvh: usize, b: usize, values: bool) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let lay = &kv.layout;
+        let off = if values { lay.v_offset(kv.layer, kvh) } else { lay.k_offset(kv.layer, kvh) };
+        let bytes = lay.head_dim * KV_BLOCK * lay.dtype.size();
+        let base = kv.blocks[b].wrapping_add(off * lay.dtype.size()) as *const i8;
+        for line in (0..bytes).step_by(64) {
+            // SAFETY: a prefetch is a hint; the address is inside the block.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(line)) };
+        }
     }
 }
 
@@ -284,8 +310,8 @@ fn lane_sum(a: [f32; 8]) -> f32 {
     ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]))
 }
 
-/// `o[d] = Σ_t p[t] · v[t][d]` over the split's positions in order (`v`: the split's widened
-/// value blocks back to back, `[t][head_dim]`).
+/// `o[d] += p[t] · v[t][d]` for the block's positions in order (`v`: `[t][head_dim]`): one
+/// fused chain per `d` that goes on from block to block.
 fn weighted_values(p: &[f32], v: &[f32], hd: usize, o: &mut [f32], tier: Tier) {
     #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
     if tier == Tier::Avx2 && hd % 8 == 0 {
@@ -294,7 +320,6 @@ fn weighted_values(p: &[f32], v: &[f32], hd: usize, o: &mut [f32], tier: Tier) {
         return;
     }
     let _ = tier;
-    o.fill(0.0);
     for (t, &pt) in p.iter().enumerate() {
         for (od, &vd) in o.iter_mut().zip(&v[t * hd..(t + 1) * hd]) {
             *od = pt.mul_add(vd, *od);
@@ -363,7 +388,7 @@ thread_local! {
 /// own cache. `q` and `out` are `rows × n_head × head_dim`. Rows of one sequence must be
 /// consecutive positions, in order.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn attend_rows(
+pub fn attend_rows(
     heads: Heads,
     layer: usize,
     q: &[f32],
@@ -563,6 +588,9 @@ mod avx2 {
         while d0 < hd {
             let w = (hd - d0).min(64) / 8;
             let mut acc = [_mm256_setzero_ps(); 8];
+            for (c, a) in acc.iter_mut().enumerate().take(w) {
+                *a = _mm256_loadu_ps(o.as_ptr().add(d0 + 8 * c));
+            }
             let mut row = v.as_ptr().add(d0);
             for &pt in p {
                 let pb = _mm256_set1_ps(pt);

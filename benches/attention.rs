@@ -1,0 +1,87 @@
+//! `cargo bench --bench attention [-- --contexts 1024,4096,16384 --dtype f16]`: the attention
+//! kernel alone on the three models' head shapes, as a decode step runs it (one row, every
+//! layer in turn, so the K/V come from memory) and as a prefill chunk of 512 rows at the end of
+//! the context; K/V bytes read per second against the machine's read bandwidth, and the
+//! portable tier beside the vectorized one.
+use std::time::Instant;
+
+use candle_gate::attention::{attend_rows, Heads, Tier};
+use candle_gate::kv_cache::{BlockLayout, KvCache, KvDtype, KvPool};
+use rayon::prelude::*;
+
+fn bandwidth_gbs() -> f64 {
+    let v = vec![1u64; 1 << 26];
+    let mut best = 0f64;
+    for _ in 0..5 {
+        let t = Instant::now();
+        let s: u64 = v.par_chunks(1 << 16).map(|c| c.iter().fold(0u64, |a, &b| a.wrapping_add(b))).sum();
+        std::hint::black_box(s);
+        best = best.max((v.len() * 8) as f64 / t.elapsed().as_secs_f64() / 1e9);
+    }
+    best
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let opt = |name: &str, default: &str| -> String {
+        args.iter().position(|a| a == name).and_then(|i| args.get(i + 1).cloned()).unwrap_or_else(|| default.into())
+    };
+    let contexts: Vec<usize> = opt("--contexts", "1024,4096,16384").split(',').map(|s| s.parse().unwrap()).collect();
+    let dtype: KvDtype = opt("--dtype", "f16").parse().unwrap();
+    let bw = bandwidth_gbs();
+    println!("read bandwidth {bw:.1} GB/s; {} threads; K/V {}", rayon::current_num_threads(), dtype.name());
+    let shapes = [
+        ("SmolLM2-135M", 30, Heads { n_head: 9, n_kv_head: 3, head_dim: 64 }),
+        ("Qwen2.5-0.5B", 24, Heads { n_head: 14, n_kv_head: 2, head_dim: 64 }),
+        ("Qwen2.5-1.5B", 28, Heads { n_head: 12, n_kv_head: 2, head_dim: 128 }),
+    ];
+    println!("{:<14} {:>7} {:<9} {:>12} {:>9} {:>10} {:>14}", "model", "context", "tier", "decode ms", "GB/s", "% of bw", "prefill 512 ms");
+    for (name, n_layer, h) in shapes {
+        for &ctx in &contexts {
+            let lay = BlockLayout { n_layer, n_kv_head: h.n_kv_head, head_dim: h.head_dim, dtype };
+            let mut c = KvCache::in_pool(KvPool::unbounded(lay));
+            c.extend(ctx).unwrap();
+            let kvd = h.n_kv_head * h.head_dim;
+            let row: Vec<f32> = (0..kvd).map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0).collect();
+            for l in 0..n_layer {
+                for p in 0..ctx {
+                    c.write(l, p, &row, &row).unwrap();
+                }
+            }
+            let qd = h.n_head * h.head_dim;
+            let q: Vec<f32> = (0..512 * qd).map(|i| ((i * 13 % 97) as f32 - 48.0) / 30.0).collect();
+            let mut out = vec![0f32; 512 * qd];
+            let kv_bytes = (n_layer * 2 * kvd * ctx * dtype.size()) as f64;
+            for tier in [Tier::Avx2, Tier::Portable] {
+                if tier == Tier::Avx2 && Tier::current() == Tier::Portable {
+                    continue;
+                }
+                let decode = |out: &mut [f32]| {
+                    for l in 0..n_layer {
+                        attend_rows(h, l, &q[..qd], &[0], &[ctx - 1], &[&c], &mut out[..qd], tier);
+                    }
+                };
+                decode(&mut out);
+                let mut best = f64::INFINITY;
+                for _ in 0..5 {
+                    let t = Instant::now();
+                    decode(&mut out);
+                    best = best.min(t.elapsed().as_secs_f64());
+                }
+                let pos: Vec<usize> = (ctx - 512..ctx).collect();
+                let seq = vec![0usize; 512];
+                let t = Instant::now();
+                attend_rows(h, 0, &q, &seq, &pos, &[&c], &mut out, tier);
+                let prefill = t.elapsed().as_secs_f64();
+                let gbs = kv_bytes / best / 1e9;
+                println!(
+                    "{name:<14} {ctx:>7} {:<9} {:>12.3} {gbs:>9.1} {:>9.0}% {:>14.1}",
+                    format!("{tier:?}"),
+                    best * 1e3,
+                    100.0 * gbs / bw,
+                    prefill * 1e3 * n_layer as f64
+                );
+            }
+        }
+    }
+}
