@@ -8,7 +8,7 @@ use serde::Serialize;
 
 use crate::dispatch::Mode;
 use crate::error::{Error, Result};
-use crate::llama::KvCache;
+use crate::llama::{KvCache, KvDtype};
 use crate::ops::hash_bits;
 use crate::model::Model;
 use crate::profile::Profile;
@@ -237,18 +237,26 @@ pub(crate) fn fast_decision(s: &Sequence, logits: &[f32]) -> Decision {
     sampling::decide(&s.req.params, s.draw_key(), &s.req.prompt_tokens, &s.fed_output(), logits)
 }
 
-/// Recomputes the cache in the reference lane from `reference_exact` on (the prompt, then every
-/// token fed so far) and returns the logits of the last position. Positions before
+/// Recomputes the sequence in the reference lane from `reference_exact` on (the prompt, then
+/// every token fed so far), in its own f32 cache, and returns the logits of the last position;
+/// the sequence's cache takes the rebuilt positions' K/V (in its dtype). Positions before
 /// `reference_exact` already are what this would compute, so the result is bitwise the same as
-/// rebuilding from position 0.
+/// rebuilding from position 0: greedy decoding in the reference lane alone.
 fn rebuild_in_reference_lane(model: &Model, s: &mut Sequence, cache: &mut KvCache, how: ReferenceWeights) -> Result<Vec<f32>> {
     let len = cache.len();
     debug_assert_eq!(len, s.req.prompt_tokens.len() + s.steps.len());
+    let fed: Vec<u32> = (0..len).map(|i| s.fed_at(i)).collect();
+    let exact = s.reference_cache.get_or_insert_with(|| model.llama.new_cache_with(KvDtype::F32));
     // The latest position is always recomputed: it is the one whose logits are wanted.
-    let from = s.reference_exact.min(len - 1);
-    cache.truncate(from);
-    let fed: Vec<u32> = (from..len).map(|i| s.fed_at(i)).collect();
-    let last = model.llama.reference_extend(cache, &fed, how)?;
+    let from = s.reference_exact.min(len - 1).min(exact.len());
+    exact.truncate(from);
+    let fed = &fed[from..];
+    let last = model.llama.reference_extend(exact, fed, how)?;
+    for pos in from..len {
+        for layer in 0..model.llama.cfg.n_layer {
+            cache.write(layer, pos, &exact.read(layer, pos, false), &exact.read(layer, pos, true))?;
+        }
+    }
     s.reference_exact = len;
     Ok(last)
 }

@@ -2,6 +2,7 @@
 //! tokens, how many positions its cache holds, the token fed next) are methods, not fields.
 
 use crate::error::Error;
+use crate::kv_cache::KvCache;
 
 use super::output::TextState;
 use super::{FinishReason, GateStats, Request, RequestId};
@@ -38,10 +39,14 @@ pub(crate) struct Sequence {
     /// Prompt tokens already through the model.
     pub prefilled: usize,
     pub steps: Vec<StepRecord>,
-    /// Positions `..reference_exact` of the cache hold the reference lane's K/V computed over
-    /// the reference lane's own prefix (left by the last deep recheck), so the next deep
+    /// Positions `..reference_exact` of `reference_cache` hold the reference lane's K/V computed
+    /// over the reference lane's own prefix (left by the last deep recheck), so the next deep
     /// recheck only rebuilds from there.
     pub reference_exact: usize,
+    /// The reference lane's own cache, in f32 (the exact lane keeps exact K/V whatever the
+    /// engine stores): made by the first deep recheck. The sequence's cache takes a copy of
+    /// its positions, in the engine's dtype.
+    pub reference_cache: Option<KvCache>,
     pub text: TextState,
     pub finish: Option<FinishReason>,
     /// Why the sequence failed, when `finish` is `Error`.
@@ -61,6 +66,7 @@ impl Sequence {
             prefilled: 0,
             steps: Vec::new(),
             reference_exact: 0,
+            reference_cache: None,
             text: TextState::default(),
             finish: None,
             error: None,
@@ -82,6 +88,7 @@ impl Sequence {
             prefilled: self.prefilled,
             steps: Vec::new(),
             reference_exact: self.reference_exact,
+            reference_cache: self.reference_cache.clone(),
             text: TextState::default(),
             finish: None,
             error: None,
