@@ -17,6 +17,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default=None, help="a crossover/gate profile (JSON) to load")
 
 
+def _kv_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-dtype", default="f16", choices=["f16", "f32"], help="how K/V values are stored")
+
+
 def _gate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gate", default="off", choices=GATES)
     p.add_argument("--tau", type=float, default=None,
@@ -44,7 +48,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     # Checked before the model loads: a bad parameter should not wait for a download.
     params = SamplingParams(max_new_tokens=a.max_new_tokens, stop=a.stop, n=a.n, **sampling_args(a))
     model = Model.load(a.model, mode=a.mode, profile=a.profile)
-    eng = Engine(model, gate=a.gate, tau=a.tau, deep_tau=a.deep_tau, profile=a.profile)
+    eng = Engine(model, gate=a.gate, tau=a.tau, deep_tau=a.deep_tau, profile=a.profile, kv_dtype=a.kv_dtype)
     if eng.gate_source:
         print(f"gate: tau {eng.tau:.4g}, deep_tau {eng.deep_tau:.4g} from {eng.gate_source}", file=sys.stderr)
     rid = eng.submit(a.prompt, chat=a.chat, params=params)
@@ -122,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt")
     _common(g)
     _gate_args(g)
+    _kv_args(g)
     _sampling_args(g)
     g.add_argument("--n", type=int, default=1, help="choices from the one prompt")
     g.add_argument("--max-new-tokens", type=int, default=64)
@@ -206,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (docs/SERVER.md)")
     _common(s)
     _gate_args(s)
+    _kv_args(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--max-num-seqs", type=int, default=16, help="sequences in the running batch")

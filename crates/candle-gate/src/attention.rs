@@ -460,17 +460,35 @@ pub fn attend_rows(
     }
     // Few rows over long contexts (decode): every split is a task of its own, the partials are
     // kept, and each task's queries fold them in order afterwards.
-    let jobs: Vec<(usize, usize)> = tasks.iter().enumerate().flat_map(|(ti, t)| (0..splits_of(t)).map(move |s| (ti, s))).collect();
-    let parts: Vec<Partials> = jobs
-        .par_iter()
-        .map(|&(ti, s)| {
-            let t = &tasks[ti];
-            let qs = queries(t);
-            let mut part = Partials::new(qs.len(), hd);
-            WORK.with_borrow_mut(|w| split_partials(&kvs[t.seq], t.kvh, &qs, s, scale, w, &mut part, tier));
-            part
+    // A few consecutive splits a job, about four jobs a thread: enough to balance, few enough
+    // that scheduling them costs little.
+    let per_job = total_splits.div_ceil(4 * threads).max(1);
+    let jobs: Vec<(usize, std::ops::Range<usize>)> = tasks
+        .iter()
+        .enumerate()
+        .flat_map(|(ti, t)| {
+            let n = splits_of(t);
+            (0..n).step_by(per_job).map(move |s0| (ti, s0..(s0 + per_job).min(n)))
         })
         .collect();
+    let parts: Vec<Vec<Partials>> = jobs
+        .par_iter()
+        .map(|(ti, splits)| {
+            let t = &tasks[*ti];
+            let qs = queries(t);
+            WORK.with_borrow_mut(|w| {
+                splits
+                    .clone()
+                    .map(|s| {
+                        let mut part = Partials::new(qs.len(), hd);
+                        split_partials(&kvs[t.seq], t.kvh, &qs, s, scale, w, &mut part, tier);
+                        part
+                    })
+                    .collect()
+            })
+        })
+        .collect();
+    let parts: Vec<Partials> = parts.into_iter().flatten().collect();
     let mut first_job = 0;
     let starts: Vec<usize> = tasks
         .iter()
