@@ -1,4 +1,4 @@
-//! `cargo bench --bench attention [-- --contexts 1024,4096,16384 --dtype f16]`: the attention
+//! `cargo bench --bench attention [-- --contexts 1024,4096,16384 --dtype f16 --tier avx2|portable|both]`: the attention
 //! kernel alone on the three models' head shapes, as a decode step runs it (one row, every
 //! layer in turn, so the K/V come from memory) and as a prefill chunk of 512 rows at the end of
 //! the context; K/V bytes read per second against the machine's read bandwidth, and the
@@ -28,6 +28,12 @@ fn main() {
     };
     let contexts: Vec<usize> = opt("--contexts", "1024,4096,16384").split(',').map(|s| s.parse().unwrap()).collect();
     let dtype: KvDtype = opt("--dtype", "f16").parse().unwrap();
+    let repeat: usize = opt("--repeat", "5").parse().unwrap();
+    let tiers: Vec<Tier> = match opt("--tier", "both").as_str() {
+        "avx2" => vec![Tier::Avx2],
+        "portable" => vec![Tier::Portable],
+        _ => vec![Tier::Avx2, Tier::Portable],
+    };
     let bw = bandwidth_gbs();
     println!("read bandwidth {bw:.1} GB/s; {} threads; K/V {}", rayon::current_num_threads(), dtype.name());
     let shapes = [
@@ -52,7 +58,7 @@ fn main() {
             let q: Vec<f32> = (0..512 * qd).map(|i| ((i * 13 % 97) as f32 - 48.0) / 30.0).collect();
             let mut out = vec![0f32; 512 * qd];
             let kv_bytes = (n_layer * 2 * kvd * ctx * dtype.size()) as f64;
-            for tier in [Tier::Avx2, Tier::Portable] {
+            for &tier in &tiers {
                 if tier == Tier::Avx2 && Tier::current() == Tier::Portable {
                     continue;
                 }
@@ -63,7 +69,7 @@ fn main() {
                 };
                 decode(&mut out);
                 let mut best = f64::INFINITY;
-                for _ in 0..5 {
+                for _ in 0..repeat {
                     let t = Instant::now();
                     decode(&mut out);
                     best = best.min(t.elapsed().as_secs_f64());

@@ -33,6 +33,8 @@ pub const SPLIT: usize = 256;
 const BLOCKS_PER_SPLIT: usize = SPLIT / KV_BLOCK;
 /// Rows of one sequence that one task attends for together (they share the blocks it reads).
 const TILE_ROWS: usize = 16;
+/// How many blocks ahead of their use the kernel asks for a block's keys or values.
+const AHEAD: usize = 2;
 
 /// The attention tiers: the scalar definition, and AVX2 lanes running the same operations.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -188,19 +190,21 @@ fn split_partials(kv: &LayerKv, kvh: usize, qs: &[Query], split: usize, scale: f
     w.kt.resize(bsz, 0.0);
     w.v.resize(bsz, 0.0);
     w.s.resize(qs.len() * SPLIT, 0.0);
+    let q: Vec<&[f32]> = qs.iter().map(|q| q.q).collect();
+    // Blocks ahead: the keys of the split's blocks, then its first values.
+    let ahead = |i: usize| if i < nb { (first + i, false) } else { (first + i - nb, true) };
+    for i in 0..AHEAD.min(nb) {
+        let (blk, values) = ahead(i);
+        prefetch_block(kv, kvh, blk, values);
+    }
     for b in 0..nb {
-        if b + 1 < nb {
-            prefetch_block(kv, kvh, first + b + 1, false);
-        } else {
-            prefetch_block(kv, kvh, first, true);
+        if b + AHEAD < 2 * nb {
+            let (blk, values) = ahead(b + AHEAD);
+            prefetch_block(kv, kvh, blk, values);
         }
         widen_block(kv, kvh, first + b, Some(&mut w.kt), None, tier);
-        // Up to three queries at a time against the block (they share its loads).
-        for j in (0..qs.len()).step_by(3) {
-            let take = (qs.len() - j).min(3);
-            let at = |i: usize| (j + i) * SPLIT + b * KV_BLOCK;
-            scores_block(&qs[j..j + take], &w.kt, hd, scale, &mut w.s, at, tier);
-        }
+        // Every query against the block while it is in L1 (a few at a time share its loads).
+        scores_block(&q, &w.kt, hd, scale, &mut w.s, |i| i * SPLIT + b * KV_BLOCK, tier);
     }
     for (i, q) in qs.iter().enumerate() {
         let n = q.len.saturating_sub(start).min(SPLIT);
@@ -215,8 +219,8 @@ fn split_partials(kv: &LayerKv, kvh: usize, qs: &[Query], split: usize, scale: f
         out.o[i * hd..(i + 1) * hd].fill(0.0);
     }
     for b in 0..nb {
-        if b + 1 < nb {
-            prefetch_block(kv, kvh, first + b + 1, true);
+        if b + AHEAD < nb {
+            prefetch_block(kv, kvh, first + b + AHEAD, true);
         }
         widen_block(kv, kvh, first + b, None, Some(&mut w.v), tier);
         for (i, q) in qs.iter().enumerate() {
@@ -236,31 +240,25 @@ fn split_partials(kv: &LayerKv, kvh: usize, qs: &[Query], split: usize, scale: f
 fn prefetch_block(kv: &LayerKv, kvh: usize, b: usize, values: bool) {
     #[cfg(target_arch = "x86_64")]
     {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
         let lay = &kv.layout;
         let off = if values { lay.v_offset(kv.layer, kvh) } else { lay.k_offset(kv.layer, kvh) };
         let bytes = lay.head_dim * KV_BLOCK * lay.dtype.size();
         let base = kv.blocks[b].wrapping_add(off * lay.dtype.size()) as *const i8;
         for line in (0..bytes).step_by(64) {
             // SAFETY: a prefetch is a hint; the address is inside the block.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(line)) };
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(base.wrapping_add(line)) };
         }
     }
 }
 
 /// `s[t] = (Σ_d q[d]·kt[d][t]) · scale` for the block's 32 positions, for each query, into
 /// `out[at(i)..at(i) + 32]`.
-fn scores_block(qs: &[Query], kt: &[f32], hd: usize, scale: f32, out: &mut [f32], at: impl Fn(usize) -> usize, tier: Tier) {
+fn scores_block(qs: &[&[f32]], kt: &[f32], hd: usize, scale: f32, out: &mut [f32], at: impl Fn(usize) -> usize, tier: Tier) {
     #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
     if tier == Tier::Avx2 {
         // SAFETY: AVX2/FMA are enabled at compile time; `kt` holds hd × 32 values, each q hd.
-        unsafe {
-            match qs.len() {
-                1 => avx2::scores_block::<1>([qs[0].q], kt, hd, scale, out, at),
-                2 => avx2::scores_block::<2>([qs[0].q, qs[1].q], kt, hd, scale, out, at),
-                _ => avx2::scores_block::<3>([qs[0].q, qs[1].q, qs[2].q], kt, hd, scale, out, at),
-            }
-        }
+        unsafe { avx2::scores_block(qs, kt, hd, scale, out, at) }
         return;
     }
     let _ = tier;
@@ -269,7 +267,7 @@ fn scores_block(qs: &[Query], kt: &[f32], hd: usize, scale: f32, out: &mut [f32]
         for t in 0..KV_BLOCK {
             let mut acc = 0f32;
             for d in 0..hd {
-                acc = q.q[d].mul_add(kt[d * KV_BLOCK + t], acc);
+                acc = q[d].mul_add(kt[d * KV_BLOCK + t], acc);
             }
             out[o + t] = acc * scale;
         }
@@ -551,33 +549,62 @@ mod avx2 {
         a
     }
 
-    pub unsafe fn scores_block<const NQ: usize>(
-        qs: [&[f32]; NQ],
+    /// The block's scores for up to four queries: `P` registers of eight positions per pass,
+    /// `NQ × P` accumulators (at most eight, so none is spilled), one fused chain per lane.
+    #[inline(always)]
+    unsafe fn scores_pass<const NQ: usize, const P: usize>(
+        qs: &[&[f32]],
         kt: &[f32],
         hd: usize,
-        scale: f32,
+        t0: usize,
+        scale: __m256,
         out: &mut [f32],
-        at: impl Fn(usize) -> usize,
+        at: &impl Fn(usize) -> usize,
     ) {
-        debug_assert!(kt.len() >= hd * KV_BLOCK && qs.iter().all(|q| q.len() >= hd));
-        let mut acc = [[_mm256_setzero_ps(); 4]; NQ];
-        let k = kt.as_ptr();
+        let mut acc = [[_mm256_setzero_ps(); P]; NQ];
+        let k = kt.as_ptr().add(t0);
         for d in 0..hd {
             let row = k.add(d * KV_BLOCK);
-            let kv = [_mm256_loadu_ps(row), _mm256_loadu_ps(row.add(8)), _mm256_loadu_ps(row.add(16)), _mm256_loadu_ps(row.add(24))];
+            let mut kv = [_mm256_setzero_ps(); P];
+            for (p, v) in kv.iter_mut().enumerate() {
+                *v = _mm256_loadu_ps(row.add(8 * p));
+            }
             for j in 0..NQ {
                 let qb = _mm256_set1_ps(*qs[j].get_unchecked(d));
-                for p in 0..4 {
+                for p in 0..P {
                     acc[j][p] = _mm256_fmadd_ps(qb, kv[p], acc[j][p]);
                 }
             }
         }
-        let sc = _mm256_set1_ps(scale);
         for j in 0..NQ {
-            let o = at(j);
-            for p in 0..4 {
-                _mm256_storeu_ps(out[o + 8 * p..o + 8 * p + 8].as_mut_ptr(), _mm256_mul_ps(acc[j][p], sc));
+            let o = at(j) + t0;
+            for p in 0..P {
+                _mm256_storeu_ps(out[o + 8 * p..o + 8 * p + 8].as_mut_ptr(), _mm256_mul_ps(acc[j][p], scale));
             }
+        }
+    }
+
+    /// Scores of the block's 32 positions for each of `qs`, four queries at a time.
+    pub unsafe fn scores_block(qs: &[&[f32]], kt: &[f32], hd: usize, scale: f32, out: &mut [f32], at: impl Fn(usize) -> usize) {
+        debug_assert!(kt.len() >= hd * KV_BLOCK && qs.iter().all(|q| q.len() >= hd));
+        let sc = _mm256_set1_ps(scale);
+        let mut j = 0;
+        while j < qs.len() {
+            let at_j = |i: usize| at(j + i);
+            let rest = &qs[j..];
+            match rest.len() {
+                1 => scores_pass::<1, 4>(rest, kt, hd, 0, sc, out, &at_j),
+                2 => scores_pass::<2, 4>(rest, kt, hd, 0, sc, out, &at_j),
+                3 => {
+                    scores_pass::<3, 2>(rest, kt, hd, 0, sc, out, &at_j);
+                    scores_pass::<3, 2>(rest, kt, hd, 16, sc, out, &at_j);
+                }
+                _ => {
+                    scores_pass::<4, 2>(rest, kt, hd, 0, sc, out, &at_j);
+                    scores_pass::<4, 2>(rest, kt, hd, 16, sc, out, &at_j);
+                }
+            }
+            j += rest.len().min(4);
         }
     }
 
@@ -599,28 +626,37 @@ mod avx2 {
         (m, super::lane_sum(lanes(sum)))
     }
 
+    /// `o[d0..d0 + 8W] += Σ_t p[t] · v[t][d0..]`, W registers of eight `d` held throughout.
+    #[inline(always)]
+    unsafe fn values_pass<const W: usize>(p: &[f32], v: &[f32], hd: usize, d0: usize, o: &mut [f32]) {
+        let mut acc = [_mm256_setzero_ps(); W];
+        for (c, a) in acc.iter_mut().enumerate() {
+            *a = _mm256_loadu_ps(o.as_ptr().add(d0 + 8 * c));
+        }
+        let mut row = v.as_ptr().add(d0);
+        for &pt in p {
+            let pb = _mm256_set1_ps(pt);
+            for (c, a) in acc.iter_mut().enumerate() {
+                *a = _mm256_fmadd_ps(pb, _mm256_loadu_ps(row.add(8 * c)), *a);
+            }
+            row = row.add(hd);
+        }
+        for (c, a) in acc.iter().enumerate() {
+            _mm256_storeu_ps(o.as_mut_ptr().add(d0 + 8 * c), *a);
+        }
+    }
+
     /// Eight `d` per register, 64 at a time (eight registers), then the rest eight at a time.
     pub unsafe fn weighted_values(p: &[f32], v: &[f32], hd: usize, o: &mut [f32]) {
         debug_assert!(v.len() >= p.len() * hd && o.len() == hd && hd % 8 == 0);
         let mut d0 = 0;
+        while d0 + 64 <= hd {
+            values_pass::<8>(p, v, hd, d0, o);
+            d0 += 64;
+        }
         while d0 < hd {
-            let w = (hd - d0).min(64) / 8;
-            let mut acc = [_mm256_setzero_ps(); 8];
-            for (c, a) in acc.iter_mut().enumerate().take(w) {
-                *a = _mm256_loadu_ps(o.as_ptr().add(d0 + 8 * c));
-            }
-            let mut row = v.as_ptr().add(d0);
-            for &pt in p {
-                let pb = _mm256_set1_ps(pt);
-                for (c, a) in acc.iter_mut().enumerate().take(w) {
-                    *a = _mm256_fmadd_ps(pb, _mm256_loadu_ps(row.add(8 * c)), *a);
-                }
-                row = row.add(hd);
-            }
-            for (c, a) in acc.iter().enumerate().take(w) {
-                _mm256_storeu_ps(o.as_mut_ptr().add(d0 + 8 * c), *a);
-            }
-            d0 += 8 * w;
+            values_pass::<1>(p, v, hd, d0, o);
+            d0 += 8;
         }
     }
 }
