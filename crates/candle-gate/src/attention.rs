@@ -103,8 +103,17 @@ fn max_like_vector(a: f32, b: f32) -> f32 {
 #[derive(Clone, Copy)]
 pub(crate) struct LayerKv<'a> {
     blocks: &'a [*const u8],
+    /// Bytes between a block's regions (`KvPool::stride`).
+    stride: usize,
     layout: BlockLayout,
     layer: usize,
+}
+
+impl LayerKv<'_> {
+    /// Block `b`'s keys (or values) of KV head `kvh` in this layer.
+    fn region(&self, b: usize, kvh: usize, values: bool) -> *const u8 {
+        self.blocks[b].wrapping_add(self.layout.region(self.layer, kvh, values) * self.stride)
+    }
 }
 
 // SAFETY: the pointers are into blocks of a pool kept alive (and not written) for the call.
@@ -114,16 +123,15 @@ unsafe impl Sync for LayerKv<'_> {}
 /// Block `b`'s transposed keys (`[head_dim][KV_BLOCK]`, into `kt`) and/or values
 /// (`[KV_BLOCK][head_dim]`, into `v`) of one KV head, widened to f32 exactly.
 fn widen_block(kv: &LayerKv, kvh: usize, b: usize, kt: Option<&mut Vec<f32>>, v: Option<&mut Vec<f32>>, tier: Tier) {
-    let lay = &kv.layout;
-    let n = lay.head_dim * KV_BLOCK;
-    let base = kv.blocks[b];
-    for (dst, off) in [(kt, lay.k_offset(kv.layer, kvh)), (v, lay.v_offset(kv.layer, kvh))] {
+    let n = kv.layout.head_dim * KV_BLOCK;
+    for (dst, values) in [(kt, false), (v, true)] {
         let Some(dst) = dst else { continue };
-        // SAFETY: the region lies inside the block (`BlockLayout` offsets).
+        let src = kv.region(b, kvh, values);
+        // SAFETY: a region of one of the sequence's blocks holds n values.
         unsafe {
-            match lay.dtype {
-                KvDtype::F32 => dst[..n].copy_from_slice(std::slice::from_raw_parts((base as *const f32).add(off), n)),
-                KvDtype::F16 => widen_f16(std::slice::from_raw_parts((base as *const u16).add(off), n), &mut dst[..n], tier),
+            match kv.layout.dtype {
+                KvDtype::F32 => dst[..n].copy_from_slice(std::slice::from_raw_parts(src as *const f32, n)),
+                KvDtype::F16 => widen_f16(std::slice::from_raw_parts(src as *const u16, n), &mut dst[..n], tier),
             }
         }
     }
@@ -241,10 +249,8 @@ fn prefetch_block(kv: &LayerKv, kvh: usize, b: usize, values: bool) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
-        let lay = &kv.layout;
-        let off = if values { lay.v_offset(kv.layer, kvh) } else { lay.k_offset(kv.layer, kvh) };
-        let bytes = lay.head_dim * KV_BLOCK * lay.dtype.size();
-        let base = kv.blocks[b].wrapping_add(off * lay.dtype.size()) as *const i8;
+        let bytes = kv.layout.region_bytes();
+        let base = kv.region(b, kvh, values) as *const i8;
         for line in (0..bytes).step_by(64) {
             // SAFETY: a prefetch is a hint; the address is inside the block.
             unsafe { _mm_prefetch::<_MM_HINT_T1>(base.wrapping_add(line)) };
@@ -402,7 +408,7 @@ pub fn attend_rows(
     assert!(q.len() == r * qd && out.len() == r * qd && pos.len() == r);
     let ptrs: Vec<Vec<*const u8>> = caches.iter().map(|c| c.block_ptrs().collect()).collect();
     let kvs: Vec<LayerKv> =
-        caches.iter().zip(&ptrs).map(|(c, p)| LayerKv { blocks: p, layout: *c.layout(), layer }).collect();
+        caches.iter().zip(&ptrs).map(|(c, p)| LayerKv { blocks: p, stride: c.pool().stride(), layout: *c.layout(), layer }).collect();
     let mut tasks = Vec::new();
     let mut i = 0;
     while i < r {

@@ -1,10 +1,13 @@
 //! The paged KV cache: a pool of fixed-size blocks of positions, and per sequence a block
 //! table ([`KvCache`]) into it.
 //!
-//! A block holds [`KV_BLOCK`] positions of every layer's keys and values, each layer's part
-//! contiguous, in the layout the attention kernel ([`crate::attention`]) reads: per KV head,
-//! keys transposed (`[head_dim][KV_BLOCK]`: eight positions side by side in one vector lane
-//! group) and values row-major (`[KV_BLOCK][head_dim]`). Blocks are reference counted: a
+//! A block holds [`KV_BLOCK`] positions of every layer's keys and values as regions, one per
+//! (layer, K or V, KV head), each in the layout the attention kernel ([`crate::attention`])
+//! reads: keys transposed (`[head_dim][KV_BLOCK]`: eight positions side by side in one
+//! register's lanes) and values row-major (`[KV_BLOCK][head_dim]`). The pool stores region `r`
+//! of all its blocks side by side (block `i`'s at `r · stride + i · region_bytes`), so the keys
+//! of one layer and head of consecutive blocks are one contiguous stream: what a decode step
+//! reads, layer by layer, from memory. Blocks are reference counted: a
 //! [`KvCache`] clone shares them read-only (the `n` choices of one prompt, and later prefix
 //! hits), and the first write to a shared block copies it (copy on write), so a write never
 //! reaches a block another sequence reads.
@@ -73,31 +76,28 @@ impl BlockLayout {
     fn kv_dim(&self) -> usize {
         self.n_kv_head * self.head_dim
     }
-    /// Elements of one layer's K (or V) in a block.
-    fn half_layer(&self) -> usize {
-        self.kv_dim() * KV_BLOCK
+    /// Regions in a block: one per (layer, K or V, KV head).
+    pub fn regions(&self) -> usize {
+        self.n_layer * 2 * self.n_kv_head
     }
-    /// Elements of a whole block.
-    pub fn block_elems(&self) -> usize {
-        self.n_layer * 2 * self.half_layer()
+    /// Bytes of one region: `head_dim × KV_BLOCK` values.
+    pub fn region_bytes(&self) -> usize {
+        self.head_dim * KV_BLOCK * self.dtype.size()
     }
     pub fn block_bytes(&self) -> usize {
-        self.block_elems() * self.dtype.size()
+        self.regions() * self.region_bytes()
     }
-    /// Element offset of `(layer, kv_head)`'s transposed keys, `[head_dim][KV_BLOCK]`.
-    pub fn k_offset(&self, layer: usize, kv_head: usize) -> usize {
-        layer * 2 * self.half_layer() + kv_head * self.head_dim * KV_BLOCK
-    }
-    /// Element offset of `(layer, kv_head)`'s values, `[KV_BLOCK][head_dim]`.
-    pub fn v_offset(&self, layer: usize, kv_head: usize) -> usize {
-        layer * 2 * self.half_layer() + self.half_layer() + kv_head * KV_BLOCK * self.head_dim
+    /// The region of `(layer, kv_head)`'s transposed keys (`[head_dim][KV_BLOCK]`) or, with
+    /// `values`, its values (`[KV_BLOCK][head_dim]`).
+    pub fn region(&self, layer: usize, kv_head: usize, values: bool) -> usize {
+        (layer * 2 + values as usize) * self.n_kv_head + kv_head
     }
 }
 
 struct PoolInner {
     /// Storage, allocated zeroed (so untouched pages cost nothing); never moved once made.
     slabs: Vec<Box<[u64]>>,
-    /// Each block's first byte.
+    /// Each block's first region's first byte.
     ptrs: Vec<*mut u8>,
     refs: Vec<u32>,
     /// Free blocks; the next allocation takes the last.
@@ -109,6 +109,8 @@ struct PoolInner {
 pub struct KvPool {
     layout: BlockLayout,
     max_blocks: Option<usize>,
+    /// Blocks per slab: all of a bounded pool's, `GROWTH_BLOCKS` in an unbounded one.
+    slab_blocks: usize,
     inner: Mutex<PoolInner>,
 }
 
@@ -119,18 +121,23 @@ unsafe impl Send for KvPool {}
 unsafe impl Sync for KvPool {}
 
 /// Blocks an unbounded pool adds at a time.
-const GROWTH_BLOCKS: usize = 16;
+const GROWTH_BLOCKS: usize = 64;
 
 impl KvPool {
     /// A pool of exactly `blocks` blocks, allocated now.
     pub fn bounded(layout: BlockLayout, blocks: usize) -> Arc<Self> {
-        let pool = KvPool { layout, max_blocks: Some(blocks), inner: Mutex::new(PoolInner::empty()) };
+        let blocks = blocks.max(1);
+        let pool = KvPool { layout, max_blocks: Some(blocks), slab_blocks: blocks, inner: Mutex::new(PoolInner::empty()) };
         pool.lock().grow(&layout, blocks);
         Arc::new(pool)
     }
     /// A pool that grows as its caches do.
     pub fn unbounded(layout: BlockLayout) -> Arc<Self> {
-        Arc::new(KvPool { layout, max_blocks: None, inner: Mutex::new(PoolInner::empty()) })
+        Arc::new(KvPool { layout, max_blocks: None, slab_blocks: GROWTH_BLOCKS, inner: Mutex::new(PoolInner::empty()) })
+    }
+    /// Bytes from one region of a block to the next region of the same block.
+    pub fn stride(&self) -> usize {
+        self.slab_blocks * self.layout.region_bytes()
     }
     pub fn layout(&self) -> &BlockLayout {
         &self.layout
@@ -162,7 +169,7 @@ impl KvPool {
                 Some(n) => {
                     return Err(Error::Engine(format!("the KV pool is out of blocks ({n} of {KV_BLOCK} positions)")))
                 }
-                None => g.grow(&self.layout, GROWTH_BLOCKS),
+                None => g.grow(&self.layout, self.slab_blocks),
             }
         }
         let id = g.free.pop().expect("a free block");
@@ -209,14 +216,13 @@ impl PoolInner {
         PoolInner { slabs: Vec::new(), ptrs: Vec::new(), refs: Vec::new(), free: Vec::new() }
     }
     fn grow(&mut self, layout: &BlockLayout, blocks: usize) {
-        let words = layout.block_bytes().div_ceil(8);
         // `vec![0; n]` asks for zeroed memory: the pages are mapped when first written.
-        let mut slab = vec![0u64; words * blocks].into_boxed_slice();
+        let mut slab = vec![0u64; (layout.block_bytes() * blocks).div_ceil(8)].into_boxed_slice();
         let base = slab.as_mut_ptr() as *mut u8;
         let first = self.ptrs.len();
         for b in 0..blocks {
-            // SAFETY: inside the slab just made.
-            self.ptrs.push(unsafe { base.add(b * words * 8) });
+            // SAFETY: inside the slab just made (region 0 of block b).
+            self.ptrs.push(unsafe { base.add(b * layout.region_bytes()) });
             self.refs.push(0);
         }
         // Lower ids first out.
@@ -288,9 +294,13 @@ impl KvCache {
     pub fn block_ids(&self) -> Vec<u32> {
         self.blocks.iter().map(|b| b.0).collect()
     }
-    /// Each block's first byte, in position order (for the attention kernel).
+    /// Each block's first region's first byte, in position order (for the attention kernel;
+    /// region `r` is `r · KvPool::stride()` bytes further).
     pub(crate) fn block_ptrs(&self) -> impl Iterator<Item = *const u8> + '_ {
         self.blocks.iter().map(|b| b.1 as *const u8)
+    }
+    fn region_ptr(&self, b: usize, region: usize) -> *mut u8 {
+        self.blocks[b].1.wrapping_add(region * self.pool.stride())
     }
 
     /// Makes room for `n` more positions, every block they land in owned by this cache alone.
@@ -349,8 +359,11 @@ impl KvCache {
             return Ok(());
         }
         let (nid, nptr) = self.pool.alloc()?;
-        // SAFETY: two distinct blocks of the pool's block size; the source is only read.
-        unsafe { std::ptr::copy_nonoverlapping(ptr as *const u8, nptr, self.pool.layout.block_bytes()) };
+        let (stride, bytes) = (self.pool.stride(), self.pool.layout.region_bytes());
+        for r in 0..self.pool.layout.regions() {
+            // SAFETY: region r of two distinct blocks of the pool; the source is only read.
+            unsafe { std::ptr::copy_nonoverlapping(ptr.add(r * stride) as *const u8, nptr.add(r * stride), bytes) };
+        }
         self.pool.release(id);
         self.blocks[b] = (nid, nptr);
         Ok(())
@@ -362,17 +375,17 @@ impl KvCache {
         assert!(pos < self.len, "write at position {pos} of a cache of {}", self.len);
         let lay = self.pool.layout;
         assert!(k.len() == lay.kv_dim() && v.len() == lay.kv_dim() && layer < lay.n_layer);
-        self.make_exclusive(pos / KV_BLOCK)?;
-        let base = self.blocks[pos / KV_BLOCK].1;
+        let b = pos / KV_BLOCK;
+        self.make_exclusive(b)?;
         let t = pos % KV_BLOCK;
         let hd = lay.head_dim;
         for h in 0..lay.n_kv_head {
-            let (ko, vo) = (lay.k_offset(layer, h), lay.v_offset(layer, h));
+            let (kr, vr) = (self.region_ptr(b, lay.region(layer, h, false)), self.region_ptr(b, lay.region(layer, h, true)));
             for d in 0..hd {
-                // SAFETY: inside this cache's exclusively held block (offsets < block_elems).
+                // SAFETY: inside regions of this cache's exclusively held block.
                 unsafe {
-                    put(base, lay.dtype, ko + d * KV_BLOCK + t, k[h * hd + d]);
-                    put(base, lay.dtype, vo + t * hd + d, v[h * hd + d]);
+                    put(kr, lay.dtype, d * KV_BLOCK + t, k[h * hd + d]);
+                    put(vr, lay.dtype, t * hd + d, v[h * hd + d]);
                 }
             }
         }
@@ -383,17 +396,14 @@ impl KvCache {
     pub fn read(&self, layer: usize, pos: usize, values: bool) -> Vec<f32> {
         assert!(pos < self.len, "read at position {pos} of a cache of {}", self.len);
         let lay = self.pool.layout;
-        let base = self.blocks[pos / KV_BLOCK].1 as *const u8;
-        let (t, hd) = (pos % KV_BLOCK, lay.head_dim);
+        let (b, t, hd) = (pos / KV_BLOCK, pos % KV_BLOCK, lay.head_dim);
         let mut out = Vec::with_capacity(lay.kv_dim());
         for h in 0..lay.n_kv_head {
+            let r = self.region_ptr(b, lay.region(layer, h, values)) as *const u8;
             for d in 0..hd {
-                let at = match values {
-                    false => lay.k_offset(layer, h) + d * KV_BLOCK + t,
-                    true => lay.v_offset(layer, h) + t * hd + d,
-                };
-                // SAFETY: inside one of this cache's blocks.
-                out.push(unsafe { get(base, lay.dtype, at) });
+                let at = if values { t * hd + d } else { d * KV_BLOCK + t };
+                // SAFETY: inside a region of one of this cache's blocks.
+                out.push(unsafe { get(r, lay.dtype, at) });
             }
         }
         out
