@@ -7,19 +7,10 @@ use std::time::Instant;
 
 use candle_gate::attention::{attend_rows, Heads, Tier};
 use candle_gate::kv_cache::{BlockLayout, KvCache, KvDtype, KvPool};
-use rayon::prelude::*;
 
-fn bandwidth_gbs() -> f64 {
-    let v = vec![1u64; 1 << 26];
-    let mut best = 0f64;
-    for _ in 0..5 {
-        let t = Instant::now();
-        let s: u64 = v.par_chunks(1 << 16).map(|c| c.iter().fold(0u64, |a, &b| a.wrapping_add(b))).sum();
-        std::hint::black_box(s);
-        best = best.max((v.len() * 8) as f64 / t.elapsed().as_secs_f64() / 1e9);
-    }
-    best
-}
+#[path = "bandwidth.rs"]
+mod bandwidth;
+use bandwidth::bandwidth_gbs;
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();

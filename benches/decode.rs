@@ -10,7 +10,6 @@ use candle_gate::llama::{argmax_margin, SeqRows};
 use candle_gate::kernels::{set_pool, Pool};
 use candle_gate::*;
 use candle_transformers::models::quantized_llama::ModelWeights;
-use rayon::prelude::*;
 
 const PROMPT: &str = "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined movable metal type, oil-based inks and a wooden press adapted from wine making. Within a few decades printing shops had spread across Europe, books became cheaper, literacy rose, and ideas travelled faster than ever before. Scholars argue about how much";
 const DECODE: usize = 64;
@@ -48,18 +47,9 @@ fn theirs(path: &std::path::Path, prompt: &[u32]) -> (f64, f64) {
     (prefill, DECODE as f64 / t.elapsed().as_secs_f64())
 }
 
-/// Read bandwidth: a parallel sum over 1 GiB, best of 5.
-fn bandwidth_gbs() -> f64 {
-    let v = vec![1u64; 1 << 27];
-    let mut best = 0f64;
-    for _ in 0..5 {
-        let t = Instant::now();
-        let s: u64 = v.par_chunks(1 << 16).map(|c| c.iter().fold(0u64, |a, &b| a.wrapping_add(b))).sum();
-        std::hint::black_box(s);
-        best = best.max((v.len() * 8) as f64 / t.elapsed().as_secs_f64() / 1e9);
-    }
-    best
-}
+#[path = "bandwidth.rs"]
+mod bandwidth;
+use bandwidth::bandwidth_gbs;
 
 fn main() {
     let path = registry::resolve(registry::DEFAULT_MODEL).expect("run `candle-gate fetch` first");
