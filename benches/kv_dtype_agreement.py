@@ -58,9 +58,9 @@ def main(argv=None) -> int:
         for dtype in ("f16", "f32"):
             same, prefix = agreement(greedy(model, chats, a.new_tokens, kv_dtype=dtype), oracle)
             rows.append({"model": name, "kv_dtype": dtype, "chats": len(chats), "identical": same, "mean_prefix": prefix})
-    print(f"\n{'model':<38} {'kv':<4} {'identical to the oracle':>24} {'tokens before the first divergence':>36}")
-    for r in rows:
-        print(f"{r['model']:<38} {r['kv_dtype']:<4} {r['identical']:>14} of {r['chats']:<7} {100 * r['mean_prefix']:>35.1f}%")
+            r = rows[-1]
+            print(f"{name:<38} K/V {dtype}: {same} of {len(chats)} chats identical to the oracle over all "
+                  f"{a.new_tokens} tokens; {100 * prefix:.1f}% of tokens before the first divergence", flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
