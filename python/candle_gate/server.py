@@ -607,7 +607,7 @@ class ServerState:
             self.model = Model.load(a.model, mode=a.mode, profile=a.profile)
             self.eng = Engine(self.model, gate=a.gate, tau=a.tau, deep_tau=a.deep_tau, profile=a.profile,
                               max_num_seqs=a.max_num_seqs, threads=a.threads,
-                              kv_dtype=getattr(a, "kv_dtype", "f16"))
+                              kv_dtype=a.kv_dtype)
         except Exception as e:
             self.load_error = str(e)
             print(f"candle-gate serve: error: could not load the model: {e}", file=sys.stderr, flush=True)

@@ -142,22 +142,11 @@ impl KvPool {
     pub fn layout(&self) -> &BlockLayout {
         &self.layout
     }
-    pub fn capacity_blocks(&self) -> Option<usize> {
-        self.max_blocks
-    }
     /// Blocks held by at least one cache.
     pub fn used_blocks(&self) -> usize {
         let g = self.lock();
         g.ptrs.len() - g.free.len()
     }
-    pub fn free_blocks(&self) -> usize {
-        let g = self.lock();
-        match self.max_blocks {
-            Some(_) => g.free.len(),
-            None => usize::MAX,
-        }
-    }
-
     fn lock(&self) -> std::sync::MutexGuard<'_, PoolInner> {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -195,8 +184,8 @@ impl KvPool {
         self.lock().refs[id as usize]
     }
 
-    /// Takes the free blocks in the order `order` gives them (a permutation of indices into
-    /// the current free list), for tests that scatter a sequence's blocks over the pool.
+    /// Shuffles the free list (a fixed permutation from `seed`), so that the next caches take
+    /// blocks scattered over the pool: for tests that their bits do not depend on where.
     #[doc(hidden)]
     pub fn shuffle_free_list(&self, seed: u64) {
         let mut g = self.lock();

@@ -245,13 +245,12 @@ pub(crate) fn fast_decision(s: &Sequence, logits: &[f32]) -> Decision {
 fn rebuild_in_reference_lane(model: &Model, s: &mut Sequence, cache: &mut KvCache, how: ReferenceWeights) -> Result<Vec<f32>> {
     let len = cache.len();
     debug_assert_eq!(len, s.req.prompt_tokens.len() + s.steps.len());
-    let fed: Vec<u32> = (0..len).map(|i| s.fed_at(i)).collect();
-    let exact = s.reference_cache.get_or_insert_with(|| model.llama.new_cache_with(KvDtype::F32));
     // The latest position is always recomputed: it is the one whose logits are wanted.
-    let from = s.reference_exact.min(len - 1).min(exact.len());
+    let from = s.reference_exact.min(len - 1).min(s.reference_cache.as_ref().map_or(0, |c| c.len()));
+    let fed: Vec<u32> = (from..len).map(|i| s.fed_at(i)).collect();
+    let exact = s.reference_cache.get_or_insert_with(|| model.llama.new_cache_with(KvDtype::F32));
     exact.truncate(from);
-    let fed = &fed[from..];
-    let last = model.llama.reference_extend(exact, fed, how)?;
+    let last = model.llama.reference_extend(exact, &fed, how)?;
     for pos in from..len {
         for layer in 0..model.llama.cfg.n_layer {
             cache.write(layer, pos, &exact.read(layer, pos, false), &exact.read(layer, pos, true))?;
