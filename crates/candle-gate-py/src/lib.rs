@@ -261,6 +261,7 @@ fn output_dict<'py>(py: Python<'py>, o: Output) -> PyResult<Bound<'py, PyDict>> 
     let d = PyDict::new(py);
     d.set_item("id", o.id)?;
     d.set_item("prompt_tokens", o.prompt_tokens.len())?;
+    d.set_item("cached_tokens", o.cached_tokens)?;
     d.set_item("seed", o.seed)?;
     let choices = PyList::empty(py);
     for c in o.choices {
@@ -417,11 +418,12 @@ impl Engine {
     /// gate, read once), `gate`, `tau`, `deep_tau`, `gate_profiles` (where a gated engine
     /// without `tau` or `profile` looks for its calibration, first match wins), the
     /// scheduler's budgets, `threads`, `record_logit_hashes`, `row_split_max` (overrides the
-    /// profile's thresholds).
+    /// profile's thresholds), `enable_prefix_caching`.
     #[new]
     #[pyo3(signature = (model, *, mode = None, profile = None, gate = "off", tau = None, deep_tau = None,
         max_num_seqs = 16, max_tokens_per_step = 256, prefill_chunk = 64, kv_budget_tokens = 65536,
-        kv_dtype = "f16", threads = None, record_logit_hashes = false, row_split_max = None, gate_profiles = None))]
+        kv_dtype = "f16", threads = None, record_logit_hashes = false, row_split_max = None, gate_profiles = None,
+        enable_prefix_caching = true, collide_prefix_hashes = false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         model: &Model,
@@ -439,6 +441,8 @@ impl Engine {
         record_logit_hashes: bool,
         row_split_max: Option<i64>,
         gate_profiles: Option<Vec<String>>,
+        enable_prefix_caching: bool,
+        collide_prefix_hashes: bool,
     ) -> PyResult<Self> {
         guarded("Engine()", || {
             let max_num_seqs = count("max_num_seqs", max_num_seqs)?;
@@ -480,6 +484,8 @@ impl Engine {
                 gate,
                 threads,
                 record_logit_hashes,
+                enable_prefix_caching,
+                collide_prefix_hashes,
                 ..Default::default()
             };
             let e = RsEngine::new(model.inner.clone(), Arc::new(policy), cfg).map_err(to_py)?;
@@ -516,20 +522,42 @@ impl Engine {
     fn num_running(&self, py: Python<'_>) -> PyResult<usize> {
         self.with(py, |e| e.num_running())
     }
-    /// KV positions reserved by the running batch, in whole blocks (`kv_budget_tokens` is the
-    /// most there can be).
-    #[getter]
-    fn kv_reserved_tokens(&self, py: Python<'_>) -> PyResult<usize> {
-        self.with(py, |e| e.kv_reserved_tokens())
-    }
     #[getter]
     fn kv_budget_tokens(&self, py: Python<'_>) -> PyResult<usize> {
         self.with(py, |e| e.config().kv_budget_tokens)
     }
-    /// Blocks of the KV pool held by caches now.
+    /// Blocks of the KV pool held by running sequences' caches now.
     #[getter]
     fn kv_used_blocks(&self, py: Python<'_>) -> PyResult<usize> {
         self.with(py, |e| e.kv_used_blocks())
+    }
+    /// Unreferenced blocks that keep a cached prefix (reused when the free ones run out).
+    #[getter]
+    fn kv_cached_blocks(&self, py: Python<'_>) -> PyResult<usize> {
+        self.with(py, |e| e.kv_cached_blocks())
+    }
+    /// The pool's size in blocks.
+    #[getter]
+    fn kv_total_blocks(&self, py: Python<'_>) -> PyResult<usize> {
+        self.with(py, |e| e.kv_total_blocks())
+    }
+    #[getter]
+    fn prefix_caching(&self, py: Python<'_>) -> PyResult<bool> {
+        self.with(py, |e| e.config().enable_prefix_caching)
+    }
+    /// Counters: `prefix_queries` and `prefix_hits` (prompt tokens looked up and found),
+    /// `preemptions`.
+    fn cache_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let c = self.with(py, |e| e.cache_stats())?;
+        let d = PyDict::new(py);
+        d.set_item("prefix_queries", c.prefix_queries)?;
+        d.set_item("prefix_hits", c.prefix_hits)?;
+        d.set_item("preemptions", c.preemptions)?;
+        Ok(d)
+    }
+    /// Forgets every cached prefix (blocks running sequences hold stay with them).
+    fn reset_prefix_cache(&self, py: Python<'_>) -> PyResult<()> {
+        guarded("Engine.reset_prefix_cache", || self.with(py, |e| e.reset_prefix_cache()))
     }
     #[getter]
     fn kv_block_size(&self) -> usize {

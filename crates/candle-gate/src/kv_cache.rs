@@ -21,6 +21,8 @@ use half::f16;
 
 use crate::error::{Error, Result};
 use crate::llama::LlamaConfig;
+use crate::prefix_cache::{chain_hash, HashFn, Hit, PrefixIndex};
+
 
 /// Positions per block.
 pub const KV_BLOCK: usize = 32;
@@ -102,6 +104,9 @@ struct PoolInner {
     refs: Vec<u32>,
     /// Free blocks; the next allocation takes the last.
     free: Vec<u32>,
+    /// Full blocks registered for prefix hits; unreferenced ones are reused when `free` is
+    /// empty, least recently released first.
+    index: PrefixIndex,
 }
 
 /// A pool of KV blocks. A bounded pool (the engine's) allocates all of its memory when it is
@@ -127,13 +132,20 @@ impl KvPool {
     /// A pool of exactly `blocks` blocks, allocated now.
     pub fn bounded(layout: BlockLayout, blocks: usize) -> Arc<Self> {
         let blocks = blocks.max(1);
-        let pool = KvPool { layout, max_blocks: Some(blocks), slab_blocks: blocks, inner: Mutex::new(PoolInner::empty()) };
+        Self::bounded_with(layout, blocks, chain_hash)
+    }
+    /// [`KvPool::bounded`] whose prefix index chains block hashes with `hash_fn`.
+    pub fn bounded_with(layout: BlockLayout, blocks: usize, hash_fn: HashFn) -> Arc<Self> {
+        let blocks = blocks.max(1);
+        let inner = Mutex::new(PoolInner::empty(hash_fn));
+        let pool = KvPool { layout, max_blocks: Some(blocks), slab_blocks: blocks, inner };
         pool.lock().grow(&layout, blocks);
         Arc::new(pool)
     }
     /// A pool that grows as its caches do.
     pub fn unbounded(layout: BlockLayout) -> Arc<Self> {
-        Arc::new(KvPool { layout, max_blocks: None, slab_blocks: GROWTH_BLOCKS, inner: Mutex::new(PoolInner::empty()) })
+        let inner = Mutex::new(PoolInner::empty(chain_hash));
+        Arc::new(KvPool { layout, max_blocks: None, slab_blocks: GROWTH_BLOCKS, inner })
     }
     /// Bytes from one region of a block to the next region of the same block.
     pub fn stride(&self) -> usize {
@@ -145,7 +157,21 @@ impl KvPool {
     /// Blocks held by at least one cache.
     pub fn used_blocks(&self) -> usize {
         let g = self.lock();
-        g.ptrs.len() - g.free.len()
+        g.ptrs.len() - g.free.len() - g.index.evictable_len()
+    }
+    /// Blocks no cache holds that keep a cached prefix (reused when the free ones run out).
+    pub fn cached_blocks(&self) -> usize {
+        self.lock().index.evictable_len()
+    }
+    /// Blocks an allocation can take now: the free ones and the unreferenced cached ones
+    /// (`None` for a pool that grows).
+    pub fn available_blocks(&self) -> Option<usize> {
+        let g = self.lock();
+        self.max_blocks.map(|_| g.free.len() + g.index.evictable_len())
+    }
+    /// The pool's size in blocks (`None` for a pool that grows).
+    pub fn max_blocks(&self) -> Option<usize> {
+        self.max_blocks
     }
     fn lock(&self) -> std::sync::MutexGuard<'_, PoolInner> {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
@@ -153,21 +179,31 @@ impl KvPool {
 
     fn alloc(&self) -> Result<(u32, *mut u8)> {
         let mut g = self.lock();
-        if g.free.is_empty() {
-            match self.max_blocks {
-                Some(n) => {
-                    return Err(Error::Engine(format!("the KV pool is out of blocks ({n} of {KV_BLOCK} positions)")))
-                }
-                None => g.grow(&self.layout, self.slab_blocks),
-            }
-        }
-        let id = g.free.pop().expect("a free block");
+        let id = match g.free.pop() {
+            Some(id) => id,
+            None => match g.index.evict() {
+                Some(id) => id,
+                None => match self.max_blocks {
+                    Some(n) => {
+                        return Err(Error::Engine(format!("the KV pool is out of blocks ({n} of {KV_BLOCK} positions)")))
+                    }
+                    None => {
+                        g.grow(&self.layout, self.slab_blocks);
+                        g.free.pop().expect("a free block")
+                    }
+                },
+            },
+        };
         g.refs[id as usize] = 1;
         Ok((id, g.ptrs[id as usize]))
     }
 
     fn retain(&self, id: u32) {
-        self.lock().refs[id as usize] += 1;
+        let mut g = self.lock();
+        if g.refs[id as usize] == 0 {
+            g.index.retained(id);
+        }
+        g.refs[id as usize] += 1;
     }
 
     fn release(&self, id: u32) {
@@ -175,9 +211,51 @@ impl KvPool {
         let r = &mut g.refs[id as usize];
         debug_assert!(*r > 0, "releasing a free block");
         *r -= 1;
-        if *r == 0 {
+        if *r == 0 && !g.index.released(id) {
             g.free.push(id);
         }
+    }
+
+    /// The chain hash of a whole block of `tokens` after the block hashed `parent` (the salt
+    /// for the first block).
+    pub fn hash_block(&self, parent: u64, tokens: &[u32]) -> u64 {
+        (self.lock().index.hash_fn())(parent, tokens)
+    }
+
+    /// The longest run of cached blocks holding `tokens` from position 0, block by block
+    /// (`hashes[b]` is block `b`'s chain hash): each hit's id, first byte and content serial.
+    /// Each hit is retained for the caller.
+    pub fn lookup(&self, hashes: &[u64], tokens: &[u32]) -> Vec<(u32, *mut u8, u64)> {
+        let mut g = self.lock();
+        let mut hits = Vec::new();
+        let mut parent = 0;
+        for (b, &hash) in hashes.iter().enumerate() {
+            let Some(Hit { block, serial }) = g.index.find(hash, parent, &tokens[b * KV_BLOCK..(b + 1) * KV_BLOCK]) else {
+                break;
+            };
+            if g.refs[block as usize] == 0 {
+                g.index.retained(block);
+            }
+            g.refs[block as usize] += 1;
+            hits.push((block, g.ptrs[block as usize], serial));
+            parent = serial;
+        }
+        hits
+    }
+
+    /// Registers `block` as holding `tokens` (a whole block) after the content of serial
+    /// `parent_serial`; returns the serial of that content (another block's, if one already
+    /// holds it: that one stays the cached copy).
+    pub fn register(&self, block: u32, hash: u64, parent_serial: u64, tokens: &[u32]) -> u64 {
+        self.lock().index.register(block, hash, parent_serial, tokens)
+    }
+
+    /// Forgets every cached prefix: unreferenced cached blocks become free, held ones stay
+    /// with their caches.
+    pub fn reset_prefix_cache(&self) {
+        let mut g = self.lock();
+        let freed = g.index.clear();
+        g.free.extend(freed);
     }
 
     fn refs(&self, id: u32) -> u32 {
@@ -201,8 +279,8 @@ impl KvPool {
 }
 
 impl PoolInner {
-    fn empty() -> Self {
-        PoolInner { slabs: Vec::new(), ptrs: Vec::new(), refs: Vec::new(), free: Vec::new() }
+    fn empty(hash_fn: HashFn) -> Self {
+        PoolInner { slabs: Vec::new(), ptrs: Vec::new(), refs: Vec::new(), free: Vec::new(), index: PrefixIndex::new(hash_fn) }
     }
     fn grow(&mut self, layout: &BlockLayout, blocks: usize) {
         // `vec![0; n]` asks for zeroed memory: the pages are mapped when first written.
@@ -242,8 +320,10 @@ impl Clone for KvCache {
 }
 
 impl Drop for KvCache {
+    /// Last block first: a cached prefix's later blocks are then evicted before its earlier
+    /// ones, which every longer hit needs.
     fn drop(&mut self) {
-        for &(id, _) in &self.blocks {
+        for &(id, _) in self.blocks.iter().rev() {
             self.pool.release(id);
         }
     }
@@ -263,6 +343,11 @@ impl KvCache {
     }
     pub fn in_pool(pool: Arc<KvPool>) -> Self {
         KvCache { pool, blocks: Vec::new(), len: 0 }
+    }
+    /// A cache whose first positions are the whole blocks `hits` (from [`KvPool::lookup`],
+    /// already retained for it), shared read-only.
+    pub fn from_hits(pool: Arc<KvPool>, hits: &[(u32, *mut u8, u64)]) -> Self {
+        KvCache { pool, blocks: hits.iter().map(|h| (h.0, h.1)).collect(), len: hits.len() * KV_BLOCK }
     }
     pub fn len(&self) -> usize {
         self.len
@@ -290,6 +375,14 @@ impl KvCache {
     }
     fn region_ptr(&self, b: usize, region: usize) -> *mut u8 {
         self.blocks[b].1.wrapping_add(region * self.pool.stride())
+    }
+
+    /// Blocks [`KvCache::extend`]`(n)` would take from the pool: new blocks, and a copy of a
+    /// shared partial last block.
+    pub fn blocks_to_extend(&self, n: usize) -> usize {
+        let new = (self.len + n).div_ceil(KV_BLOCK).saturating_sub(self.blocks.len());
+        let copy = n > 0 && self.len % KV_BLOCK != 0 && self.pool.refs(self.blocks[self.len / KV_BLOCK].0) > 1;
+        new + copy as usize
     }
 
     /// Makes room for `n` more positions, every block they land in owned by this cache alone.
@@ -341,10 +434,12 @@ impl KvCache {
         self.len = self.len.min(len);
     }
 
-    /// Block `b` owned by this cache alone: copied first if another cache shares it.
+    /// Block `b` owned by this cache alone, about to be written: copied first if another
+    /// cache shares it; no longer a cached prefix if it was one (its bytes will change).
     fn make_exclusive(&mut self, b: usize) -> Result<()> {
         let (id, ptr) = self.blocks[b];
         if self.pool.refs(id) == 1 {
+            self.pool.lock().index.unregister(id);
             return Ok(());
         }
         let (nid, nptr) = self.pool.alloc()?;

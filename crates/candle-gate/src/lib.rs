@@ -22,6 +22,7 @@ pub mod gguf_check;
 pub mod host;
 pub mod kernels;
 pub mod kv_cache;
+pub mod prefix_cache;
 pub mod llama;
 pub mod model;
 pub mod ops;

@@ -29,7 +29,7 @@ use scheduler::Scheduler;
 use sequence::Sequence;
 
 pub use gate::{GateConfig, GateMode, DEEP_TAU_FRACTION};
-pub use request::{Choice, EngineConfig, Event, FinishReason, GateStats, InjectedFault, Output, Request, RequestId};
+pub use request::{CacheStats, Choice, EngineConfig, Event, FinishReason, GateStats, InjectedFault, Output, Request, RequestId};
 
 /// Upper bound on `max_new_tokens` accepted at submit: a bigger value is a bug, not a plan.
 pub const MAX_NEW_TOKENS_LIMIT: usize = 1 << 20;
@@ -49,6 +49,7 @@ pub struct Engine {
     next_id: RequestId,
     steps_run: u64,
     stats: GateStats,
+    cache_stats: CacheStats,
     shut_down: bool,
     model_sha: String,
     /// What this host and build contribute to the bits in the policy's mode (`host::signature`).
@@ -81,11 +82,14 @@ impl Engine {
             reference: ReferenceWeights::for_budget(&model.llama, cfg.reference_dense_max_bytes),
             record_logit_hashes: cfg.record_logit_hashes,
         };
+        let model_sha = model.sha256()?;
+        // What besides the tokens decides a K/V block's bits: no block is shared across them.
+        let salt = crate::prefix_cache::salt(&[&model_sha, &policy.describe(), cfg.kv_dtype.name()]);
         Ok(Engine {
-            model_sha: model.sha256()?,
+            model_sha,
             host: crate::host::signature(policy.mode),
             scheduler: Scheduler::new(&cfg),
-            runner: Runner::new(&model, &cfg),
+            runner: Runner::new(&model, &cfg, salt),
             gate,
             model,
             policy,
@@ -97,6 +101,7 @@ impl Engine {
             next_id: 1,
             steps_run: 0,
             stats: GateStats::default(),
+            cache_stats: CacheStats::default(),
             shut_down: false,
         })
     }
@@ -125,19 +130,19 @@ impl Engine {
         if self.shut_down {
             return Err(Error::Engine("the engine has been shut down".into()));
         }
-        let reserve = self.validate(&req)?;
+        self.validate(&req)?;
         let id = self.next_id;
         self.next_id += 1;
         let seed = req.params.seed.unwrap_or_else(|| fresh_seed(id));
         let n = req.params.n;
         let pending = Pending { prompt_tokens: req.prompt_tokens.clone(), seed, choices: vec![None; n] };
         self.pending.insert(id, pending);
-        self.scheduler.waiting.push_back(Sequence::new(id, req, seed, reserve * n));
+        self.scheduler.waiting.push_back(Sequence::new(id, req, seed));
         Ok(id)
     }
 
-    /// Checks a request against the model and the budgets; the KV blocks each choice reserves.
-    fn validate(&self, req: &Request) -> Result<usize> {
+    /// Checks a request against the model and the budgets.
+    fn validate(&self, req: &Request) -> Result<()> {
         let ctx = self.model.llama.cfg.context_length;
         let vocab = self.model.llama.cfg.vocab as u32;
         if req.prompt_tokens.is_empty() {
@@ -171,6 +176,7 @@ impl Engine {
                 return Err(Error::BadInput(format!("forced token id {t} is outside the vocabulary")));
             }
         }
+        // Alone in the engine it must be able to finish: then preemption can always make room.
         let reserve = (req.prompt_tokens.len() + p.max_new_tokens).min(ctx);
         let blocks = reserve.div_ceil(KV_BLOCK) * p.n;
         if blocks > self.cfg.kv_budget_blocks() {
@@ -180,7 +186,7 @@ impl Engine {
                 self.cfg.kv_budget_blocks() * KV_BLOCK
             )));
         }
-        Ok(reserve.div_ceil(KV_BLOCK))
+        Ok(())
     }
 
     /// Cancels every choice of request `id`; its output keeps what they had generated.
@@ -221,16 +227,26 @@ impl Engine {
     pub fn num_running(&self) -> usize {
         self.scheduler.running.len()
     }
-    /// KV positions reserved by the running batch (whole blocks), out of
-    /// `EngineConfig::kv_budget_tokens`: admission reserves the blocks of a sequence's prompt +
-    /// max_new_tokens (capped by the context), per choice, and a finished or cancelled
-    /// sequence gives them back.
-    pub fn kv_reserved_tokens(&self) -> usize {
-        self.scheduler.reserved_blocks() * KV_BLOCK
-    }
-    /// Blocks of the KV pool held by caches now (at most the reserved ones).
+    /// Blocks of the KV pool held by running sequences' caches now.
     pub fn kv_used_blocks(&self) -> usize {
         self.runner.pool().used_blocks()
+    }
+    /// Blocks no running sequence holds that keep a cached prefix (reused, least recently
+    /// used first, when the free ones run out).
+    pub fn kv_cached_blocks(&self) -> usize {
+        self.runner.pool().cached_blocks()
+    }
+    /// The pool's size in blocks (`kv_budget_tokens` rounded up to whole blocks).
+    pub fn kv_total_blocks(&self) -> usize {
+        self.cfg.kv_budget_blocks()
+    }
+    /// Prefix-cache and preemption counters.
+    pub fn cache_stats(&self) -> CacheStats {
+        self.cache_stats.clone()
+    }
+    /// Forgets every cached prefix (blocks held by running sequences stay with them).
+    pub fn reset_prefix_cache(&mut self) {
+        self.runner.reset_prefix_cache();
     }
 
     pub fn drain_events(&mut self) -> Vec<Event> {
@@ -259,27 +275,26 @@ impl Engine {
     }
 
     fn step_inner(&mut self) -> Result<usize> {
-        let (admitted, plan) = self.scheduler.schedule();
-        for id in admitted {
-            self.runner.open(id);
-        }
+        self.admit()?;
+        let plan = self.plan_within_pool();
         if plan.is_empty() {
             return Ok(0);
         }
         self.steps_run += 1;
         let fail_midway = self.cfg.inject_fault == Some(InjectedFault::Forward { step: self.steps_run });
         let model = self.model.clone();
-        let (rows, logits) = self.runner.run(&model, &self.policy, &mut self.scheduler.running, &plan, fail_midway)?;
-        // A request of n choices prefills once; its other choices start here, each with a
-        // copy of the prompt's K/V, deciding from the same logits.
+        let reference = self.gate.reference;
+        let running = &mut self.scheduler.running;
+        let (rows, logits) = self.runner.run(&model, &self.policy, reference, running, &plan, fail_midway)?;
+        // A request of n choices prefills once; its other choices start here, each sharing
+        // the prompt's K/V blocks, deciding from the same logits.
         let mut deciding: Vec<(usize, usize)> = Vec::with_capacity(logits.len());
         for (k, (i, _)) in logits.iter().enumerate() {
             deciding.push((*i, k));
-            let s = &mut self.scheduler.running[*i];
+            let s = &self.scheduler.running[*i];
             if s.index == 0 && s.steps.is_empty() && s.req.params.n > 1 {
                 let (parent, n) = (s.id, s.req.params.n);
-                let share = s.reserved_blocks / n;
-                let forks: Vec<Sequence> = (1..n as u32).map(|index| s.fork(self.next_id + index as u64 - 1, index, share)).collect();
+                let forks: Vec<Sequence> = (1..n as u32).map(|index| s.fork(self.next_id + index as u64 - 1, index)).collect();
                 self.next_id += n as u64 - 1;
                 for f in forks {
                     self.runner.fork(parent, f.id);
@@ -313,9 +328,51 @@ impl Engine {
         }
         for s in self.scheduler.running.iter_mut() {
             output::emit(&mut self.events, s);
+            if s.error.is_none() {
+                self.runner.publish(s);
+            }
         }
         self.retire_finished();
         Ok(rows)
+    }
+
+    /// Admits waiting sequences in order while the sequence limit and the pool allow: a
+    /// sequence comes in when the blocks its history still needs (after its prefix-cache hit)
+    /// plus one step fit beside one block of growth for every running sequence.
+    fn admit(&mut self) -> Result<()> {
+        while let Some(s) = self.scheduler.next_to_admit() {
+            let hit = self.runner.open(s);
+            let need = (s.target() + 1).div_ceil(KV_BLOCK) - hit / KV_BLOCK;
+            if need + self.scheduler.running.len() > self.runner.available_blocks() {
+                self.runner.close(s.id);
+                break;
+            }
+            if s.cached_tokens.is_none() {
+                self.cache_stats.prefix_queries += s.req.prompt_tokens.len() as u64;
+                self.cache_stats.prefix_hits += hit as u64;
+            }
+            let computed = self.runner.restore_rebuilt(s)?;
+            let front = self.scheduler.waiting.front_mut().unwrap();
+            front.cached_tokens.get_or_insert(hit);
+            self.scheduler.admit_front(computed);
+        }
+        Ok(())
+    }
+
+    /// The step's plan, after preempting the most recently admitted sequences until the
+    /// blocks it needs are in the pool.
+    fn plan_within_pool(&mut self) -> Vec<(usize, scheduler::Work)> {
+        loop {
+            let plan = self.scheduler.plan();
+            let running = &self.scheduler.running;
+            let need: usize = plan.iter().map(|(i, w)| self.runner.blocks_to_extend(running[*i].id, w.rows())).sum();
+            if need <= self.runner.available_blocks() || running.len() <= 1 {
+                return plan;
+            }
+            let id = self.scheduler.preempt_latest().expect("a running sequence");
+            self.runner.close(id);
+            self.cache_stats.preemptions += 1;
+        }
     }
 
     fn retire_finished(&mut self) {
@@ -363,6 +420,7 @@ impl Engine {
             let output = Output {
                 id: s.request,
                 prompt_tokens: p.prompt_tokens,
+                cached_tokens: s.cached_tokens.unwrap_or(0),
                 seed: p.seed,
                 choices: p.choices.into_iter().map(Option::unwrap).collect(),
             };

@@ -45,7 +45,7 @@ fn check_stop(model: &Model, s: &mut Sequence, fed: u32, new_bytes: usize) {
         s.finish = Some(FinishReason::StopString);
     } else if s.steps.len() >= s.req.params.max_new_tokens {
         s.finish = Some(FinishReason::Length);
-    } else if s.cached() + 1 >= ctx {
+    } else if s.target() + 1 >= ctx {
         s.finish = Some(FinishReason::ContextFull);
     }
 }

@@ -26,6 +26,13 @@ pub struct EngineConfig {
     pub threads: Option<usize>,
     /// Keep a hash of every step's logits bits (the probe counts mismatches with them).
     pub record_logit_hashes: bool,
+    /// Reuse the K/V of whole blocks of a token history another request already computed
+    /// (the prefix cache). Never changes a bit in `invariant` mode (see `docs/DESIGN.md`).
+    pub enable_prefix_caching: bool,
+    /// Every prefix block under one chain hash, for tests that a collision cannot serve wrong
+    /// K/V; `false` in real use.
+    #[doc(hidden)]
+    pub collide_prefix_hashes: bool,
     /// Fault injection for tests of the engine's failure handling; `None` in real use.
     #[doc(hidden)]
     pub inject_fault: Option<InjectedFault>,
@@ -60,6 +67,8 @@ impl Default for EngineConfig {
             reference_dense_max_bytes: 2 << 30,
             threads: None,
             record_logit_hashes: false,
+            enable_prefix_caching: true,
+            collide_prefix_hashes: false,
             inject_fault: None,
         }
     }
@@ -131,11 +140,24 @@ impl GateStats {
     }
 }
 
+/// The KV cache's counters since the engine started.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CacheStats {
+    /// Prompt tokens looked up in the prefix cache (each request's first admission).
+    pub prefix_queries: u64,
+    /// Of those, tokens whose K/V came from the cache.
+    pub prefix_hits: u64,
+    /// Sequences put back in the queue to free KV blocks.
+    pub preemptions: u64,
+}
+
 /// A finished request: its prompt, the seed its draws were keyed by, and its `n` choices.
 #[derive(Clone, Debug)]
 pub struct Output {
     pub id: RequestId,
     pub prompt_tokens: Vec<u32>,
+    /// Prompt tokens whose K/V came from the prefix cache (OpenAI's `cached_tokens`).
+    pub cached_tokens: usize,
     /// The request's seed, or the one drawn at submit: passing it back replays the output.
     pub seed: u64,
     pub choices: Vec<Choice>,

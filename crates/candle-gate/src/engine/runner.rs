@@ -1,5 +1,6 @@
-//! The model runner: owns every running sequence's KV cache and turns a step's plan into rows
-//! for one fast-lane forward. The model sees rows and caches, never sequences.
+//! The model runner: owns every running sequence's KV cache, finds and registers their
+//! prefixes in the prefix cache, and turns a step's plan into rows for one fast-lane forward.
+//! The model sees rows and caches, never sequences.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -7,9 +8,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::dispatch::{QMatMul, Policy};
 use crate::error::{Error, Result};
-use crate::kv_cache::{BlockLayout, KvCache, KvPool};
+use crate::kv_cache::{BlockLayout, KvCache, KvPool, KV_BLOCK};
 use crate::llama::{Lane, SeqRows};
 use crate::model::Model;
+use crate::prefix_cache::{chain_hash, colliding_hash};
+use crate::reference::ReferenceWeights;
 
 use super::scheduler::Work;
 use super::sequence::Sequence;
@@ -17,75 +20,191 @@ use super::{EngineConfig, RequestId};
 
 pub(crate) struct Runner {
     pool: Arc<KvPool>,
-    caches: HashMap<RequestId, KvCache>,
+    slots: HashMap<RequestId, Slot>,
+    /// Seeds every chain hash: the model file, the kernel policy and the K/V dtype.
+    salt: u64,
+    prefix_caching: bool,
+}
+
+/// One running sequence's cache, and the prefix-cache identity of its leading whole blocks.
+#[derive(Clone)]
+struct Slot {
+    cache: KvCache,
+    /// `(chain hash, content serial)` of blocks `0..chain.len()`: those this cache found in the
+    /// prefix cache or registered there.
+    chain: Vec<(u64, u64)>,
 }
 
 impl Runner {
-    /// A runner whose caches share one pool of `cfg.kv_budget_tokens` (in whole blocks).
-    pub fn new(model: &Model, cfg: &EngineConfig) -> Self {
+    /// A runner whose caches share one pool of `cfg.kv_budget_tokens` (in whole blocks);
+    /// `salt` names what besides the tokens decides a block's bits.
+    pub fn new(model: &Model, cfg: &EngineConfig, salt: u64) -> Self {
         let layout = BlockLayout::new(&model.llama.cfg, cfg.kv_dtype);
-        Runner { pool: KvPool::bounded(layout, cfg.kv_budget_blocks()), caches: HashMap::new() }
+        let hash = if cfg.collide_prefix_hashes { colliding_hash } else { chain_hash };
+        Runner {
+            pool: KvPool::bounded_with(layout, cfg.kv_budget_blocks(), hash),
+            slots: HashMap::new(),
+            salt,
+            prefix_caching: cfg.enable_prefix_caching,
+        }
     }
     pub fn pool(&self) -> &Arc<KvPool> {
         &self.pool
     }
-    pub fn open(&mut self, id: RequestId) {
-        self.caches.insert(id, KvCache::in_pool(self.pool.clone()));
+
+    /// Opens `s`'s cache with the longest cached prefix of its history that it may take, and
+    /// returns how many positions that is. A new request takes whole blocks of its prompt
+    /// short of its last position (whose logits it needs); a preempted one whole blocks of
+    /// its history before the first position the gate rewrote.
+    pub fn open(&mut self, s: &Sequence) -> usize {
+        let limit = match (self.prefix_caching, s.is_resuming()) {
+            (false, _) => 0,
+            (true, false) => s.req.prompt_tokens.len() - 1,
+            (true, true) => s.clean_prefix().min(s.target()),
+        };
+        let tokens: Vec<u32> = (0..limit / KV_BLOCK * KV_BLOCK).map(|i| s.fed_at(i)).collect();
+        let mut hashes = Vec::with_capacity(tokens.len() / KV_BLOCK);
+        for block in tokens.chunks_exact(KV_BLOCK) {
+            hashes.push(self.pool.hash_block(hashes.last().copied().unwrap_or(self.salt), block));
+        }
+        let hits = self.pool.lookup(&hashes, &tokens);
+        let chain = hits.iter().zip(hashes).map(|(h, hash)| (hash, h.2)).collect();
+        self.slots.insert(s.id, Slot { cache: KvCache::from_hits(self.pool.clone(), &hits), chain });
+        hits.len() * KV_BLOCK
     }
+
+    /// Puts back what a preempted sequence's deep rechecks had rebuilt (positions
+    /// `..reference_exact`, from its own f32 reference cache), as the engine's cache held them.
+    /// Returns the positions its cache now holds.
+    pub fn restore_rebuilt(&mut self, s: &Sequence) -> Result<usize> {
+        let cache = &mut self.slots.get_mut(&s.id).expect("an open cache").cache;
+        if let (Some(exact), true) = (&s.reference_cache, s.reference_exact > cache.len()) {
+            let from = cache.len();
+            cache.extend(s.reference_exact - from)?;
+            for pos in from..s.reference_exact {
+                for layer in 0..cache.layout().n_layer {
+                    cache.write(layer, pos, &exact.read(layer, pos, false), &exact.read(layer, pos, true))?;
+                }
+            }
+        }
+        Ok(cache.len())
+    }
+
+    /// Blocks the pool has for caches to take (free, or cached and unreferenced).
+    pub fn available_blocks(&self) -> usize {
+        self.pool.available_blocks().unwrap_or(usize::MAX)
+    }
+    /// Blocks `id`'s cache would take to grow by `rows` positions.
+    pub fn blocks_to_extend(&self, id: RequestId, rows: usize) -> usize {
+        self.slots[&id].cache.blocks_to_extend(rows)
+    }
+
     /// `from`'s cache shared with `to` (another choice of the same prompt): full blocks stay
     /// shared, the first write to a shared block copies it.
     pub fn fork(&mut self, from: RequestId, to: RequestId) {
-        let c = self.caches[&from].clone();
-        self.caches.insert(to, c);
+        let slot = self.slots[&from].clone();
+        self.slots.insert(to, slot);
     }
+    /// Drops `id`'s cache: its blocks go back to the pool, the cached ones stay cached.
     pub fn close(&mut self, id: RequestId) {
-        self.caches.remove(&id);
+        self.slots.remove(&id);
     }
     pub fn cache_mut(&mut self, id: RequestId) -> &mut KvCache {
-        self.caches.get_mut(&id).expect("a running sequence has a cache")
+        &mut self.slots.get_mut(&id).expect("a running sequence has a cache").cache
+    }
+
+    /// Registers `s`'s whole blocks that hold the fast lane's own K/V (see
+    /// [`Sequence::clean_prefix`]) in the prefix cache.
+    pub fn publish(&mut self, s: &Sequence) {
+        if !self.prefix_caching {
+            return;
+        }
+        let Some(slot) = self.slots.get_mut(&s.id) else { return };
+        let clean = s.clean_prefix().min(s.computed).min(slot.cache.len());
+        let ids = slot.cache.block_ids();
+        while slot.chain.len() < clean / KV_BLOCK {
+            let b = slot.chain.len();
+            let tokens: Vec<u32> = (b * KV_BLOCK..(b + 1) * KV_BLOCK).map(|i| s.fed_at(i)).collect();
+            let (parent_hash, parent_serial) = slot.chain.last().copied().unwrap_or((self.salt, 0));
+            let hash = self.pool.hash_block(parent_hash, &tokens);
+            let serial = self.pool.register(ids[b], hash, parent_serial, &tokens);
+            slot.chain.push((hash, serial));
+        }
+    }
+
+    /// Forgets every cached prefix; the running caches will register their blocks again.
+    pub fn reset_prefix_cache(&mut self) {
+        self.pool.reset_prefix_cache();
+        for slot in self.slots.values_mut() {
+            slot.chain.clear();
+        }
     }
 
     /// Runs the plan's rows in one forward: each decode sequence's latest choice, each prefill
-    /// chunk's prompt tokens. On success advances the prefilled sequences and returns the
-    /// number of rows and, in plan order, the logits of every sequence that wanted them; on an
-    /// error nothing changed (the forward rolls its caches back).
+    /// chunk's positions (the prompt's, or a resumed sequence's history). On success advances
+    /// every planned sequence's `computed` and returns the number of rows and, in plan order,
+    /// the logits of every sequence that wanted them; on an error nothing changed (the forward
+    /// rolls its caches back).
+    /// A resumed sequence's chunk that ends at a position the gate had repaired is followed by
+    /// that position's reference-lane step, as the gate ran it (a failure there fails that
+    /// sequence alone).
     /// With `fail_midway` the forward fails halfway through its layers (fault injection for
     /// tests: the caches have been written by then and must be rolled back).
     pub fn run(
         &mut self,
         model: &Model,
         policy: &Policy,
+        reference: ReferenceWeights,
         running: &mut [Sequence],
         plan: &[(usize, Work)],
         fail_midway: bool,
     ) -> Result<(usize, Vec<(usize, Vec<f32>)>)> {
-        let decode_tokens: Vec<u32> =
-            plan.iter().map(|(i, w)| if *w == Work::Decode { running[*i].fed_last() } else { 0 }).collect();
+        let tokens: Vec<Vec<u32>> = plan
+            .iter()
+            .map(|(i, w)| {
+                let s = &running[*i];
+                match w {
+                    Work::Decode => vec![s.fed_last()],
+                    Work::Prefill(c) => c.clone().map(|p| s.fed_at(p)).collect(),
+                }
+            })
+            .collect();
         // The caches leave the map for the call (the forward needs them all mutably at once).
-        let mut caches: Vec<KvCache> = plan.iter().map(|(i, _)| self.caches.remove(&running[*i].id).unwrap()).collect();
+        let mut slots: Vec<Slot> = plan.iter().map(|(i, _)| self.slots.remove(&running[*i].id).unwrap()).collect();
         let result = {
             let mut batch = Vec::with_capacity(plan.len());
-            for (((i, work), dtok), cache) in plan.iter().zip(&decode_tokens).zip(caches.iter_mut()) {
-                let prompt = &running[*i].req.prompt_tokens;
-                let (tokens, want_logits): (&[u32], bool) = match work {
-                    Work::Decode => (std::slice::from_ref(dtok), true),
-                    Work::Prefill(c) => (&prompt[c.clone()], c.end == prompt.len()),
+            for (((i, work), tokens), slot) in plan.iter().zip(&tokens).zip(slots.iter_mut()) {
+                let s = &running[*i];
+                let want_logits = match work {
+                    Work::Decode => true,
+                    Work::Prefill(c) => c.end == s.req.prompt_tokens.len() && s.steps.is_empty(),
                 };
-                batch.push(SeqRows { cache, tokens, want_logits });
+                batch.push(SeqRows { cache: &mut slot.cache, tokens, want_logits });
             }
             let rows: usize = batch.iter().map(|b| b.tokens.len()).sum();
             let faulty = FailAfter { lane: policy, calls_left: AtomicUsize::new(model.llama.layers.len() * 7 / 2) };
             let lane: &dyn Lane = if fail_midway { &faulty } else { policy };
             model.llama.forward_in(lane, &mut batch, None).map(|l| (rows, l))
         };
-        for ((i, _), cache) in plan.iter().zip(caches) {
-            self.caches.insert(running[*i].id, cache);
+        for ((i, _), slot) in plan.iter().zip(slots) {
+            self.slots.insert(running[*i].id, slot);
         }
         let (rows, logits) = result?;
         let mut out = Vec::new();
         for ((i, work), lg) in plan.iter().zip(logits) {
-            if let Work::Prefill(c) = work {
-                running[*i].prefilled = c.end;
+            let s = &mut running[*i];
+            match work {
+                Work::Decode => s.computed += 1,
+                Work::Prefill(c) => {
+                    s.computed = c.end;
+                    if s.repaired_at(c.end - 1) {
+                        let cache = &mut self.slots.get_mut(&s.id).unwrap().cache;
+                        if let Err(e) = model.llama.reference_step(cache, s.fed_at(c.end - 1), reference) {
+                            s.error = Some(e);
+                            s.finish = Some(super::FinishReason::Error);
+                        }
+                    }
+                }
             }
             if let Some(lg) = lg {
                 out.push((*i, lg));

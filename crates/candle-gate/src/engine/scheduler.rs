@@ -1,9 +1,10 @@
-//! Admission and the step plan. The scheduler owns the sequences; it decides which sequence
-//! runs which work each step under the budgets and touches no logits, caches or text.
+//! Admission, the step plan and preemption. The scheduler owns the sequences; it decides
+//! which sequence runs which work each step under the budgets and touches no logits, caches
+//! or text (the engine asks the runner what K/V blocks a plan needs).
 //!
 //! Prefill chunk boundaries are multiples of `prefill_chunk` counted from the start of the
-//! prompt, so they depend only on the prompt, never on load: a chunk that does not fit the
-//! step's budget waits for the next step whole.
+//! prompt, so they depend only on the prompt (and where its cached prefix ended), never on
+//! load: a chunk that does not fit the step's budget waits for the next step whole.
 
 use std::collections::VecDeque;
 use std::ops::Range;
@@ -20,14 +21,23 @@ pub(crate) enum Work {
     Prefill(Range<usize>),
 }
 
+impl Work {
+    /// Rows it puts into the step.
+    pub fn rows(&self) -> usize {
+        match self {
+            Work::Decode => 1,
+            Work::Prefill(c) => c.len(),
+        }
+    }
+}
+
 pub(crate) struct Scheduler {
     pub waiting: VecDeque<Sequence>,
     pub running: Vec<Sequence>,
-    reserved_blocks: usize,
     max_num_seqs: usize,
     max_tokens_per_step: usize,
     prefill_chunk: usize,
-    kv_budget_blocks: usize,
+    admissions: u64,
 }
 
 impl Scheduler {
@@ -35,11 +45,10 @@ impl Scheduler {
         Scheduler {
             waiting: VecDeque::new(),
             running: Vec::new(),
-            reserved_blocks: 0,
             max_num_seqs: cfg.max_num_seqs,
             max_tokens_per_step: cfg.max_tokens_per_step,
             prefill_chunk: cfg.prefill_chunk,
-            kv_budget_blocks: cfg.kv_budget_blocks(),
+            admissions: 0,
         }
     }
 
@@ -47,35 +56,26 @@ impl Scheduler {
         !self.waiting.is_empty() || !self.running.is_empty()
     }
 
-    /// KV blocks reserved by the running sequences (each admitted with its whole reservation).
-    pub fn reserved_blocks(&self) -> usize {
-        self.reserved_blocks
+    /// The next waiting sequence, if the sequence limit lets it in (a request's `n` choices
+    /// count from its first admission: they fork from it after its prefill).
+    pub fn next_to_admit(&self) -> Option<&Sequence> {
+        let s = self.waiting.front()?;
+        let slots = if s.index == 0 && s.steps.is_empty() { s.req.params.n } else { 1 };
+        (self.running.len() + slots <= self.max_num_seqs).then_some(s)
     }
 
-    /// Moves waiting sequences to running, in arrival order, while the sequence limit and the
-    /// KV budget (reserved for each request's prompt + max_new_tokens, times its choices) allow.
-    fn admit(&mut self) -> Vec<RequestId> {
-        let mut admitted = Vec::new();
-        // A request's `n` choices count from its admission (they fork from it after prefill).
-        while let Some(front) = self.waiting.front() {
-            if self.running.len() + front.req.params.n > self.max_num_seqs
-                || self.reserved_blocks + front.reserved_blocks > self.kv_budget_blocks
-            {
-                break;
-            }
-            let s = self.waiting.pop_front().unwrap();
-            self.reserved_blocks += s.reserved_blocks;
-            admitted.push(s.id);
-            self.running.push(s);
-        }
-        admitted
+    /// Moves the front waiting sequence to running, holding `computed` positions.
+    pub fn admit_front(&mut self, computed: usize) {
+        let mut s = self.waiting.pop_front().expect("a waiting sequence");
+        self.admissions += 1;
+        s.admitted_at = self.admissions;
+        s.computed = computed;
+        self.running.push(s);
     }
 
-    /// Admits what fits, then plans the step: one decode row for every decoding sequence,
-    /// then whole prefill chunks in arrival order while the token budget lasts. Returns the
-    /// sequences admitted now and the plan, ordered by position in `running`.
-    pub fn schedule(&mut self) -> (Vec<RequestId>, Vec<(usize, Work)>) {
-        let admitted = self.admit();
+    /// The step's work: one decode row for every decoding sequence, then whole prefill chunks
+    /// in arrival order while the token budget lasts; ordered by position in `running`.
+    pub fn plan(&self) -> Vec<(usize, Work)> {
         let mut budget = self.max_tokens_per_step;
         let mut plan = Vec::new();
         for (i, s) in self.running.iter().enumerate() {
@@ -94,18 +94,27 @@ impl Scheduler {
             }
         }
         plan.sort_by_key(|p| p.0);
-        (admitted, plan)
+        plan
     }
 
-    /// Takes the finished sequences out of `running`, releasing their KV reservations.
+    /// Puts the most recently admitted running sequence back at the front of the queue, its
+    /// cache gone (the caller drops it): it resumes by recomputing its history. Returns its id.
+    pub fn preempt_latest(&mut self) -> Option<RequestId> {
+        let i = (0..self.running.len()).max_by_key(|&i| (self.running[i].admitted_at, i))?;
+        let mut s = self.running.remove(i);
+        s.computed = 0;
+        let id = s.id;
+        self.waiting.push_front(s);
+        Some(id)
+    }
+
+    /// Takes the finished sequences out of `running`.
     pub fn take_finished(&mut self) -> Vec<Sequence> {
         let mut done = Vec::new();
         let mut i = 0;
         while i < self.running.len() {
             if self.running[i].finish.is_some() {
-                let s = self.running.remove(i);
-                self.reserved_blocks -= s.reserved_blocks;
-                done.push(s);
+                done.push(self.running.remove(i));
             } else {
                 i += 1;
             }
@@ -113,7 +122,7 @@ impl Scheduler {
         done
     }
 
-    /// Takes a sequence that has not been admitted yet out of the queue.
+    /// Takes a sequence that is not running (never admitted, or preempted) out of the queue.
     pub fn take_waiting(&mut self, id: RequestId) -> Option<Sequence> {
         let i = self.waiting.iter().position(|s| s.id == id)?;
         self.waiting.remove(i)

@@ -36,8 +36,9 @@ pub(crate) struct Sequence {
     /// The key of its draws (the request's seed, or the one drawn at submit).
     pub seed: u64,
     pub req: Request,
-    /// Prompt tokens already through the model.
-    pub prefilled: usize,
+    /// Positions its KV cache holds: the prompt, then every choice but the latest (which is
+    /// fed on the next step). Zero again when it is preempted.
+    pub computed: usize,
     pub steps: Vec<StepRecord>,
     /// Positions `..reference_exact` of `reference_cache` hold the reference lane's K/V computed
     /// over the reference lane's own prefix (left by the last deep recheck), so the next deep
@@ -51,48 +52,52 @@ pub(crate) struct Sequence {
     pub finish: Option<FinishReason>,
     /// Why the sequence failed, when `finish` is `Error`.
     pub error: Option<Error>,
-    /// KV tokens reserved for it at admission (prompt + max_new_tokens, capped by the context).
-    pub reserved_blocks: usize,
+    /// When it was (last) admitted, in the engine's admission order: the latest admitted is
+    /// preempted first.
+    pub admitted_at: u64,
+    /// Prompt tokens its first admission found in the prefix cache.
+    pub cached_tokens: Option<usize>,
 }
 
 impl Sequence {
-    pub fn new(id: RequestId, req: Request, seed: u64, reserved_blocks: usize) -> Self {
+    pub fn new(id: RequestId, req: Request, seed: u64) -> Self {
         Sequence {
             id,
             request: id,
             index: 0,
             seed,
             req,
-            prefilled: 0,
+            computed: 0,
             steps: Vec::new(),
             reference_exact: 0,
             reference_cache: None,
             text: TextState::default(),
             finish: None,
             error: None,
-            reserved_blocks,
+            admitted_at: 0,
+            cached_tokens: None,
         }
     }
 
     /// Choice `index` of the same request, as this one is after its prefill and before its
-    /// first token: it takes `reserved_blocks` of this one's reservation.
-    pub fn fork(&mut self, id: RequestId, index: u32, reserved_blocks: usize) -> Sequence {
+    /// first token.
+    pub fn fork(&self, id: RequestId, index: u32) -> Sequence {
         debug_assert!(!self.in_prefill() && self.steps.is_empty());
-        self.reserved_blocks -= reserved_blocks;
         Sequence {
             id,
             request: self.request,
             index,
             seed: self.seed,
             req: self.req.clone(),
-            prefilled: self.prefilled,
+            computed: self.computed,
             steps: Vec::new(),
             reference_exact: self.reference_exact,
             reference_cache: self.reference_cache.clone(),
             text: TextState::default(),
             finish: None,
             error: None,
-            reserved_blocks,
+            admitted_at: self.admitted_at,
+            cached_tokens: self.cached_tokens,
         }
     }
 
@@ -107,24 +112,52 @@ impl Sequence {
         (p..p + self.steps.len()).map(|i| self.fed_at(i)).collect()
     }
 
-    pub fn in_prefill(&self) -> bool {
-        self.prefilled < self.req.prompt_tokens.len()
+    /// Positions its cache must hold before it decodes: the prompt, and after a preemption
+    /// every choice but the latest.
+    pub fn target(&self) -> usize {
+        self.req.prompt_tokens.len() + self.steps.len().saturating_sub(1)
     }
 
-    /// The prompt's next chunk: from `prefilled` to the next multiple of `chunk`.
+    /// Whether positions are missing from its cache: a prompt not yet through the model, or a
+    /// history being recomputed after a preemption.
+    pub fn in_prefill(&self) -> bool {
+        self.computed < self.target()
+    }
+
+    /// A preempted sequence (its cache dropped) resumes by recomputing its history.
+    pub fn is_resuming(&self) -> bool {
+        !self.steps.is_empty()
+    }
+
+    /// Its next chunk of positions to compute: from `computed` to the next multiple of `chunk`,
+    /// ending early at a position the gate repaired (the runner recomputes that one in the
+    /// reference lane after the chunk, as the gate did).
     pub fn next_chunk(&self, chunk: usize) -> std::ops::Range<usize> {
-        let end = ((self.prefilled / chunk) + 1) * chunk;
-        self.prefilled..end.min(self.req.prompt_tokens.len())
+        let end = (((self.computed / chunk) + 1) * chunk).min(self.target());
+        let end = (self.computed..end).find(|&p| self.repaired_at(p)).map_or(end, |p| p + 1);
+        self.computed..end
+    }
+
+    /// Whether the gate rewrote position `p`'s K/V in the reference lane on its own (a
+    /// recheck after the fast lane wrote it), and no deep recheck rebuilt it since.
+    pub fn repaired_at(&self, p: usize) -> bool {
+        let prompt = self.req.prompt_tokens.len();
+        p >= self.reference_exact && p + 1 >= prompt && self.steps.get(p + 1 - prompt).is_some_and(|r| r.rechecked)
+    }
+
+    /// Positions whose K/V are the fast lane's own computation from the token history: all of
+    /// them before the first one the gate rewrote. Only these may be shared as a cached prefix.
+    pub fn clean_prefix(&self) -> usize {
+        if self.reference_exact > 0 {
+            return 0;
+        }
+        let prompt = self.req.prompt_tokens.len();
+        let first = self.steps.iter().position(|r| r.rechecked).map_or(usize::MAX, |j| prompt - 1 + j);
+        first.min(self.computed)
     }
 
     pub fn output(&self) -> Vec<u32> {
         self.steps.iter().map(|s| s.token).collect()
-    }
-
-    /// Positions its KV cache holds: the prompt so far, then every choice but the latest
-    /// (which is fed on the next step).
-    pub fn cached(&self) -> usize {
-        self.prefilled + self.steps.len().saturating_sub(1)
     }
 
     /// The token fed at cache position `i`: the prompt's, then each choice (the forced token
