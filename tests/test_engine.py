@@ -102,21 +102,26 @@ def test_bad_requests_are_refused_and_in_flight_requests_are_unchanged(model):
         eng.submit("hi", max_new_tokens=2)
 
 
-def test_kv_budget_queues_requests_that_do_not_fit_yet(model):
-    # each request reserves the KV blocks of prompt + max_new_tokens; the pool holds two
-    # blocks and each request needs both, so only one fits at a time
+def test_a_small_kv_pool_queues_and_preempts_without_changing_a_token(model):
+    # a request comes in when its prompt's blocks plus one step fit beside what the running
+    # ones need for their next token: both prompts fit in one block each, so both start; the
+    # pool holds two blocks, so when they grow into a second one the later is preempted and
+    # recomputed after the other finishes
     block = Engine(model).kv_block_size
     assert all(len(model.encode_prompt(p)) + 40 in range(block + 1, 2 * block + 1) for p in PROMPTS[:2])
     eng = Engine(model, kv_budget_tokens=2 * block)
     a = eng.submit(PROMPTS[0], max_new_tokens=40)
     b = eng.submit(PROMPTS[1], max_new_tokens=40)
     eng.step()
-    assert eng._native.num_running == 1 and eng._native.num_waiting == 1
-    assert eng._native.kv_reserved_tokens == 2 * block and eng._native.kv_used_blocks <= 2
+    assert eng._native.num_running == 2 and eng.kv_stats()["used"] == 2
+    while eng._native.num_running == 2:
+        eng.step()
+    assert eng._native.num_waiting == 1 and eng.kv_stats()["preemptions"] == 1
     outs = eng.run([a, b])
     for p, o in zip(PROMPTS[:2], outs):
         assert o.token_ids.tolist() == alone(model, p, 40).token_ids.tolist()
-    assert eng._native.kv_used_blocks == 0
+    st = eng.kv_stats()
+    assert st["used"] == 0 and st["used"] + st["cached"] + st["free"] == st["total"] == 2
 
 
 def test_submit_from_another_thread_while_stepping(model):

@@ -228,7 +228,7 @@ def test_32_clients_with_bad_traffic_mixed_in(server, client):
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
     deadline = time.time() + 10  # a cancelled stream leaves within a step
     while any(server.metric(m) for m in ("candle_gate:num_requests_running", "candle_gate:num_requests_waiting",
-                                         "candle_gate:kv_cache_reserved_tokens")):
+                                         "candle_gate:kv_cache_used_blocks")):
         assert time.time() < deadline, "requests or KV still held after the load"
         time.sleep(0.1)
     text = httpx.get(server.url + "/metrics", timeout=30).text
@@ -358,7 +358,7 @@ def test_a_disconnected_non_streaming_request_is_cancelled(server):
     cancelled = 'candle_gate:request_success_total{model_name="%s",finished_reason="cancelled"}' % M
     before = server.metric(cancelled)
     gen0 = server.metric("candle_gate:generation_tokens_total")
-    assert server.metric("candle_gate:kv_cache_reserved_tokens") == 0
+    assert server.metric("candle_gate:kv_cache_used_blocks") == 0
     body = json.dumps({"prompt": PROMPT, "max_tokens": 4000, "temperature": 0, "stop": []}).encode()
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
@@ -368,14 +368,14 @@ def test_a_disconnected_non_streaming_request_is_cancelled(server):
             server.metric("candle_gate:num_requests_running") < 1:
         assert time.time() < deadline, "the request did not start"
         time.sleep(0.05)
-    assert server.metric("candle_gate:kv_cache_reserved_tokens") >= 4000
+    assert server.metric("candle_gate:kv_cache_used_blocks") >= 1
     assert server.metric("candle_gate:kv_cache_usage_perc") > 0
     tokens_at_close = server.metric("candle_gate:generation_tokens_total")
     t0 = time.time()
     sock.shutdown(socket.SHUT_RDWR)
     sock.close()
     while (server.metric("candle_gate:num_requests_running") != 0
-           or server.metric("candle_gate:kv_cache_reserved_tokens") != 0):
+           or server.metric("candle_gate:kv_cache_used_blocks") != 0):
         assert time.time() - t0 < 5, "the disconnected request is still running"
         time.sleep(0.05)
     assert server.metric(cancelled) == before + 1
@@ -384,14 +384,14 @@ def test_a_disconnected_non_streaming_request_is_cancelled(server):
     assert server.metric("candle_gate:generation_tokens_total") - tokens_at_close < 200
     r = _post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "temperature": 0})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
-    assert server.metric("candle_gate:kv_cache_reserved_tokens") == 0
+    assert server.metric("candle_gate:kv_cache_used_blocks") == 0
 
 
 def test_metrics_have_the_names(server, client):
     client.completions.create(model=M, prompt=PROMPT, max_tokens=3, temperature=0)
     text = httpx.get(server.url + "/metrics", timeout=30).text
     for name in ("candle_gate:num_requests_running", "candle_gate:num_requests_waiting",
-                 "candle_gate:kv_cache_reserved_tokens", "candle_gate:kv_cache_usage_perc",
+                 "candle_gate:kv_cache_used_blocks", "candle_gate:kv_cache_usage_perc",
                  "candle_gate:prompt_tokens_total", "candle_gate:generation_tokens_total",
                  "candle_gate:time_to_first_token_seconds_bucket", "candle_gate:inter_token_latency_seconds_sum",
                  "candle_gate:e2e_request_latency_seconds_count", "candle_gate:gate_steps_total",

@@ -116,6 +116,6 @@ def test_every_operation_was_called_for_real(schema_server):
     assert httpx.get(schema_server.url + "/health", timeout=10).status_code == 200
     deadline = time.time() + 10
     while schema_server.metric("candle_gate:num_requests_running") or \
-            schema_server.metric("candle_gate:kv_cache_reserved_tokens"):
+            schema_server.metric("candle_gate:kv_cache_used_blocks"):
         assert time.time() < deadline, "requests are still running after the run"
         time.sleep(0.1)

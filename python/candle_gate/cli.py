@@ -215,6 +215,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--max-num-seqs", type=int, default=16, help="sequences in the running batch")
+    s.add_argument("--max-num-batched-tokens", type=int, default=256,
+                   help="rows in one step (decode rows first, then prefill chunks): bounds the inter-token latency a long prefill adds")
+    s.add_argument("--prefill-chunk", type=int, default=64, help="prompt positions per prefill chunk")
+    s.add_argument("--kv-budget-tokens", type=int, default=65536,
+                   help="the KV pool's size in positions (allocated at start; cached prefixes live in it too)")
+    s.add_argument("--no-prefix-cache", action="store_true",
+                   help="never reuse the K/V of a prefix another request computed")
     s.add_argument("--max-model-len", type=int, default=None,
                    help="context length served (default: the model's): longer prompts get 400, max_tokens is trimmed to fit")
     s.add_argument("--max-queue", type=int, default=64,

@@ -52,6 +52,8 @@ class Result:
     index: int = 0
     #: the seed the request's draws were keyed by (its own, or the one drawn at submit)
     seed: int = 0
+    #: prompt tokens whose K/V came from the prefix cache
+    cached_tokens: int = 0
     #: per step, the chosen token's log-probability (empty unless ``logprobs``)
     logprobs: np.ndarray = field(repr=False, default_factory=lambda: np.zeros(0, np.float32))
     #: ``[steps, top_logprobs]``: the most likely tokens per step and their log-probabilities
@@ -62,7 +64,8 @@ class Result:
 
     @classmethod
     def _from(cls, d: Dict[str, Any]) -> "Result":
-        shared = {"id": d["id"], "prompt_tokens": d["prompt_tokens"], "seed": d["seed"]}
+        shared = {"id": d["id"], "prompt_tokens": d["prompt_tokens"], "seed": d["seed"],
+                  "cached_tokens": d["cached_tokens"]}
         choices = [cls(**shared, **c) for c in d["choices"]]
         for c in choices:
             c.choices = choices
@@ -176,7 +179,7 @@ class Engine:
                  max_num_seqs: int = 16, max_tokens_per_step: int = 256, prefill_chunk: int = 64,
                  kv_budget_tokens: int = 65536, threads: Optional[int] = None,
                  record_logit_hashes: bool = False, row_split_max: Optional[int] = None,
-                 deep_tau: Optional[float] = None, kv_dtype: str = "f16"):
+                 deep_tau: Optional[float] = None, kv_dtype: str = "f16", enable_prefix_caching: bool = True):
         if not isinstance(model, Model):
             model = Model.load(model)
         self.model = model
@@ -187,12 +190,30 @@ class Engine:
             max_num_seqs=max_num_seqs, max_tokens_per_step=max_tokens_per_step,
             prefill_chunk=prefill_chunk, kv_budget_tokens=kv_budget_tokens, kv_dtype=kv_dtype, threads=threads,
             record_logit_hashes=record_logit_hashes, row_split_max=row_split_max,
-            gate_profiles=gate_profiles(profile))
+            gate_profiles=gate_profiles(profile), enable_prefix_caching=enable_prefix_caching)
 
     @property
     def kv_block_size(self) -> int:
         """Positions per KV block: the pool and each request's reservation come in blocks."""
         return self._native.kv_block_size
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether whole blocks of a token history another request computed are reused."""
+        return self._native.prefix_caching
+
+    def kv_stats(self) -> Dict[str, int]:
+        """The KV pool now, in blocks (``used``: held by running requests; ``cached``: kept for
+        prefix hits, reused when the free ones run out; ``free``; ``total``), and the counters
+        since the engine started: ``prefix_queries`` and ``prefix_hits`` (prompt tokens looked
+        up and found in the cache), ``preemptions``."""
+        n = self._native
+        used, cached, total = n.kv_used_blocks, n.kv_cached_blocks, n.kv_total_blocks
+        return {"used": used, "cached": cached, "free": total - used - cached, "total": total, **n.cache_stats()}
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached prefix (blocks held by running requests stay with them)."""
+        self._native.reset_prefix_cache()
 
     @property
     def kv_dtype(self) -> str:

@@ -170,10 +170,16 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+class PromptTokensDetails(BaseModel):
+    #: prompt tokens whose K/V came from the prefix cache
+    cached_tokens: int
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: Optional[PromptTokensDetails] = None
 
 
 class _ChoiceExt(BaseModel):
@@ -457,9 +463,8 @@ class EngineWorker:
         self.num_running = 0
         self.num_waiting = 0
         self.submitted_since_refresh = 0
-        #: KV tokens the running batch reserves (the engine's count, as of the last step)
-        self.kv_reserved = 0
-        self.kv_budget = eng._native.kv_budget_tokens
+        #: the KV pool and the prefix cache's counters (``Engine.kv_stats``, as of the last step)
+        self.kv_stats: Dict[str, int] = eng.kv_stats()
         self.gate_stats: Dict[str, int] = {"steps": 0, "rechecks": 0, "corrections": 0, "deep_rechecks": 0}
         self.thread = threading.Thread(target=self._run, name="candle-gate-engine", daemon=True)
 
@@ -530,8 +535,8 @@ class EngineWorker:
         nat = self.eng._native
         with self.lock:
             self.num_running, self.num_waiting = nat.num_running, nat.num_waiting
-            self.kv_reserved = nat.kv_reserved_tokens
             self.submitted_since_refresh = 0
+        self.kv_stats = self.eng.kv_stats()
         self.gate_stats = self.eng.gate_stats()
 
     def _fail_all(self, msg: str) -> None:
@@ -606,8 +611,11 @@ class ServerState:
         try:
             self.model = Model.load(a.model, mode=a.mode, profile=a.profile)
             self.eng = Engine(self.model, gate=a.gate, tau=a.tau, deep_tau=a.deep_tau, profile=a.profile,
-                              max_num_seqs=a.max_num_seqs, threads=a.threads,
-                              kv_dtype=a.kv_dtype)
+                              max_num_seqs=a.max_num_seqs, threads=a.threads, kv_dtype=a.kv_dtype,
+                              prefill_chunk=getattr(a, "prefill_chunk", 64),
+                              max_tokens_per_step=getattr(a, "max_num_batched_tokens", 256),
+                              kv_budget_tokens=getattr(a, "kv_budget_tokens", 65536),
+                              enable_prefix_caching=not getattr(a, "no_prefix_cache", False))
         except Exception as e:
             self.load_error = str(e)
             print(f"candle-gate serve: error: could not load the model: {e}", file=sys.stderr, flush=True)
@@ -809,7 +817,8 @@ def _extensions(c: Any, return_margins: bool) -> Dict[str, Any]:
 def _usage(res: Any) -> Dict[str, int]:
     comp = sum(len(c.token_ids) for c in res.choices)
     return {"prompt_tokens": int(res.prompt_tokens), "completion_tokens": comp,
-            "total_tokens": int(res.prompt_tokens) + comp}
+            "total_tokens": int(res.prompt_tokens) + comp,
+            "prompt_tokens_details": {"cached_tokens": int(res.cached_tokens)}}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -987,13 +996,13 @@ def create_app(args: Any):
                               "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics():
         m = st.metrics
-        running = waiting = kv = 0
-        budget = 1
+        running = waiting = 0
+        kv = {"used": 0, "cached": 0, "free": 0, "total": 1, "prefix_queries": 0, "prefix_hits": 0, "preemptions": 0}
         gs = {"steps": 0, "rechecks": 0, "corrections": 0, "deep_rechecks": 0}
         if st.ready:
             w = st.worker
             running, waiting, gs = w.num_running, w.num_waiting + w.submitted_since_refresh, w.gate_stats
-            kv, budget = w.kv_reserved, w.kv_budget
+            kv = w.kv_stats
         lbl = f'model_name="{st.model_name}"'
         lines = [
             "# HELP candle_gate:num_requests_running Sequences in the running batch.",
@@ -1002,12 +1011,21 @@ def create_app(args: Any):
             "# HELP candle_gate:num_requests_waiting Sequences waiting to be scheduled.",
             "# TYPE candle_gate:num_requests_waiting gauge",
             f"candle_gate:num_requests_waiting{{{lbl}}} {waiting}",
-            "# HELP candle_gate:kv_cache_reserved_tokens KV cache tokens reserved by the requests in the engine.",
-            "# TYPE candle_gate:kv_cache_reserved_tokens gauge",
-            f"candle_gate:kv_cache_reserved_tokens{{{lbl}}} {kv}",
-            "# HELP candle_gate:kv_cache_usage_perc Reserved KV cache over the engine's KV budget (1 = full).",
+            "# HELP candle_gate:kv_cache_usage_perc KV blocks held by running requests over the pool (1 = full).",
             "# TYPE candle_gate:kv_cache_usage_perc gauge",
-            f"candle_gate:kv_cache_usage_perc{{{lbl}}} {kv / budget:.6g}",
+            f"candle_gate:kv_cache_usage_perc{{{lbl}}} {kv['used'] / max(kv['total'], 1):.6g}",
+        ]
+        for k, help_ in (("used", "held by running requests"), ("cached", "kept for prefix hits, held by none"),
+                         ("free", "free")):
+            lines += [f"# HELP candle_gate:kv_cache_{k}_blocks KV blocks {help_}.",
+                      f"# TYPE candle_gate:kv_cache_{k}_blocks gauge",
+                      f"candle_gate:kv_cache_{k}_blocks{{{lbl}}} {kv[k]}"]
+        for name, k, help_ in (("prefix_cache_queries", "prefix_queries", "Prompt tokens looked up in the prefix cache."),
+                               ("prefix_cache_hits", "prefix_hits", "Prompt tokens found in the prefix cache."),
+                               ("num_preemptions", "preemptions", "Requests preempted to free KV blocks.")):
+            lines += [f"# HELP candle_gate:{name}_total {help_}", f"# TYPE candle_gate:{name}_total counter",
+                      f"candle_gate:{name}_total{{{lbl}}} {kv[k]}"]
+        lines += [
             "# HELP candle_gate:prompt_tokens_total Prompt tokens submitted.",
             "# TYPE candle_gate:prompt_tokens_total counter",
             f"candle_gate:prompt_tokens_total{{{lbl}}} {m.prompt_tokens}",
@@ -1033,6 +1051,18 @@ def create_app(args: Any):
                       f"# TYPE candle_gate:gate_{k}_total counter",
                       f"candle_gate:gate_{k}_total{{{lbl}}} {int(gs.get(k, 0))}"]
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    @app.post("/reset_prefix_cache", responses={200: {"description": "the prefix cache was emptied"},
+                                                 **_errors(401, 503)})
+    async def reset_prefix_cache(request: Request):
+        """Forgets every cached prefix (vLLM's endpoint of the same name)."""
+        auth(request)
+        st.check_ready()
+        def reset() -> None:
+            st.eng.reset_prefix_cache()
+            st.worker.kv_stats = st.eng.kv_stats()
+        await asyncio.get_running_loop().run_in_executor(None, reset)
+        return {"status": "ok"}
 
     @app.post("/tokenize", openapi_extra=_body(TokenizeRequest),
               responses={200: {"model": TokenizeResponse, "description": "the token ids"},

@@ -260,10 +260,12 @@ class Runner:
 
     def engine(self, n_seqs: int, threads: Optional[int] = None, budget: int = MAX_TOKENS_PER_STEP) -> Engine:
         extra = {} if self.deep_tau is None else {"deep_tau": self.deep_tau}
+        # The probe measures what the kernels do with each composition: every run prefills its
+        # prompt itself (in a non-invariant mode a cached prefix would carry another run's bits).
         eng = Engine(self.model, mode=self.mode, profile=self.profile, gate=self.gate, tau=self.tau,
                      max_num_seqs=max(16, n_seqs + 1), max_tokens_per_step=budget,
                      prefill_chunk=PREFILL_CHUNK, threads=threads, record_logit_hashes=True,
-                     row_split_max=self.row_split_max, **extra)
+                     row_split_max=self.row_split_max, enable_prefix_caching=False, **extra)
         self.deep_tau_used = eng.deep_tau
         return eng
 

@@ -338,15 +338,22 @@ impl Engine {
 
     /// Admits waiting sequences in order while the sequence limit and the pool allow: a
     /// sequence comes in when the blocks its history still needs (after its prefix-cache hit)
-    /// plus one step fit beside one block of growth for every running sequence.
+    /// plus one step fit beside what the running sequences need to reach their next token.
     fn admit(&mut self) -> Result<()> {
+        let mut committed: usize = self
+            .scheduler
+            .running
+            .iter()
+            .map(|s| self.runner.blocks_to_extend(s.id, s.target() + 1 - s.computed))
+            .sum();
         while let Some(s) = self.scheduler.next_to_admit() {
             let hit = self.runner.open(s);
             let need = (s.target() + 1).div_ceil(KV_BLOCK) - hit / KV_BLOCK;
-            if need + self.scheduler.running.len() > self.runner.available_blocks() {
+            if need + committed > self.runner.available_blocks() {
                 self.runner.close(s.id);
                 break;
             }
+            committed += need;
             if s.cached_tokens.is_none() {
                 self.cache_stats.prefix_queries += s.req.prompt_tokens.len() as u64;
                 self.cache_stats.prefix_hits += hit as u64;
