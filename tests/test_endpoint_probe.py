@@ -115,8 +115,10 @@ def test_streamed_completions_logprobs_and_fingerprint_equal_the_non_streamed(in
 def test_split_k_f16_divergences_match_the_in_process_engine():
     """Ungated split_k_f16: the eight chats alone and in one burst of 8, whose requests share the
     server's steps (the lane's bits follow the row count), so some chat leaves its batch-1 path
-    (in-process, batched together, two do: at tokens 33 and 39, hence 48 tokens)."""
-    s = Server("--mode", "split_k_f16", "--max-num-seqs", "16")
+    (in-process, batched together, two do: at tokens 33 and 39, hence 48 tokens). Without the
+    prefix cache: in this lane a cached prefix carries the bits of the composition that computed
+    it, and every "alone" run here must be the chat's own batch-1 path."""
+    s = Server("--mode", "split_k_f16", "--max-num-seqs", "16", "--no-prefix-cache")
     try:
         reports = {stream: ep.probe_endpoint(s.url, M, CHATS, repeats=1, concurrency=8, max_tokens=N,
                                              temperature=0, orders="alone,burst", top_logprobs=2, stream=stream)

@@ -194,7 +194,7 @@ class Engine:
 
     @property
     def kv_block_size(self) -> int:
-        """Positions per KV block: the pool and each request's reservation come in blocks."""
+        """Positions per KV block: the pool, prefix-cache hits and preemption work in blocks."""
         return self._native.kv_block_size
 
     @property

@@ -598,6 +598,55 @@ mod tests {
         assert_eq!(pool.used_blocks(), 0);
     }
 
+    /// Registers `c`'s whole blocks as the history `tokens`; returns their chain hashes.
+    fn publish(pool: &KvPool, c: &KvCache, tokens: &[u32]) -> Vec<u64> {
+        let (mut hashes, mut parent) = (Vec::new(), (1u64, 0u64));
+        for (b, id) in c.block_ids().into_iter().enumerate().take(c.len() / KV_BLOCK) {
+            let t = &tokens[b * KV_BLOCK..(b + 1) * KV_BLOCK];
+            let h = pool.hash_block(parent.0, t);
+            parent = (h, pool.register(id, h, parent.1, t));
+            hashes.push(h);
+        }
+        hashes
+    }
+
+    #[test]
+    fn cached_blocks_are_hits_until_evicted_least_recently_released_first() {
+        let pool = KvPool::bounded(layout(KvDtype::F16), 4);
+        let tokens: Vec<u32> = (0..3 * KV_BLOCK as u32).collect();
+        let mut a = KvCache::in_pool(pool.clone());
+        a.extend(3 * KV_BLOCK).unwrap();
+        for p in 0..3 * KV_BLOCK {
+            a.write(1, p, &row(p, 16), &row(p + 1, 16)).unwrap();
+        }
+        let hashes = publish(&pool, &a, &tokens);
+        drop(a);
+        assert_eq!((pool.used_blocks(), pool.cached_blocks(), pool.available_blocks()), (0, 3, Some(4)));
+        // A hit retains the blocks and reads what was written.
+        let hits = pool.lookup(&hashes[..2], &tokens[..2 * KV_BLOCK]);
+        assert_eq!(hits.len(), 2);
+        let b = KvCache::from_hits(pool.clone(), &hits);
+        assert_eq!(b.read(1, 40, false), row(40, 16));
+        assert_eq!((pool.used_blocks(), pool.cached_blocks()), (2, 1));
+        // Another history's tokens miss.
+        let other: Vec<u32> = tokens.iter().map(|t| t + 1).collect();
+        assert!(pool.lookup(&hashes[..1], &other[..KV_BLOCK]).is_empty());
+        let hits = |n: usize| KvCache::from_hits(pool.clone(), &pool.lookup(&hashes[..n], &tokens[..n * KV_BLOCK]));
+        // Two allocations: the free block, then the only cached one no cache holds (the third).
+        let mut c = KvCache::in_pool(pool.clone());
+        c.extend(2 * KV_BLOCK).unwrap();
+        assert_eq!(hits(3).len(), 2 * KV_BLOCK, "the third block was evicted");
+        assert!(c.extend(KV_BLOCK).is_err(), "nothing left: b holds two, c two");
+        drop(b);
+        // Writing into a block this cache alone holds takes it out of the index.
+        let mut d = hits(1);
+        d.write(0, 3, &row(0, 16), &row(0, 16)).unwrap();
+        drop(d);
+        assert!(hits(1).is_empty());
+        pool.reset_prefix_cache();
+        assert_eq!(pool.cached_blocks(), 0);
+    }
+
     #[test]
     fn a_full_pool_is_an_error_that_changes_nothing() {
         let pool = KvPool::bounded(layout(KvDtype::F32), 2);

@@ -128,3 +128,73 @@ impl Scheduler {
         self.waiting.remove(i)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::sequence::StepRecord;
+    use crate::engine::Request;
+    use crate::sampling::SamplingParams;
+
+    fn seq(id: RequestId, prompt: usize) -> Sequence {
+        Sequence::new(id, Request::new(vec![1; prompt], SamplingParams::greedy(8)), 0)
+    }
+
+    fn record(rechecked: bool) -> StepRecord {
+        StepRecord {
+            token: 2,
+            margin: 1.0,
+            reference_margin: f32::NAN,
+            rechecked,
+            corrected: false,
+            deep: false,
+            logit_hash: None,
+            logprob: None,
+            top_logprobs: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn the_plan_puts_decode_rows_first_and_whole_chunks_while_the_budget_lasts() {
+        let cfg = EngineConfig { max_tokens_per_step: 69, prefill_chunk: 64, max_num_seqs: 3, ..Default::default() };
+        let mut sch = Scheduler::new(&cfg);
+        for (id, prompt) in [(1, 100), (2, 10), (3, 5), (4, 5)] {
+            sch.waiting.push_back(seq(id, prompt));
+        }
+        let mut admitted = vec![];
+        while let Some(s) = sch.next_to_admit() {
+            admitted.push(s.id);
+            sch.admit_front(0);
+        }
+        assert_eq!(admitted, [1, 2, 3], "max_num_seqs");
+        sch.running[1].computed = 10;
+        sch.running[1].steps.push(record(false));
+        // 1 decode row, then 64 of the first prompt; the third's 5 no longer fit (69 - 65).
+        assert_eq!(sch.plan(), vec![(0, Work::Prefill(0..64)), (1, Work::Decode)]);
+        // A cached prefix of 96 positions: the next chunk runs to the next multiple of 64.
+        sch.running[0].computed = 96;
+        assert_eq!(sch.plan()[0], (0, Work::Prefill(96..100)));
+    }
+
+    #[test]
+    fn preemption_takes_the_latest_admitted_and_it_resumes_through_its_repaired_positions() {
+        let mut sch = Scheduler::new(&EngineConfig::default());
+        sch.waiting.extend([seq(1, 40), seq(2, 40)]);
+        sch.admit_front(0);
+        sch.admit_front(0);
+        for s in sch.running.iter_mut() {
+            s.computed = 43;
+            s.steps.extend([record(false), record(true), record(false), record(true)]);
+        }
+        assert_eq!(sch.preempt_latest(), Some(2));
+        let s = &sch.waiting[0];
+        assert_eq!((s.id, s.computed, s.target(), s.clean_prefix()), (2, 0, 43, 40));
+        // Steps 1 and 3 were rechecked: positions 40 and 42 were rewritten by the gate.
+        assert_eq!(s.next_chunk(64), 0..41);
+        let mut s = sch.waiting.pop_front().unwrap();
+        s.computed = 41;
+        assert_eq!(s.next_chunk(64), 41..43);
+        s.computed = 43;
+        assert!(!s.in_prefill());
+    }
+}

@@ -145,15 +145,15 @@ impl Sequence {
         p >= self.reference_exact && p + 1 >= prompt && self.steps.get(p + 1 - prompt).is_some_and(|r| r.rechecked)
     }
 
-    /// Positions whose K/V are the fast lane's own computation from the token history: all of
-    /// them before the first one the gate rewrote. Only these may be shared as a cached prefix.
+    /// Where its history stops being the fast lane's own computation: the first position the
+    /// gate rewrote (`usize::MAX` if none). Only positions before it may be shared as a cached
+    /// prefix (callers bound it by what the cache holds).
     pub fn clean_prefix(&self) -> usize {
         if self.reference_exact > 0 {
             return 0;
         }
         let prompt = self.req.prompt_tokens.len();
-        let first = self.steps.iter().position(|r| r.rechecked).map_or(usize::MAX, |j| prompt - 1 + j);
-        first.min(self.computed)
+        self.steps.iter().position(|r| r.rechecked).map_or(usize::MAX, |j| prompt - 1 + j)
     }
 
     pub fn output(&self) -> Vec<u32> {
