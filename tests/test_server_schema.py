@@ -29,7 +29,7 @@ KEY = "sk-schema-1c9e"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_MODEL_LEN = 40
 OPERATIONS = {"GET /health", "GET /metrics", "GET /v1/models", "GET /v1/models/{name}", "POST /tokenize",
-              "POST /detokenize", "POST /v1/completions", "POST /v1/chat/completions"}
+              "POST /detokenize", "POST /v1/completions", "POST /v1/chat/completions", "POST /reset_prefix_cache"}
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
           response_headers_conformance, negative_data_rejection, ignored_auth]
 
@@ -107,8 +107,8 @@ def test_every_operation_was_called_for_real(schema_server):
     print("seconds: " + ", ".join(f"{k[0]} {k[1]}: {v:.0f}" for k, v in sorted(SECONDS.items()) if v >= 1))
     assert set(CALLS) == OPERATIONS, sorted(CALLS)
     for op in OPERATIONS:
-        # /health and /metrics take no input: a few distinct requests are all there is
-        assert CALLS[op] >= (2 if op in ("GET /health", "GET /metrics") else 20), (op, CALLS[op])
+        # /health, /metrics and /reset_prefix_cache take no input: a few distinct requests are all there is
+        assert CALLS[op] >= (2 if op in ("GET /health", "GET /metrics", "POST /reset_prefix_cache") else 20), (op, CALLS[op])
         assert STATUSES[(op, 200)] >= 1, (op, {k: v for k, v in STATUSES.items() if k[0] == op})
     assert not any(status >= 500 for _, status in STATUSES)
     for gen in ("POST /v1/completions", "POST /v1/chat/completions"):

@@ -886,7 +886,7 @@ def _openapi_document(app: Any, keyed: bool, model_name: str) -> Dict[str, Any]:
             for prm in op.get("parameters", ()):
                 if path == "/v1/models/{name}" and prm.get("name") == "name" and model_name:
                     prm["schema"]["examples"] = [model_name]
-            if keyed and (path.startswith("/v1/") or path in ("/tokenize", "/detokenize")):
+            if keyed and (path.startswith("/v1/") or path in ("/tokenize", "/detokenize", "/reset_prefix_cache")):
                 op["security"] = [{"bearer": []}]
     return doc
 
