@@ -105,11 +105,15 @@ def paragraph(tokens: int, seed: int) -> str:
     return " ".join(words)
 
 
+#: the model's name in requests (candle-gate checks it; llama-server takes any)
+MODEL = ["default"]
+
+
 def stream_chat(client: Any, messages: List[Dict[str, str]], max_tokens: int) -> Dict[str, Any]:
     """One streamed chat completion: its text, TTFT, inter-token gaps and cached tokens."""
     t0 = time.perf_counter()
     first, last, gaps, parts, cached = None, None, [], [], None
-    stream = client.chat.completions.create(model="m", messages=messages, max_tokens=max_tokens, temperature=0,
+    stream = client.chat.completions.create(model=MODEL[0], messages=messages, max_tokens=max_tokens, temperature=0,
                                             stream=True, stream_options={"include_usage": True})
     for ch in stream:
         if ch.usage is not None:
@@ -245,6 +249,7 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     gguf = candle_gate.models.resolve(a.model)
+    MODEL[0] = a.model
     work = a.workloads.split(",")
     kinds = ["candle-gate"] + ([] if a.no_cold else ["candle-gate (no cache)"]) + (["llama.cpp"] if a.llama_server else [])
     print(f"# {a.model}, {os.cpu_count()} CPUs, {a.threads} threads per server")
