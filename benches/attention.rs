@@ -32,7 +32,10 @@ fn main() {
         ("Qwen2.5-0.5B", 24, Heads { n_head: 14, n_kv_head: 2, head_dim: 64 }),
         ("Qwen2.5-1.5B", 28, Heads { n_head: 12, n_kv_head: 2, head_dim: 128 }),
     ];
-    println!("{:<14} {:>7} {:<9} {:>12} {:>9} {:>10} {:>14}", "model", "context", "tier", "decode ms", "GB/s", "% of bw", "prefill 512 ms");
+    println!(
+        "{:<14} {:>7} {:<9} {:>12} {:>9} {:>10} {:>14}",
+        "model", "context", "tier", "decode ms", "GB/s", "% of bw", "prefill 512 ms"
+    );
     for (name, n_layer, h) in shapes {
         for &ctx in &contexts {
             let lay = BlockLayout { n_layer, n_kv_head: h.n_kv_head, head_dim: h.head_dim, dtype };

@@ -6,7 +6,11 @@ use candle_gate::profile::{format_table, measure, MeasureSpec};
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let quick = args.iter().any(|a| a == "--quick");
-    let out = args.iter().position(|a| a == "--out").and_then(|i| args.get(i + 1)).cloned()
+    let out = args
+        .iter()
+        .position(|a| a == "--out")
+        .and_then(|i| args.get(i + 1))
+        .cloned()
         .unwrap_or_else(|| "target/candle-gate-profile.json".into());
     let spec = if quick { MeasureSpec::quick() } else { MeasureSpec::full() };
     let mut n = 0;

@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::{Device, Tensor};
-use candle_gate::llama::{argmax_margin, SeqRows};
 use candle_gate::kernels::{set_pool, Pool};
+use candle_gate::llama::{argmax_margin, SeqRows};
 use candle_gate::*;
 use candle_transformers::models::quantized_llama::ModelWeights;
 
@@ -53,7 +53,10 @@ use bandwidth::bandwidth_gbs;
 
 fn main() {
     let path = registry::resolve(registry::DEFAULT_MODEL).expect("run `candle-gate fetch` first");
-    let policies: Vec<Arc<Policy>> = [Mode::Invariant, Mode::RowSplit, Mode::Native, Mode::Gemm].into_iter().map(|m| Arc::new(Policy::new(m))).collect();
+    let policies: Vec<Arc<Policy>> = [Mode::Invariant, Mode::RowSplit, Mode::Native, Mode::Gemm]
+        .into_iter()
+        .map(|m| Arc::new(Policy::new(m)))
+        .collect();
     let models: Vec<Model> = policies.iter().map(|p| Model::load(&path, p.clone()).unwrap()).collect();
     let prompt = models[0].tokenizer.encode(PROMPT).unwrap();
     // (label, model index, worker pool): every mode on rayon, invariant also on Candle's pool.
@@ -76,16 +79,29 @@ fn main() {
         best_theirs = (best_theirs.0.max(a), best_theirs.1.max(b));
         eprintln!("round {}/{ROUNDS} done", round + 1);
     }
-    println!("single stream, {} prompt tokens, {DECODE} decoded tokens, best of {ROUNDS} alternating rounds", prompt.len());
+    println!(
+        "single stream, {} prompt tokens, {DECODE} decoded tokens, best of {ROUNDS} alternating rounds",
+        prompt.len()
+    );
     println!("{:<36} {:>12} {:>12} {:>14} {:>14}", "", "prefill t/s", "decode t/s", "prefill ratio", "decode ratio");
-    println!("{:<36} {:>12.1} {:>12.1} {:>14} {:>14}", "candle-transformers quantized_llama", best_theirs.0, best_theirs.1, "1.00x", "1.00x");
+    println!(
+        "{:<36} {:>12.1} {:>12.1} {:>14} {:>14}",
+        "candle-transformers quantized_llama", best_theirs.0, best_theirs.1, "1.00x", "1.00x"
+    );
     for ((label, _, _), (a, b)) in runs.iter().zip(&best_ours) {
         println!("{:<36} {:>12.1} {:>12.1} {:>13.2}x {:>13.2}x", label, a, b, a / best_theirs.0, b / best_theirs.1);
     }
     let bw = bandwidth_gbs();
     let bytes = models[0].llama.bytes_per_decode_token() as f64;
     let limit = bw * 1e9 / bytes;
-    println!("\ndecode reads {:.1} MB/token; measured read bandwidth {bw:.1} GB/s -> bandwidth limit {limit:.0} tok/s", bytes / 1e6);
+    println!(
+        "\ndecode reads {:.1} MB/token; measured read bandwidth {bw:.1} GB/s -> bandwidth limit {limit:.0} tok/s",
+        bytes / 1e6
+    );
     let best_inv = best_ours[0].1.max(best_ours[runs.len() - 1].1);
-    println!("candle-gate invariant decode (best pool) is at {:.0}% of the bandwidth limit (candle-transformers {:.0}%)", 100.0 * best_inv / limit, 100.0 * best_theirs.1 / limit);
+    println!(
+        "candle-gate invariant decode (best pool) is at {:.0}% of the bandwidth limit (candle-transformers {:.0}%)",
+        100.0 * best_inv / limit,
+        100.0 * best_theirs.1 / limit
+    );
 }

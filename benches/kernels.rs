@@ -17,11 +17,11 @@ use std::time::Instant;
 use candle_core::quantized::k_quants::{BlockQ4K, BlockQ4_1, BlockQ5_0, BlockQ6K, BlockQ8_0, GgmlType};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Module, Tensor};
-use rayon::prelude::*;
 use candle_gate::dispatch::Kernel;
-use candle_gate::kernels::{isa, set_isa, Isa};
 use candle_gate::gguf::GgufFile;
+use candle_gate::kernels::{isa, set_isa, Isa};
 use candle_gate::{registry, QMatMul};
+use rayon::prelude::*;
 
 fn arg(args: &[String], name: &str) -> Option<String> {
     args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned()
@@ -62,7 +62,9 @@ where
     }
     let mut out = vec![0f32; m * n];
     out.par_chunks_mut(n).enumerate().for_each(|(r, o)| {
-        o.par_iter_mut().enumerate().for_each(|(c, v)| *v = T::vec_dot(k, &wb[c * kb..(c + 1) * kb], &xq[r * kb..(r + 1) * kb]));
+        o.par_iter_mut()
+            .enumerate()
+            .for_each(|(c, v)| *v = T::vec_dot(k, &wb[c * kb..(c + 1) * kb], &xq[r * kb..(r + 1) * kb]));
     });
     out
 }
@@ -87,7 +89,8 @@ fn main() {
 fn run() {
     let args: Vec<String> = std::env::args().collect();
     let model = arg(&args, "--model").unwrap_or_else(|| registry::DEFAULT_MODEL.into());
-    let rows: Vec<usize> = arg(&args, "--rows").unwrap_or_else(|| "1,8".into()).split(',').map(|r| r.parse().unwrap()).collect();
+    let rows: Vec<usize> =
+        arg(&args, "--rows").unwrap_or_else(|| "1,8".into()).split(',').map(|r| r.parse().unwrap()).collect();
     // Only these dtypes (as printed, e.g. `Q5_0,Q4K`): a kernel's own shapes, quickly.
     let only: Option<Vec<String>> = arg(&args, "--only").map(|o| o.split(',').map(|d| d.trim().to_string()).collect());
     let path = registry::resolve(&model).expect("fetch the model first (`candle-gate fetch --model ...`)");
@@ -116,11 +119,25 @@ fn run() {
     println!("invariant kernels' tier: {} (CANDLE_GATE_ISA caps it)", tier.name());
     println!(
         "{:<6} {:>7} {:>6} {:>5} {:>4} {:>11} {:>11} {:>8} {:>11} {:>8} {:>9} {:>11} {:>9} {:>8}",
-        "dtype", "n", "k", "count", "rows", "invariant", "QMatMul", "ratio", "vec_dot", "ratio", "GB/s inv", "inv cold", "GB/s cold", "vs avx2"
+        "dtype",
+        "n",
+        "k",
+        "count",
+        "rows",
+        "invariant",
+        "QMatMul",
+        "ratio",
+        "vec_dot",
+        "ratio",
+        "GB/s inv",
+        "inv cold",
+        "GB/s cold",
+        "vs avx2"
     );
     for ((dtype, n, k), names) in kinds {
         let (name, count) = (names[0].clone(), names.len());
-        let layers: Vec<QMatMul> = names.iter().map(|nm| QMatMul::from_qtensor(f.tensor(nm).unwrap()).unwrap()).collect();
+        let layers: Vec<QMatMul> =
+            names.iter().map(|nm| QMatMul::from_qtensor(f.tensor(nm).unwrap()).unwrap()).collect();
         let t = f.tensor(&name).unwrap();
         let bytes = t.storage_size_in_bytes() as f64;
         let ours = QMatMul::from_qtensor(t).unwrap();

@@ -183,7 +183,13 @@ impl Model {
     /// policy in one prefill call; "reference" runs every position through the FP32 reference
     /// lane (`weights` "dense" or "blockwise").
     #[pyo3(signature = (tokens, lane = "fast", weights = "dense"))]
-    fn logits<'py>(&self, py: Python<'py>, tokens: Vec<u32>, lane: &str, weights: &str) -> PyResult<Bound<'py, PyArray1<f32>>> {
+    fn logits<'py>(
+        &self,
+        py: Python<'py>,
+        tokens: Vec<u32>,
+        lane: &str,
+        weights: &str,
+    ) -> PyResult<Bound<'py, PyArray1<f32>>> {
         let y = guarded("Model.logits", || {
             let how = reference_weights(weights)?;
             let l = &self.inner.llama;
@@ -308,7 +314,9 @@ impl SamplingParams {
                 .map_err(|_| PyTypeError::new_err("stop must be a string or a list of strings"))?,
         };
         let seed = seed
-            .map(|s| u64::try_from(s).map_err(|_| PyValueError::new_err(format!("seed must be in [0, 2**64), got {s}"))))
+            .map(|s| {
+                u64::try_from(s).map_err(|_| PyValueError::new_err(format!("seed must be in [0, 2**64), got {s}")))
+            })
             .transpose()?;
         if max_new_tokens <= 0 {
             return Err(PyValueError::new_err(format!("max_new_tokens must be positive, got {max_new_tokens}")));
@@ -400,9 +408,7 @@ impl SamplingParams {
 
 impl Engine {
     fn lock(&self) -> PyResult<std::sync::MutexGuard<'_, RsEngine>> {
-        self.inner
-            .lock()
-            .map_err(|_| CandleGateError::new_err("the engine is unusable after an internal error"))
+        self.inner.lock().map_err(|_| CandleGateError::new_err("the engine is unusable after an internal error"))
     }
 
     /// `f` on the engine with the GIL released: the lock may wait for a step in another thread,
@@ -456,7 +462,9 @@ impl Engine {
             let loaded = profile.map(|p| Profile::load(&PathBuf::from(p))).transpose().map_err(to_py)?;
             let mut policy = match &loaded {
                 None => Policy::new(Mode::from_str(mode).map_err(to_py)?),
-                Some(p) => p.policy(Backend::Cpu, Mode::from_str(mode).map_err(to_py)?, profile.unwrap()).map_err(to_py)?,
+                Some(p) => {
+                    p.policy(Backend::Cpu, Mode::from_str(mode).map_err(to_py)?, profile.unwrap()).map_err(to_py)?
+                }
             };
             if let Some(r) = row_split_max {
                 if r == 0 {
@@ -494,7 +502,13 @@ impl Engine {
     }
 
     #[pyo3(signature = (prompt_tokens, params, forced_tokens = None))]
-    fn submit(&self, py: Python<'_>, prompt_tokens: Vec<u32>, params: &SamplingParams, forced_tokens: Option<Vec<u32>>) -> PyResult<u64> {
+    fn submit(
+        &self,
+        py: Python<'_>,
+        prompt_tokens: Vec<u32>,
+        params: &SamplingParams,
+        forced_tokens: Option<Vec<u32>>,
+    ) -> PyResult<u64> {
         guarded("Engine.submit", || {
             let req = Request { prompt_tokens, params: params.inner.clone(), forced_tokens };
             py.detach(|| self.lock().map(|mut e| e.submit(req)))?.map_err(to_py)
@@ -649,7 +663,8 @@ impl Engine {
 
     /// Steps until all of `ids` are finished (GIL released) and returns their outputs in order.
     fn run<'py>(&self, py: Python<'py>, ids: Vec<u64>) -> PyResult<Vec<Bound<'py, PyDict>>> {
-        let outs = guarded("Engine.run", || py.detach(|| self.lock().map(|mut e| e.run_to_completion(&ids)))?.map_err(to_py))?;
+        let outs =
+            guarded("Engine.run", || py.detach(|| self.lock().map(|mut e| e.run_to_completion(&ids)))?.map_err(to_py))?;
         outs.into_iter().map(|o| output_dict(py, o)).collect()
     }
 }
@@ -692,7 +707,13 @@ fn load_profiles(paths: &[String]) -> PyResult<Vec<Profile>> {
 
 /// The lane a gate calibration is looked up for: `mode` and the model's sha256, computed only
 /// when a gated engine without tau has profiles to look in.
-fn calibration_lane(gmode: GateMode, tau: Option<f32>, profiles: usize, model: &Model, mode: &str) -> PyResult<Option<(Mode, String)>> {
+fn calibration_lane(
+    gmode: GateMode,
+    tau: Option<f32>,
+    profiles: usize,
+    model: &Model,
+    mode: &str,
+) -> PyResult<Option<(Mode, String)>> {
     if !GateConfig::needs_calibration(gmode, tau) || profiles == 0 {
         return Ok(None);
     }
@@ -736,7 +757,8 @@ fn resolve_gate(
         let list: Vec<(&Profile, &str)> = loaded.iter().zip(&profiles).map(|(p, s)| (p, s.as_str())).collect();
         let mode = mode.unwrap_or(model.inner.policy.mode.name());
         let lane = py.detach(|| calibration_lane(gmode, tau, list.len(), model, mode))?;
-        GateConfig::resolve_values(gmode, tau, deep_tau, &list, lane.as_ref().map(|(m, h)| (*m, h.as_str()))).map_err(to_py)
+        GateConfig::resolve_values(gmode, tau, deep_tau, &list, lane.as_ref().map(|(m, h)| (*m, h.as_str())))
+            .map_err(to_py)
     })
 }
 

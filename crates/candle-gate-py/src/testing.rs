@@ -32,7 +32,14 @@ fn xorshift(len: usize, seed: u64) -> Vec<f32> {
 /// Quantizes a random `[n, k]` weight to `dtype` and runs every CPU kernel on `m` random rows;
 /// returns `{kernel: flat outputs}` (for property tests from Python).
 #[pyfunction]
-fn kernel_outputs<'py>(py: Python<'py>, dtype: &str, n: usize, k: usize, m: usize, seed: u64) -> PyResult<Bound<'py, PyDict>> {
+fn kernel_outputs<'py>(
+    py: Python<'py>,
+    dtype: &str,
+    n: usize,
+    k: usize,
+    m: usize,
+    seed: u64,
+) -> PyResult<Bound<'py, PyDict>> {
     use candle_core::{quantized::QTensor, Device, Tensor};
     let outs = guarded("kernel_outputs", || {
         let d = candle_gate::dispatch::dtype_from_name(dtype).map_err(to_py)?;
@@ -40,7 +47,10 @@ fn kernel_outputs<'py>(py: Python<'py>, dtype: &str, n: usize, k: usize, m: usiz
             return Err(PyValueError::new_err("n and k must be positive"));
         }
         if k % d.block_size() != 0 {
-            return Err(PyValueError::new_err(format!("k={k} is not a multiple of the {dtype} block size {}", d.block_size())));
+            return Err(PyValueError::new_err(format!(
+                "k={k} is not a multiple of the {dtype} block size {}",
+                d.block_size()
+            )));
         }
         let dev = Device::Cpu;
         let r = || -> candle_core::Result<(QTensor, Vec<f32>)> {
@@ -67,7 +77,15 @@ fn kernel_outputs<'py>(py: Python<'py>, dtype: &str, n: usize, k: usize, m: usiz
 /// The sampler's decision for one step: `(token, margin)`.
 #[pyfunction]
 #[pyo3(signature = (logits, params, seed, index = 0, position = 0, prompt = Vec::new(), output = Vec::new()))]
-fn decide(logits: Vec<f32>, params: &SamplingParams, seed: u64, index: u32, position: u32, prompt: Vec<u32>, output: Vec<u32>) -> PyResult<(u32, f32)> {
+fn decide(
+    logits: Vec<f32>,
+    params: &SamplingParams,
+    seed: u64,
+    index: u32,
+    position: u32,
+    prompt: Vec<u32>,
+    output: Vec<u32>,
+) -> PyResult<(u32, f32)> {
     guarded("decide", || {
         let key = DrawKey { seed, index, position };
         let d = sampling::decide(&params.inner, key, &prompt, &output, &logits);
@@ -77,7 +95,13 @@ fn decide(logits: Vec<f32>, params: &SamplingParams, seed: u64, index: u32, posi
 
 /// The tokens drawn for `logits` with seeds `seed0 .. seed0 + draws` (position 0, choice 0).
 #[pyfunction]
-fn sample_tokens<'py>(py: Python<'py>, logits: Vec<f32>, params: &SamplingParams, seed0: u64, draws: usize) -> PyResult<Bound<'py, numpy::PyArray1<u32>>> {
+fn sample_tokens<'py>(
+    py: Python<'py>,
+    logits: Vec<f32>,
+    params: &SamplingParams,
+    seed0: u64,
+    draws: usize,
+) -> PyResult<Bound<'py, numpy::PyArray1<u32>>> {
     use rayon::prelude::*;
     let toks = guarded("sample_tokens", || {
         Ok(py.detach(|| {

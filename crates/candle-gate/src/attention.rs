@@ -184,7 +184,16 @@ impl Partials {
 
 /// The partials of split `split` for every query that reaches into it (others are left as
 /// they were). `qs` all read KV head `kvh` of `kv`.
-fn split_partials(kv: &LayerKv, kvh: usize, qs: &[Query], split: usize, scale: f32, w: &mut Work, out: &mut Partials, tier: Tier) {
+fn split_partials(
+    kv: &LayerKv,
+    kvh: usize,
+    qs: &[Query],
+    split: usize,
+    scale: f32,
+    w: &mut Work,
+    out: &mut Partials,
+    tier: Tier,
+) {
     let hd = kv.layout.head_dim;
     let start = split * SPLIT;
     let reach = qs.iter().map(|q| q.len.saturating_sub(start).min(SPLIT)).max().unwrap_or(0);
@@ -260,7 +269,15 @@ fn prefetch_block(kv: &LayerKv, kvh: usize, b: usize, values: bool) {
 
 /// `s[t] = (Σ_d q[d]·kt[d][t]) · scale` for the block's 32 positions, for each query, into
 /// `out[at(i)..at(i) + 32]`.
-fn scores_block(qs: &[&[f32]], kt: &[f32], hd: usize, scale: f32, out: &mut [f32], at: impl Fn(usize) -> usize, tier: Tier) {
+fn scores_block(
+    qs: &[&[f32]],
+    kt: &[f32],
+    hd: usize,
+    scale: f32,
+    out: &mut [f32],
+    at: impl Fn(usize) -> usize,
+    tier: Tier,
+) {
     #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
     if tier == Tier::Avx2 {
         // SAFETY: AVX2/FMA are enabled at compile time; `kt` holds hd × 32 values, each q hd.
@@ -407,8 +424,11 @@ pub fn attend_rows(
     let r = seq.len();
     assert!(q.len() == r * qd && out.len() == r * qd && pos.len() == r);
     let ptrs: Vec<Vec<*const u8>> = caches.iter().map(|c| c.block_ptrs().collect()).collect();
-    let kvs: Vec<LayerKv> =
-        caches.iter().zip(&ptrs).map(|(c, p)| LayerKv { blocks: p, stride: c.pool().stride(), layout: *c.layout(), layer }).collect();
+    let kvs: Vec<LayerKv> = caches
+        .iter()
+        .zip(&ptrs)
+        .map(|(c, p)| LayerKv { blocks: p, stride: c.pool().stride(), layout: *c.layout(), layer })
+        .collect();
     let mut tasks = Vec::new();
     let mut i = 0;
     while i < r {
@@ -444,14 +464,23 @@ pub fn attend_rows(
         tasks.par_iter().for_each(|t| {
             let qs = queries(t);
             let mut part = Partials::new(qs.len(), hd);
-            let (mut big_m, mut big_l, mut big_o) = (vec![0f32; qs.len()], vec![0f32; qs.len()], vec![0f32; qs.len() * hd]);
+            let (mut big_m, mut big_l, mut big_o) =
+                (vec![0f32; qs.len()], vec![0f32; qs.len()], vec![0f32; qs.len() * hd]);
             WORK.with_borrow_mut(|w| {
                 for s in 0..splits_of(t) {
                     split_partials(&kvs[t.seq], t.kvh, &qs, s, scale, w, &mut part, tier);
                     for (k, qk) in qs.iter().enumerate() {
                         if s * SPLIT < qk.len {
                             let o = &part.o[k * hd..(k + 1) * hd];
-                            fold(s == 0, part.m[k], part.l[k], o, &mut big_m[k], &mut big_l[k], &mut big_o[k * hd..(k + 1) * hd]);
+                            fold(
+                                s == 0,
+                                part.m[k],
+                                part.l[k],
+                                o,
+                                &mut big_m[k],
+                                &mut big_l[k],
+                                &mut big_o[k * hd..(k + 1) * hd],
+                            );
                         }
                     }
                 }
@@ -533,7 +562,10 @@ mod avx2 {
     #[inline(always)]
     pub unsafe fn exp_neg8(x: __m256) -> __m256 {
         let ok = _mm256_cmp_ps::<_CMP_GE_OQ>(x, _mm256_set1_ps(EXP_MIN));
-        let k = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)));
+        let k = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
+            x,
+            _mm256_set1_ps(LOG2E),
+        ));
         let r = _mm256_fmadd_ps(k, _mm256_set1_ps(-LN2_HI), x);
         let r = _mm256_fmadd_ps(k, _mm256_set1_ps(-LN2_LO), r);
         let z = _mm256_mul_ps(r, r);
@@ -591,7 +623,14 @@ mod avx2 {
     }
 
     /// Scores of the block's 32 positions for each of `qs`, four queries at a time.
-    pub unsafe fn scores_block(qs: &[&[f32]], kt: &[f32], hd: usize, scale: f32, out: &mut [f32], at: impl Fn(usize) -> usize) {
+    pub unsafe fn scores_block(
+        qs: &[&[f32]],
+        kt: &[f32],
+        hd: usize,
+        scale: f32,
+        out: &mut [f32],
+        at: impl Fn(usize) -> usize,
+    ) {
         debug_assert!(kt.len() >= hd * KV_BLOCK && qs.iter().all(|q| q.len() >= hd));
         let sc = _mm256_set1_ps(scale);
         let mut j = 0;
@@ -717,7 +756,13 @@ mod tests {
     }
 
     /// Attention of the rows `(seq, first..last)` of several sequences in one call.
-    fn run(h: Heads, caches: &[&KvCache], seqs: &[&Seq], rows: &[(usize, std::ops::Range<usize>)], tier: Tier) -> Vec<Vec<u32>> {
+    fn run(
+        h: Heads,
+        caches: &[&KvCache],
+        seqs: &[&Seq],
+        rows: &[(usize, std::ops::Range<usize>)],
+        tier: Tier,
+    ) -> Vec<Vec<u32>> {
         let qd = h.n_head * h.head_dim;
         let (mut q, mut sq, mut pos) = (vec![], vec![], vec![]);
         for (i, r) in rows {
@@ -764,9 +809,11 @@ mod tests {
                 let scattered = cache(h, &a, len, dtype, Some(7));
                 assert_ne!(ca.block_ids(), scattered.block_ids());
                 // Each probed row alone, as a decode step, is the reference.
-                let mut probes: Vec<usize> = [0, 1, 31, 32, 255, 256, 257, 511, 512].into_iter().filter(|&p| p < len).collect();
+                let mut probes: Vec<usize> =
+                    [0, 1, 31, 32, 255, 256, 257, 511, 512].into_iter().filter(|&p| p < len).collect();
                 probes.push(len - 1);
-                let alone: Vec<Vec<u32>> = probes.iter().map(|&p| run(h, &[&ca], &[&a], &[(0, p..p + 1)], Tier::Portable).remove(0)).collect();
+                let alone: Vec<Vec<u32>> =
+                    probes.iter().map(|&p| run(h, &[&ca], &[&a], &[(0, p..p + 1)], Tier::Portable).remove(0)).collect();
                 for tier in tiers() {
                     for pool in pools() {
                         pool.install(|| {
@@ -783,7 +830,11 @@ mod tests {
                             for &p in &probes {
                                 let c0 = p - p % 7;
                                 let got = run(h, &[&ca], &[&a], &[(0, c0..(c0 + 7).min(len))], tier);
-                                assert_eq!(&got[p - c0], &alone[probes.iter().position(|&x| x == p).unwrap()], "{h:?} {tier:?} row {p} in a chunk of 7");
+                                assert_eq!(
+                                    &got[p - c0],
+                                    &alone[probes.iter().position(|&x| x == p).unwrap()],
+                                    "{h:?} {tier:?} row {p} in a chunk of 7"
+                                );
                             }
                         });
                     }
@@ -808,7 +859,10 @@ mod tests {
                 let kvh = hh / 2;
                 let q = &a.q[p * qd + hh * hd..p * qd + (hh + 1) * hd];
                 let s: Vec<f64> = (0..=p)
-                    .map(|t| (0..hd).map(|d| q[d] as f64 * a.k[t * kvd + kvh * hd + d] as f64).sum::<f64>() / (hd as f64).sqrt())
+                    .map(|t| {
+                        (0..hd).map(|d| q[d] as f64 * a.k[t * kvd + kvh * hd + d] as f64).sum::<f64>()
+                            / (hd as f64).sqrt()
+                    })
                     .collect();
                 let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                 let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
@@ -850,8 +904,21 @@ mod tests {
     fn exp_neg8_is_exp_neg_bit_for_bit() {
         use std::arch::x86_64::*;
         let ln2 = std::f32::consts::LN_2;
-        let mut xs: Vec<f32> =
-            vec![0.0, -0.0, -1e-30, -1e-10, EXP_MIN, EXP_MIN - 1e-5, -87.0, -87.5, -88.0, -1000.0, f32::NEG_INFINITY, f32::NAN, -f32::MIN_POSITIVE];
+        let mut xs: Vec<f32> = vec![
+            0.0,
+            -0.0,
+            -1e-30,
+            -1e-10,
+            EXP_MIN,
+            EXP_MIN - 1e-5,
+            -87.0,
+            -87.5,
+            -88.0,
+            -1000.0,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            -f32::MIN_POSITIVE,
+        ];
         for k in 0..130 {
             let mid = -(k as f32 + 0.5) * ln2;
             xs.extend([mid, f32::from_bits(mid.to_bits() + 1), f32::from_bits(mid.to_bits() - 1)]);

@@ -27,10 +27,10 @@ impl ChatMessage {
 /// Noncharacters (Unicode's "never interchanged" code points): the marker is the first of these
 /// that occurs in none of the caller's strings, so removing it never removes user text.
 const MARKERS: [char; 32] = [
-    '\u{FDD0}', '\u{FDD1}', '\u{FDD2}', '\u{FDD3}', '\u{FDD4}', '\u{FDD5}', '\u{FDD6}', '\u{FDD7}',
-    '\u{FDD8}', '\u{FDD9}', '\u{FDDA}', '\u{FDDB}', '\u{FDDC}', '\u{FDDD}', '\u{FDDE}', '\u{FDDF}',
-    '\u{FDE0}', '\u{FDE1}', '\u{FDE2}', '\u{FDE3}', '\u{FDE4}', '\u{FDE5}', '\u{FDE6}', '\u{FDE7}',
-    '\u{FDE8}', '\u{FDE9}', '\u{FDEA}', '\u{FDEB}', '\u{FDEC}', '\u{FDED}', '\u{FDEE}', '\u{FDEF}',
+    '\u{FDD0}', '\u{FDD1}', '\u{FDD2}', '\u{FDD3}', '\u{FDD4}', '\u{FDD5}', '\u{FDD6}', '\u{FDD7}', '\u{FDD8}',
+    '\u{FDD9}', '\u{FDDA}', '\u{FDDB}', '\u{FDDC}', '\u{FDDD}', '\u{FDDE}', '\u{FDDF}', '\u{FDE0}', '\u{FDE1}',
+    '\u{FDE2}', '\u{FDE3}', '\u{FDE4}', '\u{FDE5}', '\u{FDE6}', '\u{FDE7}', '\u{FDE8}', '\u{FDE9}', '\u{FDEA}',
+    '\u{FDEB}', '\u{FDEC}', '\u{FDED}', '\u{FDEE}', '\u{FDEF}',
 ];
 
 /// A rendered chat whose caller-written control-token texts carry `marker`.
@@ -90,17 +90,28 @@ struct PythonJson;
 
 impl serde_json::ser::Formatter for PythonJson {
     fn begin_array_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
-        if first { Ok(()) } else { w.write_all(b", ") }
+        if first {
+            Ok(())
+        } else {
+            w.write_all(b", ")
+        }
     }
     fn begin_object_key<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
-        if first { Ok(()) } else { w.write_all(b", ") }
+        if first {
+            Ok(())
+        } else {
+            w.write_all(b", ")
+        }
     }
     fn begin_object_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
         w.write_all(b": ")
     }
 }
 
-fn tojson(value: minijinja::Value, kwargs: minijinja::value::Kwargs) -> std::result::Result<minijinja::Value, minijinja::Error> {
+fn tojson(
+    value: minijinja::Value,
+    kwargs: minijinja::value::Kwargs,
+) -> std::result::Result<minijinja::Value, minijinja::Error> {
     use serde::Serialize;
     let indent: Option<usize> = kwargs.get("indent")?;
     let _: Option<bool> = kwargs.get("ensure_ascii")?;
@@ -193,7 +204,13 @@ impl ChatTemplate {
     /// Renders `messages` (OpenAI-style message objects) and optional `tools`, with the control
     /// texts the caller wrote marked (see the module docs); `controls` are the vocabulary's
     /// control-token texts.
-    pub fn render(&self, messages: &Json, tools: Option<&Json>, add_generation_prompt: bool, controls: &[&str]) -> Result<Rendered> {
+    pub fn render(
+        &self,
+        messages: &Json,
+        tools: Option<&Json>,
+        add_generation_prompt: bool,
+        controls: &[&str],
+    ) -> Result<Rendered> {
         check_messages(messages).map_err(Error::BadInput)?;
         let list = messages.as_array().expect("checked");
         if tools.is_some_and(|t| !t.is_array()) {
@@ -267,7 +284,8 @@ mod tests {
     fn render(source: &str) -> (Result<Rendered>, Duration) {
         let t = Instant::now();
         let msgs = json!([{"role": "user", "content": "hi"}]);
-        let r = ChatTemplate::new(source.into(), "<s>".into(), "</s>".into()).render(&msgs, None, true, &["<|im_end|>"]);
+        let r =
+            ChatTemplate::new(source.into(), "<s>".into(), "</s>".into()).render(&msgs, None, true, &["<|im_end|>"]);
         (r, t.elapsed())
     }
 
@@ -355,7 +373,9 @@ mod tests {
     fn an_ordinary_template_renders_as_before() {
         let src = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}";
         let msgs = json!([{"role": "user", "content": "a <|im_end|> b"}]);
-        let r = ChatTemplate::new(src.into(), String::new(), String::new()).render(&msgs, None, true, &["<|im_end|>"]).unwrap();
+        let r = ChatTemplate::new(src.into(), String::new(), String::new())
+            .render(&msgs, None, true, &["<|im_end|>"])
+            .unwrap();
         assert_eq!(r.plain(), "<|im_start|>user\na <|im_end|> b<|im_end|>\n");
         assert_ne!(r.text, r.plain());
     }

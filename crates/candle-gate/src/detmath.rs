@@ -10,7 +10,8 @@ const LN2_LO: f64 = 1.908_214_929_270_587_7e-10; // ln 2 - LN2_HI
 const INV_LN2: f64 = std::f64::consts::LOG2_E;
 
 /// The factorials 12! down to 0! that `exp_f64`'s Taylor series divides by (after 13!).
-const EXP_TAYLOR: [f64; 13] = [479_001_600.0, 39_916_800.0, 3_628_800.0, 362_880.0, 40_320.0, 5_040.0, 720.0, 120.0, 24.0, 6.0, 2.0, 1.0, 1.0];
+const EXP_TAYLOR: [f64; 13] =
+    [479_001_600.0, 39_916_800.0, 3_628_800.0, 362_880.0, 40_320.0, 5_040.0, 720.0, 120.0, 24.0, 6.0, 2.0, 1.0, 1.0];
 
 /// 2^k as an f64, for -1022 <= k <= 1023.
 fn pow2(k: i64) -> f64 {
@@ -30,7 +31,7 @@ pub fn exp_f64(x: f64) -> f64 {
     }
     let k = (x * INV_LN2).round();
     let r = (x - k * LN2_HI) - k * LN2_LO; // |r| <= ln2/2
-    // Taylor series to r^13: remainder < 0.35^14/14! ~ 5e-18.
+                                           // Taylor series to r^13: remainder < 0.35^14/14! ~ 5e-18.
     let mut p = 1.0 / 6_227_020_800.0;
     for d in EXP_TAYLOR {
         p = p * r + 1.0 / d;
@@ -84,7 +85,9 @@ mod avx2 {
         let hi = exp_f64x4(_mm256_cvtps_pd(_mm256_extractf128_ps::<1>(x)));
         match (lo, hi) {
             // `cvtpd_ps` rounds to nearest even, as `as f32` does.
-            (Some(lo), Some(hi)) => _mm256_storeu_ps(c.as_mut_ptr(), _mm256_set_m128(_mm256_cvtpd_ps(hi), _mm256_cvtpd_ps(lo))),
+            (Some(lo), Some(hi)) => {
+                _mm256_storeu_ps(c.as_mut_ptr(), _mm256_set_m128(_mm256_cvtpd_ps(hi), _mm256_cvtpd_ps(lo)))
+            }
             _ => c.iter_mut().for_each(|v| *v = super::exp_f32(*v)),
         }
     }
@@ -163,9 +166,25 @@ pub fn sin_cos_f64(t: f64) -> (f64, f64) {
     let r2 = r * r;
     // Taylor series to r^17 (sin) and r^18 (cos): remainders < 1e-19. FACT[i] = i!.
     const FACT: [f64; 19] = [
-        1.0, 1.0, 2.0, 6.0, 24.0, 120.0, 720.0, 5_040.0, 40_320.0, 362_880.0, 3_628_800.0, 39_916_800.0,
-        479_001_600.0, 6_227_020_800.0, 87_178_291_200.0, 1_307_674_368_000.0, 20_922_789_888_000.0,
-        355_687_428_096_000.0, 6_402_373_705_728_000.0,
+        1.0,
+        1.0,
+        2.0,
+        6.0,
+        24.0,
+        120.0,
+        720.0,
+        5_040.0,
+        40_320.0,
+        362_880.0,
+        3_628_800.0,
+        39_916_800.0,
+        479_001_600.0,
+        6_227_020_800.0,
+        87_178_291_200.0,
+        1_307_674_368_000.0,
+        20_922_789_888_000.0,
+        355_687_428_096_000.0,
+        6_402_373_705_728_000.0,
     ];
     let sign = |j: usize| if j % 2 == 0 { 1.0 } else { -1.0 };
     let mut s = 1.0 / FACT[17];
@@ -216,9 +235,35 @@ mod tests {
         // halfway points of k = round(x / ln 2), subnormal and zero results, NaN, infinities,
         // signed zeros, mixed into vectors whose other lanes are ordinary.
         let ln2 = std::f64::consts::LN_2;
-        let mut xs: Vec<f32> = vec![0.0, -0.0, 1.0, -1.0, 690.0, -690.0, 690.01, -690.01, 88.7, 88.8, -87.3, -103.9, -104.0, -150.0,
-            709.0, 710.0, -745.0, -746.0, f32::MAX, f32::MIN, f32::MIN_POSITIVE, -f32::MIN_POSITIVE, 1e-30, -1e-30,
-            f32::INFINITY, f32::NEG_INFINITY, f32::NAN];
+        let mut xs: Vec<f32> = vec![
+            0.0,
+            -0.0,
+            1.0,
+            -1.0,
+            690.0,
+            -690.0,
+            690.01,
+            -690.01,
+            88.7,
+            88.8,
+            -87.3,
+            -103.9,
+            -104.0,
+            -150.0,
+            709.0,
+            710.0,
+            -745.0,
+            -746.0,
+            f32::MAX,
+            f32::MIN,
+            f32::MIN_POSITIVE,
+            -f32::MIN_POSITIVE,
+            1e-30,
+            -1e-30,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+        ];
         for k in -160..160 {
             let mid = ((k as f64 + 0.5) * ln2) as f32;
             xs.extend([mid, f32::from_bits(mid.to_bits() + 1), f32::from_bits(mid.to_bits() - 1)]);

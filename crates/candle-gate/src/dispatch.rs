@@ -41,7 +41,8 @@ pub enum Mode {
 }
 
 impl Mode {
-    pub const ALL: [Mode; 6] = [Mode::Native, Mode::RowSplit, Mode::Invariant, Mode::Gemm, Mode::GemmF16, Mode::SplitKF16];
+    pub const ALL: [Mode; 6] =
+        [Mode::Native, Mode::RowSplit, Mode::Invariant, Mode::Gemm, Mode::GemmF16, Mode::SplitKF16];
     pub fn name(self) -> &'static str {
         match self {
             Mode::Native => "native",
@@ -57,13 +58,10 @@ impl Mode {
 impl FromStr for Mode {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
-        Mode::ALL
-            .into_iter()
-            .find(|m| m.name() == s)
-            .ok_or_else(|| {
-                let names: Vec<&str> = Mode::ALL.iter().map(|m| m.name()).collect();
-                Error::BadInput(format!("unknown mode {s:?}; expected one of {}", names.join(", ")))
-            })
+        Mode::ALL.into_iter().find(|m| m.name() == s).ok_or_else(|| {
+            let names: Vec<&str> = Mode::ALL.iter().map(|m| m.name()).collect();
+            Error::BadInput(format!("unknown mode {s:?}; expected one of {}", names.join(", ")))
+        })
     }
 }
 
@@ -152,19 +150,11 @@ impl Default for Policy {
 
 impl Policy {
     pub fn new(mode: Mode) -> Self {
-        Policy {
-            mode,
-            default_row_split_max: DEFAULT_ROW_SPLIT_MAX,
-            row_split_max: BTreeMap::new(),
-            source: None,
-        }
+        Policy { mode, default_row_split_max: DEFAULT_ROW_SPLIT_MAX, row_split_max: BTreeMap::new(), source: None }
     }
 
     pub fn row_split_max(&self, backend: Backend, dtype: GgmlDType) -> usize {
-        *self
-            .row_split_max
-            .get(&(backend, dtype_name(dtype)))
-            .unwrap_or(&self.default_row_split_max)
+        *self.row_split_max.get(&(backend, dtype_name(dtype))).unwrap_or(&self.default_row_split_max)
     }
 
     pub fn kernel(&self, backend: Backend, dtype: GgmlDType, rows: usize) -> Kernel {
@@ -226,13 +216,17 @@ impl QMatMul {
     /// A matmul over `weight` whose kernels `policy` chooses (shared by a model's layers).
     pub fn new(weight: Arc<QTensor>, policy: Arc<Policy>) -> Result<Self> {
         if weight.rank() != 2 {
-            return Err(Error::BadInput(format!(
-                "a matmul weight must be rank 2, got shape {:?}",
-                weight.shape()
-            )));
+            return Err(Error::BadInput(format!("a matmul weight must be rank 2, got shape {:?}", weight.shape())));
         }
         let native = CandleQMatMul::from_arc(weight.clone())?;
-        Ok(QMatMul { weight, native, dense: OnceLock::new(), dense_f16: OnceLock::new(), half: OnceLock::new(), policy })
+        Ok(QMatMul {
+            weight,
+            native,
+            dense: OnceLock::new(),
+            dense_f16: OnceLock::new(),
+            half: OnceLock::new(),
+            policy,
+        })
     }
 
     pub fn with_policy(&self, policy: Arc<Policy>) -> Self {
@@ -338,8 +332,9 @@ impl QMatMul {
                 kernels::cpu::check(&self.weight, x, m)?;
                 let ys = match kernel {
                     Kernel::Gemm => Tensor::from_slice(x, (m, k), &Device::Cpu)?.matmul(&self.dense()?.t()?)?,
-                    Kernel::GemmF16 => Tensor::from_vec(round_f16(x), (m, k), &Device::Cpu)?
-                        .matmul(&self.dense_f16()?.t()?)?,
+                    Kernel::GemmF16 => {
+                        Tensor::from_vec(round_f16(x), (m, k), &Device::Cpu)?.matmul(&self.dense_f16()?.t()?)?
+                    }
                     _ => self.native.forward(&Tensor::from_slice(x, (m, k), &Device::Cpu)?)?,
                 };
                 debug_assert_eq!(ys.dims(), &[m, n]);
@@ -361,9 +356,7 @@ impl Module for QMatMul {
             candle_core::bail!("QMatMul input must have rank >= 2, got shape {dims:?}");
         }
         if dims[dims.len() - 1] != k {
-            candle_core::bail!(
-                "QMatMul inner dimension mismatch: input {dims:?}, weight [{n}, {k}]"
-            );
+            candle_core::bail!("QMatMul inner dimension mismatch: input {dims:?}, weight [{n}, {k}]");
         }
         if !xs.is_contiguous() {
             candle_core::bail!("QMatMul input is not contiguous (shape {dims:?}); call .contiguous() first");

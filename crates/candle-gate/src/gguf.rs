@@ -23,10 +23,8 @@ fn model_err<T>(path: &Path, msg: impl Into<String>) -> Result<T> {
 
 impl GgufFile {
     pub fn open(path: &Path) -> Result<Self> {
-        let mut file = File::open(path).map_err(|e| Error::Model {
-            path: path.display().to_string(),
-            msg: format!("cannot open: {e}"),
-        })?;
+        let mut file = File::open(path)
+            .map_err(|e| Error::Model { path: path.display().to_string(), msg: format!("cannot open: {e}") })?;
         let size = file.metadata()?.len();
         let mut magic = [0u8; 4];
         if size < 4 || file.read_exact(&mut magic).is_err() || &magic != b"GGUF" {
@@ -83,10 +81,7 @@ impl GgufFile {
         if t.shape().dims() != dims {
             return model_err(
                 &self.path,
-                format!(
-                    "tensor `{name}` has shape {:?} but the metadata implies {dims:?}",
-                    t.shape().dims()
-                ),
+                format!("tensor `{name}` has shape {:?} but the metadata implies {dims:?}", t.shape().dims()),
             );
         }
         Ok(t)

@@ -328,9 +328,10 @@ impl<R: Read> Walker<R> {
             for d in 0..n_dims {
                 let dim = self.len(&|| format!("dim {d} of {}", what()))?;
                 zero |= dim == 0;
-                nonzero = nonzero.checked_mul(dim.max(1)).filter(|&e| e <= MAX_TENSOR_ELEMS).ok_or_else(|| {
-                    format!("{} has more than {MAX_TENSOR_ELEMS} elements", what())
-                })?;
+                nonzero = nonzero
+                    .checked_mul(dim.max(1))
+                    .filter(|&e| e <= MAX_TENSOR_ELEMS)
+                    .ok_or_else(|| format!("{} has more than {MAX_TENSOR_ELEMS} elements", what()))?;
             }
             let elems = if zero { 0 } else { nonzero };
             let id = self.u32(&|| format!("the dtype of {}", what()))?;
@@ -343,9 +344,9 @@ impl<R: Read> Walker<R> {
             }
             let bytes = (elems / block).checked_mul(dt.type_size() as u64);
             let offset = self.u64(&|| format!("the offset of {}", what()))?;
-            let end = bytes.and_then(|b| offset.checked_add(b)).ok_or_else(|| {
-                format!("{} lies past any file: offset {offset}, {elems} elements of {dt:?}", what())
-            })?;
+            let end = bytes
+                .and_then(|b| offset.checked_add(b))
+                .ok_or_else(|| format!("{} lies past any file: offset {offset}, {elems} elements of {dt:?}", what()))?;
             data_len = data_len.max(end);
         }
         let tensor_data_offset = self
@@ -356,10 +357,7 @@ impl<R: Read> Walker<R> {
         let data_end = tensor_data_offset.checked_add(data_len).unwrap_or(u64::MAX);
         if data_end > self.size {
             // A truncated download must fail here, by name, rather than deep inside a tensor read.
-            return Err(format!(
-                "truncated file: its tensors need {data_end} bytes but the file has {}",
-                self.size
-            ));
+            return Err(format!("truncated file: its tensors need {data_end} bytes but the file has {}", self.size));
         }
         Ok(HeaderSummary { version, tensor_count, metadata_count, tensor_data_offset, data_end })
     }

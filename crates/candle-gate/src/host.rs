@@ -23,9 +23,30 @@ macro_rules! enabled_features {
 /// `x86_64:avx,avx2,bmi2,f16c,fma,...`.
 pub fn compile_target() -> String {
     let features = enabled_features!(
-        "sse2", "sse3", "ssse3", "sse4.1", "sse4.2", "popcnt", "avx", "avx2", "fma", "f16c", "bmi1", "bmi2",
-        "lzcnt", "movbe", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512vnni", "avxvnni", "neon",
-        "fp16", "dotprod", "simd128",
+        "sse2",
+        "sse3",
+        "ssse3",
+        "sse4.1",
+        "sse4.2",
+        "popcnt",
+        "avx",
+        "avx2",
+        "fma",
+        "f16c",
+        "bmi1",
+        "bmi2",
+        "lzcnt",
+        "movbe",
+        "avx512f",
+        "avx512bw",
+        "avx512dq",
+        "avx512vl",
+        "avx512vnni",
+        "avxvnni",
+        "neon",
+        "fp16",
+        "dotprod",
+        "simd128",
     );
     format!("{}:{}", std::env::consts::ARCH, features.join(","))
 }
@@ -42,7 +63,11 @@ fn gemm_isa() -> String {
     // The crate prefers AVX-512F when built with its x86-v4 feature, else FMA, else scalar;
     // both detections are recorded so that either build is covered.
     let f = |name: &str, on: bool| if on { name.to_string() } else { format!("no-{name}") };
-    format!("{},{}", f("fma", std::is_x86_feature_detected!("fma")), f("avx512f", std::is_x86_feature_detected!("avx512f")))
+    format!(
+        "{},{}",
+        f("fma", std::is_x86_feature_detected!("fma")),
+        f("avx512f", std::is_x86_feature_detected!("avx512f"))
+    )
 }
 
 #[cfg(not(target_arch = "x86_64"))]
@@ -56,9 +81,16 @@ fn gemm_isa() -> String {
 pub fn candle_quantized_dispatch() -> String {
     let on = |f: &str| std::env::var(f).as_deref() == Ok("1");
     let (force_avx2, force_vnni) = (on("MISTRALRS_FORCE_AVX2"), on("MISTRALRS_FORCE_AVXVNNI"));
-    let level = if !force_avx2 && !force_vnni && std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512vnni") {
+    let level = if !force_avx2
+        && !force_vnni
+        && std::is_x86_feature_detected!("avx512f")
+        && std::is_x86_feature_detected!("avx512vnni")
+    {
         "avx512vnni"
-    } else if !force_avx2 && (force_vnni || std::is_x86_feature_detected!("avxvnni")) && std::is_x86_feature_detected!("avx2") {
+    } else if !force_avx2
+        && (force_vnni || std::is_x86_feature_detected!("avxvnni"))
+        && std::is_x86_feature_detected!("avx2")
+    {
         "avxvnni"
     } else if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
         "avx2"

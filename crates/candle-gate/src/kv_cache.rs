@@ -23,7 +23,6 @@ use crate::error::{Error, Result};
 use crate::llama::LlamaConfig;
 use crate::prefix_cache::{chain_hash, HashFn, Hit, PrefixIndex};
 
-
 /// Positions per block.
 pub const KV_BLOCK: usize = 32;
 
@@ -185,7 +184,9 @@ impl KvPool {
                 Some(id) => id,
                 None => match self.max_blocks {
                     Some(n) => {
-                        return Err(Error::Engine(format!("the KV pool is out of blocks ({n} of {KV_BLOCK} positions)")))
+                        return Err(Error::Engine(format!(
+                            "the KV pool is out of blocks ({n} of {KV_BLOCK} positions)"
+                        )))
                     }
                     None => {
                         g.grow(&self.layout, self.slab_blocks);
@@ -230,7 +231,8 @@ impl KvPool {
         let mut hits = Vec::new();
         let mut parent = 0;
         for (b, &hash) in hashes.iter().enumerate() {
-            let Some(Hit { block, serial }) = g.index.find(hash, parent, &tokens[b * KV_BLOCK..(b + 1) * KV_BLOCK]) else {
+            let Some(Hit { block, serial }) = g.index.find(hash, parent, &tokens[b * KV_BLOCK..(b + 1) * KV_BLOCK])
+            else {
                 break;
             };
             if g.refs[block as usize] == 0 {
@@ -280,7 +282,13 @@ impl KvPool {
 
 impl PoolInner {
     fn empty(hash_fn: HashFn) -> Self {
-        PoolInner { slabs: Vec::new(), ptrs: Vec::new(), refs: Vec::new(), free: Vec::new(), index: PrefixIndex::new(hash_fn) }
+        PoolInner {
+            slabs: Vec::new(),
+            ptrs: Vec::new(),
+            refs: Vec::new(),
+            free: Vec::new(),
+            index: PrefixIndex::new(hash_fn),
+        }
     }
     fn grow(&mut self, layout: &BlockLayout, blocks: usize) {
         // `vec![0; n]` asks for zeroed memory: the pages are mapped when first written.
@@ -464,7 +472,8 @@ impl KvCache {
         let t = pos % KV_BLOCK;
         let hd = lay.head_dim;
         for h in 0..lay.n_kv_head {
-            let (kr, vr) = (self.region_ptr(b, lay.region(layer, h, false)), self.region_ptr(b, lay.region(layer, h, true)));
+            let (kr, vr) =
+                (self.region_ptr(b, lay.region(layer, h, false)), self.region_ptr(b, lay.region(layer, h, true)));
             for d in 0..hd {
                 // SAFETY: inside regions of this cache's exclusively held block.
                 unsafe {

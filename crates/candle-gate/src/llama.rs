@@ -15,10 +15,10 @@ use std::sync::Arc;
 use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor};
 
-use crate::dispatch::{QMatMul, Policy};
+use crate::attention::{attend_rows, Heads, Tier};
+use crate::dispatch::{Policy, QMatMul};
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
-use crate::attention::{attend_rows, Heads, Tier};
 use crate::ops::{rms_norm, rope_tables, silu_mul};
 use crate::scratch::{sized, Scratch, ScratchPool};
 
@@ -111,7 +111,9 @@ impl LlamaConfig {
             )));
         }
         let head_dim = hidden / n_head;
-        if f.metadata().contains_key(&key("rope.dimension_count")) && f.get_usize(&key("rope.dimension_count"))? != head_dim {
+        if f.metadata().contains_key(&key("rope.dimension_count"))
+            && f.get_usize(&key("rope.dimension_count"))? != head_dim
+        {
             return Err(Error::Unsupported("partial rotary embeddings".into()));
         }
         let dims = f.tensor_dims("token_embd.weight")?;

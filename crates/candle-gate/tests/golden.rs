@@ -63,7 +63,11 @@ fn fast_lane(m: &Model, p: &Policy, prompt: &[u32]) -> Vec<Step> {
     (0..STEPS)
         .map(|_| {
             let mut trace = vec![];
-            let out = m.llama.forward_traced(p, &mut [SeqRows { cache: &mut cache, tokens: &feed, want_logits: true }], Some(&mut trace));
+            let out = m.llama.forward_traced(
+                p,
+                &mut [SeqRows { cache: &mut cache, tokens: &feed, want_logits: true }],
+                Some(&mut trace),
+            );
             let step = step_of(out.unwrap()[0].as_ref().unwrap(), &trace);
             feed = vec![step.token];
             step
@@ -78,7 +82,8 @@ fn reference_lane(m: &Model, prompt: &[u32]) -> Vec<Step> {
     (0..STEPS)
         .map(|_| {
             let mut trace = vec![];
-            let logits = m.llama.reference_extend_traced(&mut cache, &feed, ReferenceWeights::Dense, Some(&mut trace)).unwrap();
+            let logits =
+                m.llama.reference_extend_traced(&mut cache, &feed, ReferenceWeights::Dense, Some(&mut trace)).unwrap();
             let step = step_of(&logits, &trace);
             feed = vec![step.token];
             step
@@ -123,9 +128,18 @@ fn invariant_reference_and_split_k_lanes_reproduce_the_golden_hashes() {
     if std::env::var("CANDLE_GATE_BLESS_GOLDEN").as_deref() == Ok("1") {
         let cpu = std::fs::read_to_string("/proc/cpuinfo")
             .ok()
-            .and_then(|s| s.lines().find(|l| l.starts_with("model name")).map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string()))
+            .and_then(|s| {
+                s.lines()
+                    .find(|l| l.starts_with("model name"))
+                    .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
+            })
             .unwrap_or_else(|| "unknown CPU".into());
-        let g = Golden { model_sha256: m.sha256().unwrap(), compile_target: host::compile_target(), produced_on: cpu, runs };
+        let g = Golden {
+            model_sha256: m.sha256().unwrap(),
+            compile_target: host::compile_target(),
+            produced_on: cpu,
+            runs,
+        };
         std::fs::create_dir_all(file.parent().unwrap()).unwrap();
         std::fs::write(&file, serde_json::to_string_pretty(&g).unwrap() + "\n").unwrap();
         eprintln!("wrote {}", file.display());
@@ -139,7 +153,12 @@ fn invariant_reference_and_split_k_lanes_reproduce_the_golden_hashes() {
         "the golden hashes were produced by a build for another target; the bits are promised per compile target"
     );
     let diffs: Vec<String> = golden.runs.iter().zip(&runs).filter_map(|(w, g)| first_difference(w, g)).collect();
-    assert!(diffs.is_empty(), "this host does not reproduce the golden bits (produced on {}):\n{}", golden.produced_on, diffs.join("\n"));
+    assert!(
+        diffs.is_empty(),
+        "this host does not reproduce the golden bits (produced on {}):\n{}",
+        golden.produced_on,
+        diffs.join("\n")
+    );
     assert_eq!(golden.runs.len(), runs.len());
 
     // Every narrower kernel tier this host has reproduces the invariant lane too.

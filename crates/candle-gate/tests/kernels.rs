@@ -23,7 +23,19 @@ fn shapes(d: GgmlDType) -> Vec<(usize, usize)> {
         vec![(576, 768), (192, 512), (37, 256), (130, 1536), (3, 256), (896, 4864), (256, 1536), (64, 8960)]
     } else {
         // SmolLM2's shapes and Qwen2.5 0.5B's ([896, 896], k/v [128, 896], ffn [4864, 896]).
-        vec![(576, 576), (192, 576), (1536, 576), (576, 1536), (37, 64), (131, 96), (1, 32), (6, 576), (896, 896), (128, 896), (4864, 896)]
+        vec![
+            (576, 576),
+            (192, 576),
+            (1536, 576),
+            (576, 1536),
+            (37, 64),
+            (131, 96),
+            (1, 32),
+            (6, 576),
+            (896, 896),
+            (128, 896),
+            (4864, 896),
+        ]
     }
 }
 
@@ -44,7 +56,11 @@ fn pseudo_random(len: usize, seed: u64) -> Vec<f32> {
             s ^= s >> 7;
             s ^= s << 17;
             let u = (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
-            if i % 97 == 0 { u * 8.0 } else { u }
+            if i % 97 == 0 {
+                u * 8.0
+            } else {
+                u
+            }
         })
         .collect()
 }
@@ -236,11 +252,17 @@ fn gemm_f16_is_f16_operands_f32_accumulation_f16_results() {
 /// one output in two thousand here), so the differences are counted over every row of the call.
 #[test]
 fn split_k_f16_bits_follow_the_row_count_and_agree_with_f64() {
-    for (d, n, k) in [(GgmlDType::Q4_1, 4096, 576), (GgmlDType::Q8_0, 577, 1536), (GgmlDType::Q6K, 131, 768), (GgmlDType::F32, 37, 100)] {
+    for (d, n, k) in [
+        (GgmlDType::Q4_1, 4096, 576),
+        (GgmlDType::Q8_0, 577, 1536),
+        (GgmlDType::Q6K, 131, 768),
+        (GgmlDType::F32, 37, 100),
+    ] {
         let w = weight(d, n, k, 61);
         let wd: Vec<f32> = w.dense_f32().unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
         let x = pseudo_random(17 * k, 62);
-        let alone: Vec<f32> = (0..17).flat_map(|r| w.run_cpu(Kernel::SplitKF16, &x[r * k..(r + 1) * k], 1).unwrap()).collect();
+        let alone: Vec<f32> =
+            (0..17).flat_map(|r| w.run_cpu(Kernel::SplitKF16, &x[r * k..(r + 1) * k], 1).unwrap()).collect();
         let mut moved = vec![];
         for m in [2, 5, 8, 17] {
             let y = w.run_cpu(Kernel::SplitKF16, &x[..m * k], m).unwrap();
@@ -256,7 +278,10 @@ fn split_k_f16_bits_follow_the_row_count_and_agree_with_f64() {
         }
         eprintln!("split_k_f16 {d:?} [{n},{k}]: outputs that differ from alone at m = 2, 5, 8, 17: {moved:?}");
         if n * 2 >= 4096 {
-            assert!(moved.iter().all(|&c| c > 0), "{d:?} [{n},{k}]: some row count gave every row its alone bits: {moved:?}");
+            assert!(
+                moved.iter().all(|&c| c > 0),
+                "{d:?} [{n},{k}]: some row count gave every row its alone bits: {moved:?}"
+            );
         }
     }
 }
@@ -275,10 +300,13 @@ fn bad_inputs_are_clear_errors() {
     assert!(err(w.forward(&x)).contains("zero rows"));
     assert!(w.run_cpu(Kernel::Invariant, &[0.0; 10], 1).unwrap_err().to_string().contains("expected 1 rows"));
     assert!(w.run_cpu(Kernel::Invariant, &[], 0).unwrap_err().to_string().contains("zero rows"));
-    let bf = QTensor::quantize(&Tensor::zeros((4, 32), candle_core::DType::F32, &Device::Cpu).unwrap(), GgmlDType::BF16).unwrap();
+    let bf =
+        QTensor::quantize(&Tensor::zeros((4, 32), candle_core::DType::F32, &Device::Cpu).unwrap(), GgmlDType::BF16)
+            .unwrap();
     let g = QMatMul::from_qtensor(bf).unwrap();
     assert!(g.run_cpu(Kernel::Invariant, &[0.0; 32], 1).unwrap_err().to_string().contains("no CPU kernel"));
-    let r1 = QTensor::quantize(&Tensor::zeros(32, candle_core::DType::F32, &Device::Cpu).unwrap(), GgmlDType::F32).unwrap();
+    let r1 =
+        QTensor::quantize(&Tensor::zeros(32, candle_core::DType::F32, &Device::Cpu).unwrap(), GgmlDType::F32).unwrap();
     assert!(QMatMul::from_qtensor(r1).unwrap_err().to_string().contains("rank 2"));
 }
 
@@ -298,7 +326,11 @@ fn profiles_load_and_refuse_bad_files() {
     )
     .unwrap();
     let p = Profile::load(&good).unwrap();
-    assert!(p.policy(Backend::Cpu, Mode::RowSplit, "good.json").unwrap_err().to_string().contains("measured on backend"));
+    assert!(p
+        .policy(Backend::Cpu, Mode::RowSplit, "good.json")
+        .unwrap_err()
+        .to_string()
+        .contains("measured on backend"));
     let pol = p.policy(Backend::Cuda, Mode::RowSplit, "good.json").unwrap();
     assert_eq!(pol.row_split_max(Backend::Cuda, GgmlDType::Q4_1), 6);
     assert_eq!(pol.row_split_max(Backend::Cuda, GgmlDType::Q8_0), 4);
@@ -314,7 +346,11 @@ fn gate_calibrations_are_kept_and_found_per_mode_and_model() {
     let dir = std::env::temp_dir().join(format!("cg-gates-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("p.json");
-    std::fs::write(&path, r#"{"backend": "cpu", "created": "x", "note": "kept", "gate": {"tau": 0.5, "mode": "gemm"}}"#).unwrap();
+    std::fs::write(
+        &path,
+        r#"{"backend": "cpu", "created": "x", "note": "kept", "gate": {"tau": 0.5, "mode": "gemm"}}"#,
+    )
+    .unwrap();
     let entry = |tau: f32, mode: &str, sha: &str| serde_json::json!({"tau": tau, "mode": mode, "model": "m.gguf", "model_sha256": sha});
     Profile::merge_gate(&path, entry(0.1, "native", "aa")).unwrap();
     Profile::merge_gate(&path, entry(0.2, "native", "bb")).unwrap();
@@ -332,15 +368,26 @@ fn gate_calibrations_are_kept_and_found_per_mode_and_model() {
 
     let empty = Profile::empty(Backend::Cpu);
     let profiles = [(&empty, "empty.json"), (&p, "p.json")];
-    let (cfg, source) = GateConfig::resolve(GateMode::Gated, None, None, &profiles, Some((Mode::Native, "bb"))).unwrap();
+    let (cfg, source) =
+        GateConfig::resolve(GateMode::Gated, None, None, &profiles, Some((Mode::Native, "bb"))).unwrap();
     assert_eq!((cfg.tau, source.as_deref()), (0.2, Some("p.json (m.gguf/native)")));
-    let err = GateConfig::resolve(GateMode::Gated, None, None, &profiles, Some((Mode::Native, "cc"))).unwrap_err().to_string();
-    assert!(err.contains("in mode native") && err.contains("empty.json has none") && err.contains("p.json has any model/gemm, m.gguf/native"), "{err}");
+    let err = GateConfig::resolve(GateMode::Gated, None, None, &profiles, Some((Mode::Native, "cc")))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("in mode native")
+            && err.contains("empty.json has none")
+            && err.contains("p.json has any model/gemm, m.gguf/native"),
+        "{err}"
+    );
     // a given tau needs no calibration; neither does a gate that never rechecks by margin
     assert!(GateConfig::resolve(GateMode::Gated, Some(0.7), None, &[], None).unwrap().1.is_none());
     assert!(GateConfig::resolve(GateMode::Off, None, None, &[], None).is_ok());
     std::fs::write(&path, "[1]").unwrap();
-    assert!(Profile::merge_gate(&path, entry(0.1, "native", "aa")).unwrap_err().to_string().contains("not overwriting"));
+    assert!(Profile::merge_gate(&path, entry(0.1, "native", "aa"))
+        .unwrap_err()
+        .to_string()
+        .contains("not overwriting"));
     std::fs::remove_dir_all(&dir).ok();
 }
 
@@ -391,7 +438,10 @@ fn reference_matmul_rows_are_independent_and_dense_equals_blockwise() {
                 for how in [ReferenceWeights::Dense, ReferenceWeights::Blockwise] {
                     let y = matmul_rows(&w, how, &x[..m * k], m).unwrap();
                     for r in 0..m {
-                        assert!(bits_equal(&y[r * n..(r + 1) * n], &single[r]), "{d:?} [{n},{k}] m={m} row {r} {how:?}");
+                        assert!(
+                            bits_equal(&y[r * n..(r + 1) * n], &single[r]),
+                            "{d:?} [{n},{k}] m={m} row {r} {how:?}"
+                        );
                     }
                 }
             }

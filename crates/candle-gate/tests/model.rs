@@ -35,7 +35,10 @@ fn run_alone(m: &Model, p: &Policy, s: &Script) -> Vec<Vec<u32>> {
     let mut at = 0;
     let mut out = vec![];
     for &n in &s.feeds {
-        let r = m.llama.forward(p, &mut [SeqRows { cache: &mut cache, tokens: &s.tokens[at..at + n], want_logits: true }]).unwrap();
+        let r = m
+            .llama
+            .forward(p, &mut [SeqRows { cache: &mut cache, tokens: &s.tokens[at..at + n], want_logits: true }])
+            .unwrap();
         out.push(bits(r[0].as_ref().unwrap()));
         at += n;
     }
@@ -116,13 +119,15 @@ fn assert_mixes_equal_alone(m: &Model, p: &Policy) {
     let together = run_together(m, p, &sc);
     assert_eq!(together, alone, "all four together");
     for pair in [[0usize, 1], [2, 3], [1, 3]] {
-        let sub: Vec<Script> = pair.iter().map(|&i| Script { tokens: sc[i].tokens.clone(), feeds: sc[i].feeds.clone() }).collect();
+        let sub: Vec<Script> =
+            pair.iter().map(|&i| Script { tokens: sc[i].tokens.clone(), feeds: sc[i].feeds.clone() }).collect();
         let tg = run_together(m, p, &sub);
         for (j, &i) in pair.iter().enumerate() {
             assert_eq!(tg[j], alone[i], "pair {pair:?}, sequence {i}");
         }
     }
-    let rev: Vec<Script> = sc.iter().rev().map(|s| Script { tokens: s.tokens.clone(), feeds: s.feeds.clone() }).collect();
+    let rev: Vec<Script> =
+        sc.iter().rev().map(|s| Script { tokens: s.tokens.clone(), feeds: s.feeds.clone() }).collect();
     let tg = run_together(m, p, &rev);
     for (j, t) in tg.iter().enumerate() {
         assert_eq!(*t, alone[sc.len() - 1 - j], "reversed, sequence {}", sc.len() - 1 - j);
@@ -189,7 +194,10 @@ fn engine_outputs_do_not_depend_on_batch_in_invariant_mode() {
         assert_eq!(a.token_ids, b.token_ids);
         assert_eq!(a.logit_hashes, b.logit_hashes);
         assert_eq!(a.fingerprint, b.fingerprint);
-        assert_eq!(a.margins.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), b.margins.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+        assert_eq!(
+            a.margins.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            b.margins.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        );
     }
 }
 
@@ -198,7 +206,13 @@ fn seeded_sampling_does_not_depend_on_batch_in_invariant_mode() {
     let (m, p) = model(Mode::Invariant);
     let m = Arc::new(m);
     let prompts = ["Once upon a time", "The three primary colors are", "def fibonacci(n):"];
-    let params = |i: u64| SamplingParams { temperature: 0.9, top_p: 0.95, seed: Some(100 + i), n: 2, ..SamplingParams::greedy(16) };
+    let params = |i: u64| SamplingParams {
+        temperature: 0.9,
+        top_p: 0.95,
+        seed: Some(100 + i),
+        n: 2,
+        ..SamplingParams::greedy(16)
+    };
     let req = |i: usize| Request::new(m.tokenizer.encode(prompts[i]).unwrap(), params(i as u64));
     let mut alone = vec![];
     for i in 0..prompts.len() {
@@ -276,7 +290,13 @@ fn a_failing_step_harms_no_other_request() {
     let prompts = ["The capital of France is", "Once upon a time", "def fibonacci(n):"];
     let run = |fault: Option<InjectedFault>| -> (Vec<Choice>, usize) {
         let gate = GateConfig::new(GateMode::Always, 0.0).unwrap();
-        let cfg = EngineConfig { record_logit_hashes: true, inject_fault: fault, gate, prefill_chunk: 4, ..Default::default() };
+        let cfg = EngineConfig {
+            record_logit_hashes: true,
+            inject_fault: fault,
+            gate,
+            prefill_chunk: 4,
+            ..Default::default()
+        };
         let mut e = Engine::new(m.clone(), p.clone(), cfg).unwrap();
         let ids: Vec<_> = prompts
             .iter()
@@ -292,7 +312,8 @@ fn a_failing_step_harms_no_other_request() {
         (ids.iter().map(|id| e.take_output(*id).unwrap().choices.remove(0)).collect(), failed_steps)
     };
     let (clean, _) = run(None);
-    let same = |a: &Choice, b: &Choice| a.token_ids == b.token_ids && a.logit_hashes == b.logit_hashes && a.text == b.text;
+    let same =
+        |a: &Choice, b: &Choice| a.token_ids == b.token_ids && a.logit_hashes == b.logit_hashes && a.text == b.text;
     // Step 2 still prefills (chunks of 4), step 5 decodes every request.
     for step in [2, 5] {
         let (out, failed) = run(Some(InjectedFault::Forward { step }));
@@ -331,7 +352,13 @@ fn building_tokenizers_again_and_again_does_not_grow_memory() {
     // Letters only (SmolLM2 splits digits off), so each word is one cache entry.
     let word = |i: u32| -> String {
         let mut h = i.wrapping_mul(2654435761) | 1;
-        (0..8).map(|_| { let c = (b'a' + (h % 26) as u8) as char; h /= 26; c }).collect()
+        (0..8)
+            .map(|_| {
+                let c = (b'a' + (h % 26) as u8) as char;
+                h /= 26;
+                c
+            })
+            .collect()
     };
     let text: String = (0..4000u32).map(|i| word(i) + " ").collect();
     let round = || {

@@ -59,7 +59,14 @@ type Bits = Vec<(Vec<u32>, Vec<u64>, Vec<u32>, String)>;
 fn bits(o: &Output) -> Bits {
     o.choices
         .iter()
-        .map(|c| (c.token_ids.clone(), c.logit_hashes.clone(), c.logprobs.iter().map(|l| l.to_bits()).collect(), c.fingerprint.clone()))
+        .map(|c| {
+            (
+                c.token_ids.clone(),
+                c.logit_hashes.clone(),
+                c.logprobs.iter().map(|l| l.to_bits()).collect(),
+                c.fingerprint.clone(),
+            )
+        })
         .collect()
 }
 
@@ -133,7 +140,8 @@ fn multi_turn_history_is_a_hit_and_evicted_blocks_recompute_to_the_same_bits() {
 
     // A pool just big enough for one sequence: every new prompt evicts what the last cached.
     let need = (turn2.len() + 40).div_ceil(KV_BLOCK) * KV_BLOCK;
-    let mut small = Engine::new(m.clone(), pol.clone(), EngineConfig { kv_budget_tokens: need, ..config(64, true) }).unwrap();
+    let mut small =
+        Engine::new(m.clone(), pol.clone(), EngineConfig { kv_budget_tokens: need, ..config(64, true) }).unwrap();
     let other = text_tokens(&m, turn2.len(), 300);
     for round in 0..2 {
         let o = run_all(&mut small, &[turn2.clone()], &p).remove(0);
@@ -167,7 +175,10 @@ fn a_hash_collision_cannot_serve_wrong_kv() {
     let ob = run_all(&mut e, &[b], &p).remove(0);
     let oc = run_all(&mut e, &[c], &p).remove(0);
     let oa2 = run_all(&mut e, &[a], &p).remove(0);
-    assert_eq!([oa.cached_tokens, ob.cached_tokens, oc.cached_tokens, oa2.cached_tokens], [0, 0, KV_BLOCK, 3 * KV_BLOCK]);
+    assert_eq!(
+        [oa.cached_tokens, ob.cached_tokens, oc.cached_tokens, oa2.cached_tokens],
+        [0, 0, KV_BLOCK, 3 * KV_BLOCK]
+    );
     for (o, w) in [&oa, &ob, &oc].iter().zip(&want) {
         assert_eq!(&bits(o), w);
     }
@@ -181,7 +192,14 @@ fn burst(m: &Model, n: usize) -> Vec<Vec<u32>> {
 
 /// A burst of `n` requests in a pool of `blocks` blocks (a third of what they need or less)
 /// against the same burst in a pool that never runs out; at least `at_least` preemptions.
-fn preempted_equals_uninterrupted(gate: GateConfig, seeded: bool, n: usize, max_new: usize, blocks: usize, at_least: u64) {
+fn preempted_equals_uninterrupted(
+    gate: GateConfig,
+    seeded: bool,
+    n: usize,
+    max_new: usize,
+    blocks: usize,
+    at_least: u64,
+) {
     let (m, pol) = model(SMOL);
     let p = params(max_new, seeded);
     let prompts = burst(&m, n);

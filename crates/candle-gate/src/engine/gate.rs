@@ -9,8 +9,8 @@ use serde::Serialize;
 use crate::dispatch::Mode;
 use crate::error::{Error, Result};
 use crate::llama::{KvCache, KvDtype};
-use crate::ops::hash_bits;
 use crate::model::Model;
+use crate::ops::hash_bits;
 use crate::profile::Profile;
 use crate::reference::ReferenceWeights;
 use crate::sampling::{self, Decision};
@@ -44,9 +44,10 @@ impl GateMode {
 impl FromStr for GateMode {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
-        GateMode::ALL.into_iter().find(|g| g.name() == s).ok_or_else(|| {
-            Error::BadInput(format!("unknown gate mode {s:?}; expected off, gated, always or shadow"))
-        })
+        GateMode::ALL
+            .into_iter()
+            .find(|g| g.name() == s)
+            .ok_or_else(|| Error::BadInput(format!("unknown gate mode {s:?}; expected off, gated, always or shadow")))
     }
 }
 
@@ -111,7 +112,9 @@ impl GateConfig {
         }
         let how = "run `candle-gate calibrate --gate --model M --mode MODE` or pass tau=";
         if profiles.is_empty() {
-            return Err(Error::BadInput(format!("gate='gated' needs tau= or a profile with a gate calibration; {how}")));
+            return Err(Error::BadInput(format!(
+                "gate='gated' needs tau= or a profile with a gate calibration; {how}"
+            )));
         }
         let Some((lane_mode, sha)) = lane else {
             return Err(Error::BadInput("gate='gated' without tau= needs the model to find its calibration".into()));
@@ -176,7 +179,14 @@ impl Gate {
     /// last of `cache`. An error leaves that position's K/V undefined: the caller fails the
     /// sequence, and only it.
     /// `fast` is [`fast_decision`] of `logits` (computed for every sequence in parallel).
-    pub fn decide(&self, model: &Model, s: &mut Sequence, cache: &mut KvCache, logits: &[f32], fast: Decision) -> Result<StepRecord> {
+    pub fn decide(
+        &self,
+        model: &Model,
+        s: &mut Sequence,
+        cache: &mut KvCache,
+        logits: &[f32],
+        fast: Decision,
+    ) -> Result<StepRecord> {
         let key = s.draw_key();
         let output = s.fed_output();
         let params = &s.req.params;
@@ -224,7 +234,8 @@ impl Gate {
         }
         let params = &s.req.params;
         if params.wants_logprobs() {
-            let (lp, top) = sampling::logprobs(deciding.as_deref().unwrap_or(logits), record.token, params.top_logprobs);
+            let (lp, top) =
+                sampling::logprobs(deciding.as_deref().unwrap_or(logits), record.token, params.top_logprobs);
             record.logprob = Some(lp);
             record.top_logprobs = top;
         }
@@ -242,7 +253,12 @@ pub(crate) fn fast_decision(s: &Sequence, logits: &[f32]) -> Decision {
 /// the sequence's cache takes the rebuilt positions' K/V (in its dtype). Positions before
 /// `reference_exact` already are what this would compute, so the result is bitwise the same as
 /// rebuilding from position 0: greedy decoding in the reference lane alone.
-fn rebuild_in_reference_lane(model: &Model, s: &mut Sequence, cache: &mut KvCache, how: ReferenceWeights) -> Result<Vec<f32>> {
+fn rebuild_in_reference_lane(
+    model: &Model,
+    s: &mut Sequence,
+    cache: &mut KvCache,
+    how: ReferenceWeights,
+) -> Result<Vec<f32>> {
     let len = cache.len();
     debug_assert_eq!(len, s.req.prompt_tokens.len() + s.steps.len());
     // The latest position is always recomputed: it is the one whose logits are wanted.

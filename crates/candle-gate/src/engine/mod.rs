@@ -29,7 +29,9 @@ use scheduler::Scheduler;
 use sequence::Sequence;
 
 pub use gate::{GateConfig, GateMode, DEEP_TAU_FRACTION};
-pub use request::{CacheStats, Choice, EngineConfig, Event, FinishReason, GateStats, InjectedFault, Output, Request, RequestId};
+pub use request::{
+    CacheStats, Choice, EngineConfig, Event, FinishReason, GateStats, InjectedFault, Output, Request, RequestId,
+};
 
 /// Upper bound on `max_new_tokens` accepted at submit: a bigger value is a bug, not a plan.
 pub const MAX_NEW_TOKENS_LIMIT: usize = 1 << 20;
@@ -69,12 +71,9 @@ impl Engine {
         }
         let pool = match cfg.threads {
             Some(0) => return Err(Error::BadInput("threads must be at least 1".into())),
-            Some(n) => Some(
-                rayon::ThreadPoolBuilder::new()
-                    .num_threads(n)
-                    .build()
-                    .map_err(|e| Error::Engine(e.to_string()))?,
-            ),
+            Some(n) => {
+                Some(rayon::ThreadPoolBuilder::new().num_threads(n).build().map_err(|e| Error::Engine(e.to_string()))?)
+            }
             None => None,
         };
         let gate = Gate {
@@ -294,7 +293,8 @@ impl Engine {
             let s = &self.scheduler.running[*i];
             if s.index == 0 && s.steps.is_empty() && s.req.params.n > 1 {
                 let (parent, n) = (s.id, s.req.params.n);
-                let forks: Vec<Sequence> = (1..n as u32).map(|index| s.fork(self.next_id + index as u64 - 1, index)).collect();
+                let forks: Vec<Sequence> =
+                    (1..n as u32).map(|index| s.fork(self.next_id + index as u64 - 1, index)).collect();
                 self.next_id += n as u64 - 1;
                 for f in forks {
                     self.runner.fork(parent, f.id);
@@ -392,7 +392,8 @@ impl Engine {
         self.runner.close(s.id);
         let reason = s.finish.unwrap_or(FinishReason::Cancelled);
         let token_ids = s.output();
-        let fp = fingerprint(&self.model_sha, &self.describe_kernels(), &self.cfg.gate.describe(), &self.host, &token_ids);
+        let fp =
+            fingerprint(&self.model_sha, &self.describe_kernels(), &self.cfg.gate.describe(), &self.host, &token_ids);
         let steps = &s.steps;
         let choice = Choice {
             index: s.index,

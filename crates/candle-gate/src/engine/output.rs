@@ -56,7 +56,8 @@ pub(crate) fn emit(events: &mut Vec<Event>, s: &mut Sequence) {
         return;
     }
     let Some(last) = s.steps.last() else { return };
-    let (id, index, token, logprob, top_logprobs) = (s.request, s.index, last.token, last.logprob, last.top_logprobs.clone());
+    let (id, index, token, logprob, top_logprobs) =
+        (s.request, s.index, last.token, last.logprob, last.top_logprobs.clone());
     let t = &mut s.text;
     if s.finish.is_none() {
         let tail = t.text.get(t.emitted..).unwrap_or("");

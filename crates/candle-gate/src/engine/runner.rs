@@ -3,10 +3,10 @@
 //! The model sees rows and caches, never sequences.
 
 use std::collections::HashMap;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 
-use crate::dispatch::{QMatMul, Policy};
+use crate::dispatch::{Policy, QMatMul};
 use crate::error::{Error, Result};
 use crate::kv_cache::{BlockLayout, KvCache, KvPool, KV_BLOCK};
 use crate::llama::{Lane, SeqRows};

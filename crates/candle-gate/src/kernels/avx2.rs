@@ -11,10 +11,16 @@ use std::arch::x86_64::*;
 #[target_feature(enable = "avx2")]
 pub unsafe fn transpose8x4(p: impl Fn(usize) -> *const u8) -> [__m256i; 4] {
     let load = |c: usize| _mm_loadu_si128(p(c) as *const __m128i);
-    let h: [__m256i; 4] = std::array::from_fn(|q| _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(load(q)), load(q + 4)));
+    let h: [__m256i; 4] =
+        std::array::from_fn(|q| _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(load(q)), load(q + 4)));
     let (t0, t1) = (_mm256_unpacklo_epi32(h[0], h[1]), _mm256_unpackhi_epi32(h[0], h[1]));
     let (t2, t3) = (_mm256_unpacklo_epi32(h[2], h[3]), _mm256_unpackhi_epi32(h[2], h[3]));
-    [_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2), _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)]
+    [
+        _mm256_unpacklo_epi64(t0, t2),
+        _mm256_unpackhi_epi64(t0, t2),
+        _mm256_unpacklo_epi64(t1, t3),
+        _mm256_unpackhi_epi64(t1, t3),
+    ]
 }
 
 /// The f16 at each of `p(0..8)` as f32 lanes (lane i from `p(i)`). Read as integers and
@@ -35,7 +41,9 @@ pub unsafe fn f16x8(p: impl Fn(usize) -> *const u8) -> __m256 {
 #[inline]
 #[target_feature(enable = "avx2,f16c")]
 pub unsafe fn f16_halves(v: __m256i) -> (__m256, __m256) {
-    let split = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, 0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    let split = _mm256_setr_epi8(
+        0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, 0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+    );
     let v = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, split), 0b11_01_10_00);
     (_mm256_cvtph_ps(_mm256_castsi256_si128(v)), _mm256_cvtph_ps(_mm256_extracti128_si256(v, 1)))
 }

@@ -56,5 +56,10 @@ pub unsafe fn transpose16x4(p: impl Fn(usize) -> *const u8) -> [__m512i; 4] {
     });
     let (t0, t1) = (_mm512_unpacklo_epi32(h[0], h[1]), _mm512_unpackhi_epi32(h[0], h[1]));
     let (t2, t3) = (_mm512_unpacklo_epi32(h[2], h[3]), _mm512_unpackhi_epi32(h[2], h[3]));
-    [_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2), _mm512_unpacklo_epi64(t1, t3), _mm512_unpackhi_epi64(t1, t3)]
+    [
+        _mm512_unpacklo_epi64(t0, t2),
+        _mm512_unpackhi_epi64(t0, t2),
+        _mm512_unpacklo_epi64(t1, t3),
+        _mm512_unpackhi_epi64(t1, t3),
+    ]
 }

@@ -12,8 +12,8 @@
 //!   but its reduction order is the dense GEMM's, so its bits differ from `gemv`.
 
 use candle_core::quantized::k_quants::{
-    BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K,
-    BlockQ8K, BlockQ8_0, BlockQ8_1, GgmlType,
+    BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K, BlockQ8_0,
+    BlockQ8_1, GgmlType,
 };
 use candle_core::quantized::{GgmlDType, QTensor};
 use half::f16;
@@ -189,24 +189,59 @@ where
 macro_rules! with_block_type {
     ($dtype:expr, $T:ident => $body:expr) => {
         match $dtype {
-            GgmlDType::F32 => { type $T = f32; $body }
-            GgmlDType::F16 => { type $T = f16; $body }
-            GgmlDType::Q4_0 => { type $T = BlockQ4_0; $body }
-            GgmlDType::Q4_1 => { type $T = BlockQ4_1; $body }
-            GgmlDType::Q5_0 => { type $T = BlockQ5_0; $body }
-            GgmlDType::Q5_1 => { type $T = BlockQ5_1; $body }
-            GgmlDType::Q8_0 => { type $T = BlockQ8_0; $body }
-            GgmlDType::Q2K => { type $T = BlockQ2K; $body }
-            GgmlDType::Q3K => { type $T = BlockQ3K; $body }
-            GgmlDType::Q4K => { type $T = BlockQ4K; $body }
-            GgmlDType::Q5K => { type $T = BlockQ5K; $body }
-            GgmlDType::Q6K => { type $T = BlockQ6K; $body }
-            GgmlDType::Q8K => { type $T = BlockQ8K; $body }
-            other => {
-                return Err(Error::Unsupported(format!(
-                    "GGML dtype {other:?} has no CPU kernel in candle-gate"
-                )))
+            GgmlDType::F32 => {
+                type $T = f32;
+                $body
             }
+            GgmlDType::F16 => {
+                type $T = f16;
+                $body
+            }
+            GgmlDType::Q4_0 => {
+                type $T = BlockQ4_0;
+                $body
+            }
+            GgmlDType::Q4_1 => {
+                type $T = BlockQ4_1;
+                $body
+            }
+            GgmlDType::Q5_0 => {
+                type $T = BlockQ5_0;
+                $body
+            }
+            GgmlDType::Q5_1 => {
+                type $T = BlockQ5_1;
+                $body
+            }
+            GgmlDType::Q8_0 => {
+                type $T = BlockQ8_0;
+                $body
+            }
+            GgmlDType::Q2K => {
+                type $T = BlockQ2K;
+                $body
+            }
+            GgmlDType::Q3K => {
+                type $T = BlockQ3K;
+                $body
+            }
+            GgmlDType::Q4K => {
+                type $T = BlockQ4K;
+                $body
+            }
+            GgmlDType::Q5K => {
+                type $T = BlockQ5K;
+                $body
+            }
+            GgmlDType::Q6K => {
+                type $T = BlockQ6K;
+                $body
+            }
+            GgmlDType::Q8K => {
+                type $T = BlockQ8K;
+                $body
+            }
+            other => return Err(Error::Unsupported(format!("GGML dtype {other:?} has no CPU kernel in candle-gate"))),
         }
     };
 }
@@ -216,19 +251,13 @@ macro_rules! with_block_type {
 pub(crate) fn check(w: &QTensor, x: &[f32], m: usize) -> Result<(usize, usize)> {
     let (n, k) = w.shape().dims2()?;
     if !SUPPORTED.contains(&w.dtype()) {
-        return Err(Error::Unsupported(format!(
-            "GGML dtype {:?} has no CPU kernel in candle-gate",
-            w.dtype()
-        )));
+        return Err(Error::Unsupported(format!("GGML dtype {:?} has no CPU kernel in candle-gate", w.dtype())));
     }
     if m == 0 {
         return Err(Error::BadInput("matmul input has zero rows".into()));
     }
     if x.len() != m * k {
-        return Err(Error::BadInput(format!(
-            "matmul input holds {} values, expected {m} rows x k={k}",
-            x.len()
-        )));
+        return Err(Error::BadInput(format!("matmul input holds {} values, expected {m} rows x k={k}", x.len())));
     }
     if k % w.dtype().block_size() != 0 {
         return Err(Error::BadInput(format!(

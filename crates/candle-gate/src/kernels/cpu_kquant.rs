@@ -85,8 +85,13 @@ pub(crate) trait KBlock: Sync + 'static {
     /// lane c is row r · column `col(c)`, each lane exactly [`element`]'s.
     /// SAFETY: AVX-512 F/BW/VL and VNNI must be available.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn sixteen_columns<'a>(col: impl Fn(usize) -> &'a [Self], kb: usize, ys: &[Q8K], rows: usize, out: &mut [[f32; 16]])
-    where
+    unsafe fn sixteen_columns<'a>(
+        col: impl Fn(usize) -> &'a [Self],
+        kb: usize,
+        ys: &[Q8K],
+        rows: usize,
+        out: &mut [[f32; 16]],
+    ) where
         Self: Sized;
     /// Rows from which the AVX2 tier runs [`KBlock::eight_columns`] (fewer take the one-row
     /// kernel per element): on the EPYC, Q4_K's eight-column kernel beats two one-row passes
@@ -97,8 +102,13 @@ pub(crate) trait KBlock: Sync + 'static {
     /// [`KBlock::sixteen_columns`] eight columns wide, in AVX2, for up to [`TILE_ROWS`] rows.
     /// SAFETY: AVX2, FMA and F16C must be available.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn eight_columns<'a>(col: impl Fn(usize) -> &'a [Self], kb: usize, ys: &[Q8K], rows: usize, out: &mut [[f32; 8]])
-    where
+    unsafe fn eight_columns<'a>(
+        col: impl Fn(usize) -> &'a [Self],
+        kb: usize,
+        ys: &[Q8K],
+        rows: usize,
+        out: &mut [[f32; 8]],
+    ) where
         Self: Sized;
 }
 
@@ -108,11 +118,23 @@ impl KBlock for Q4K {
     #[cfg(target_arch = "x86_64")]
     const EIGHT_MIN_ROWS: usize = 2;
     #[cfg(target_arch = "x86_64")]
-    unsafe fn sixteen_columns<'a>(col: impl Fn(usize) -> &'a [Self], kb: usize, ys: &[Q8K], rows: usize, out: &mut [[f32; 16]]) {
+    unsafe fn sixteen_columns<'a>(
+        col: impl Fn(usize) -> &'a [Self],
+        kb: usize,
+        ys: &[Q8K],
+        rows: usize,
+        out: &mut [[f32; 16]],
+    ) {
         avx512::q4k_sixteen_columns(col, kb, ys, rows, out)
     }
     #[cfg(target_arch = "x86_64")]
-    unsafe fn eight_columns<'a>(col: impl Fn(usize) -> &'a [Self], kb: usize, ys: &[Q8K], rows: usize, out: &mut [[f32; 8]]) {
+    unsafe fn eight_columns<'a>(
+        col: impl Fn(usize) -> &'a [Self],
+        kb: usize,
+        ys: &[Q8K],
+        rows: usize,
+        out: &mut [[f32; 8]],
+    ) {
         eight::q4k_eight_columns(col, kb, ys, rows, out)
     }
     fn unpack(&self) -> Unpacked {
@@ -234,11 +256,23 @@ impl KBlock for Q6K {
     #[cfg(target_arch = "x86_64")]
     const EIGHT_MIN_ROWS: usize = 3;
     #[cfg(target_arch = "x86_64")]
-    unsafe fn sixteen_columns<'a>(col: impl Fn(usize) -> &'a [Self], kb: usize, ys: &[Q8K], rows: usize, out: &mut [[f32; 16]]) {
+    unsafe fn sixteen_columns<'a>(
+        col: impl Fn(usize) -> &'a [Self],
+        kb: usize,
+        ys: &[Q8K],
+        rows: usize,
+        out: &mut [[f32; 16]],
+    ) {
         avx512::q6k_sixteen_columns(col, kb, ys, rows, out)
     }
     #[cfg(target_arch = "x86_64")]
-    unsafe fn eight_columns<'a>(col: impl Fn(usize) -> &'a [Self], kb: usize, ys: &[Q8K], rows: usize, out: &mut [[f32; 8]]) {
+    unsafe fn eight_columns<'a>(
+        col: impl Fn(usize) -> &'a [Self],
+        kb: usize,
+        ys: &[Q8K],
+        rows: usize,
+        out: &mut [[f32; 8]],
+    ) {
         eight::q6k_eight_columns(col, kb, ys, rows, out)
     }
     fn unpack(&self) -> Unpacked {
@@ -284,7 +318,9 @@ impl KBlock for Q6K {
             let ql = _mm512_loadu_si512(self.ql.as_ptr().add(64 * n) as *const _);
             let qh = super::avx512::both(_mm256_loadu_si256(self.qh.as_ptr().add(32 * n) as *const __m256i));
             let qh = _mm512_mask_srli_epi16::<2>(qh, 0xFFFF_0000, qh);
-            for (t, (lo, hi)) in [(ql, qh), (_mm512_srli_epi16::<4>(ql), _mm512_srli_epi16::<4>(qh))].into_iter().enumerate() {
+            for (t, (lo, hi)) in
+                [(ql, qh), (_mm512_srli_epi16::<4>(ql), _mm512_srli_epi16::<4>(qh))].into_iter().enumerate()
+            {
                 let u = _mm512_or_si512(_mm512_and_si512(lo, m4), _mm512_slli_epi16::<4>(_mm512_and_si512(hi, m2)));
                 let c = 4 * n + 2 * t;
                 let yq = _mm512_loadu_si512(y.qs.as_ptr().add(32 * c) as *const _);
@@ -332,7 +368,9 @@ impl Q6K {
     /// The sixteen scales as i16: the low eight in both halves, the high eight in both halves,
     /// and all sixteen in order (the `bsums` coefficients).
     #[inline(always)]
-    unsafe fn scale_halves(&self) -> (std::arch::x86_64::__m256i, std::arch::x86_64::__m256i, std::arch::x86_64::__m256i) {
+    unsafe fn scale_halves(
+        &self,
+    ) -> (std::arch::x86_64::__m256i, std::arch::x86_64::__m256i, std::arch::x86_64::__m256i) {
         use std::arch::x86_64::*;
         let bcoef = _mm256_cvtepi8_epi16(_mm_loadu_si128(self.scales.as_ptr() as *const __m128i));
         (_mm256_permute2x128_si256(bcoef, bcoef, 0x00), _mm256_permute2x128_si256(bcoef, bcoef, 0x11), bcoef)
@@ -340,7 +378,11 @@ impl Q6K {
 
     /// Weights `32c..32c+32`'s two scales, one per 16-weight half.
     #[inline(always)]
-    unsafe fn scale(lo: std::arch::x86_64::__m256i, hi: std::arch::x86_64::__m256i, c: usize) -> std::arch::x86_64::__m256i {
+    unsafe fn scale(
+        lo: std::arch::x86_64::__m256i,
+        hi: std::arch::x86_64::__m256i,
+        c: usize,
+    ) -> std::arch::x86_64::__m256i {
         use std::arch::x86_64::*;
         let (a, b) = (2 * c, 2 * c + 1);
         if c < 4 {
@@ -418,7 +460,14 @@ mod avx2 {
 
     /// [`super::step`] on eight lanes: the same IEEE operations in the same order.
     #[inline(always)]
-    pub unsafe fn step8<W: KBlock>(acc: __m256, isum: __m256i, ib: __m256i, xd: __m256, xdmin: __m256, yd: __m256) -> __m256 {
+    pub unsafe fn step8<W: KBlock>(
+        acc: __m256,
+        isum: __m256i,
+        ib: __m256i,
+        xd: __m256,
+        xdmin: __m256,
+        yd: __m256,
+    ) -> __m256 {
         if W::HAS_MIN {
             let a = _mm256_mul_ps(_mm256_mul_ps(yd, xd), _mm256_cvtepi32_ps(isum));
             let b = _mm256_mul_ps(_mm256_mul_ps(yd, xdmin), _mm256_cvtepi32_ps(ib));
@@ -477,7 +526,13 @@ mod eight {
     /// then one `madd` against the scale; each lane runs [`super::step`] on exact integer sums:
     /// the one-row bits.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn q4k_eight_columns<'a>(col: impl Fn(usize) -> &'a [Q4K], kb: usize, ys: &[Q8K], rows: usize, out: &mut [[f32; 8]]) {
+    pub unsafe fn q4k_eight_columns<'a>(
+        col: impl Fn(usize) -> &'a [Q4K],
+        kb: usize,
+        ys: &[Q8K],
+        rows: usize,
+        out: &mut [[f32; 8]],
+    ) {
         debug_assert!(rows <= TILE_ROWS && out.len() >= rows);
         let m4 = _mm256_set1_epi8(0x0F);
         let mut acc = [_mm256_setzero_ps(); TILE_ROWS];
@@ -494,10 +549,12 @@ mod eight {
             let high = |lo: __m256i, top: __m256i, k: u32, shift: u32| {
                 _mm256_or_si256(field(lo, 8 * k + shift, 0x0F), _mm256_slli_epi32::<4>(field(top, 8 * k + 6, 3)))
             };
-            let sc: [__m256i; 8] =
-                std::array::from_fn(|j| pair(if j < 4 { field(s0, 8 * j as u32, 63) } else { high(s2, s0, j as u32 - 4, 0) }));
-            let mins: [__m256i; 8] =
-                std::array::from_fn(|j| pair(if j < 4 { field(s1, 8 * j as u32, 63) } else { high(s2, s1, j as u32 - 4, 4) }));
+            let sc: [__m256i; 8] = std::array::from_fn(|j| {
+                pair(if j < 4 { field(s0, 8 * j as u32, 63) } else { high(s2, s0, j as u32 - 4, 0) })
+            });
+            let mins: [__m256i; 8] = std::array::from_fn(|j| {
+                pair(if j < 4 { field(s1, 8 * j as u32, 63) } else { high(s2, s1, j as u32 - 4, 4) })
+            });
             isum[..rows].fill(_mm256_setzero_si256());
             for i in 0..4 {
                 let qs = std::mem::offset_of!(Q4K, qs) + 32 * i;
@@ -545,7 +602,13 @@ mod eight {
     /// (2 · 2 · 63 · 128 = 32,256), so a half takes two `madd`s against its scale; the `bsums`
     /// term and the float step are [`super::step`]'s, lane by lane.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn q6k_eight_columns<'a>(col: impl Fn(usize) -> &'a [Q6K], kb: usize, ys: &[Q8K], rows: usize, out: &mut [[f32; 8]]) {
+    pub unsafe fn q6k_eight_columns<'a>(
+        col: impl Fn(usize) -> &'a [Q6K],
+        kb: usize,
+        ys: &[Q8K],
+        rows: usize,
+        out: &mut [[f32; 8]],
+    ) {
         debug_assert!(rows <= TILE_ROWS && out.len() >= rows);
         let (m4, m30) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x30));
         let mut acc = [_mm256_setzero_ps(); TILE_ROWS];
@@ -577,7 +640,9 @@ mod eight {
                                 0 => (_mm256_and_si256(a[g], m4), _mm256_slli_epi16::<4>(h[g])),
                                 1 => (_mm256_and_si256(bq[g], m4), _mm256_slli_epi16::<2>(h[g])),
                                 2 => (_mm256_and_si256(_mm256_srli_epi16::<4>(a[g]), m4), h[g]),
-                                _ => (_mm256_and_si256(_mm256_srli_epi16::<4>(bq[g]), m4), _mm256_srli_epi16::<2>(h[g])),
+                                _ => {
+                                    (_mm256_and_si256(_mm256_srli_epi16::<4>(bq[g]), m4), _mm256_srli_epi16::<2>(h[g]))
+                                }
                             };
                             _mm256_or_si256(lo, _mm256_and_si256(hi, m30))
                         });
@@ -587,14 +652,20 @@ mod eight {
                             let y = ys.as_ptr().add(r * kb + b).cast::<u8>().add(Y_QS + 16 * s) as *const i32;
                             let p = |g: usize| _mm256_maddubs_epi16(u[g], broadcast(y.add(g)));
                             let (p01, p23) = (_mm256_add_epi16(p(0), p(1)), _mm256_add_epi16(p(2), p(3)));
-                            *isum = _mm256_add_epi32(*isum, _mm256_add_epi32(_mm256_madd_epi16(p01, scale), _mm256_madd_epi16(p23, scale)));
+                            *isum = _mm256_add_epi32(
+                                *isum,
+                                _mm256_add_epi32(_mm256_madd_epi16(p01, scale), _mm256_madd_epi16(p23, scale)),
+                            );
                         }
                     }
                 }
             }
             // The (scale 2p, scale 2p + 1) pairs as i16, against the (bsums[2p], bsums[2p + 1]) pairs.
             let pairs: [__m256i; 8] = std::array::from_fn(|p| {
-                _mm256_or_si256(_mm256_and_si256(sc[2 * p], _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32::<16>(sc[2 * p + 1]))
+                _mm256_or_si256(
+                    _mm256_and_si256(sc[2 * p], _mm256_set1_epi32(0xFFFF)),
+                    _mm256_slli_epi32::<16>(sc[2 * p + 1]),
+                )
             });
             for (r, (acc, &isum)) in acc[..rows].iter_mut().zip(&isum).enumerate() {
                 let y = &ys[r * kb + b];
@@ -624,9 +695,13 @@ mod avx512 {
     #[target_feature(enable = "avx512f,avx512bw")]
     pub unsafe fn runs_of_i16(v: __m512i, first: usize, run: u32) -> __m512i {
         let lane = _mm512_set_epi16(
-            31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0,
+            31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4,
+            3, 2, 1, 0,
         );
-        let idx = _mm512_add_epi16(_mm512_srl_epi16(lane, _mm_cvtsi32_si128(run.trailing_zeros() as i32)), _mm512_set1_epi16(first as i16));
+        let idx = _mm512_add_epi16(
+            _mm512_srl_epi16(lane, _mm_cvtsi32_si128(run.trailing_zeros() as i32)),
+            _mm512_set1_epi16(first as i16),
+        );
         _mm512_permutexvar_epi16(idx, v)
     }
 
@@ -682,7 +757,12 @@ mod avx512 {
     /// (sc, 0)) multiplies it exactly, in one uop where `mullo` takes two.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-    unsafe fn sub_block_rows<const R: usize>(u: &[__m512i; 8], y: [*const i32; R], sc: __m512i, isum: &mut [__m512i]) -> usize {
+    unsafe fn sub_block_rows<const R: usize>(
+        u: &[__m512i; 8],
+        y: [*const i32; R],
+        sc: __m512i,
+        isum: &mut [__m512i],
+    ) -> usize {
         let mut a = [[_mm512_setzero_si512(); 2]; R];
         for (t, &u) in u.iter().enumerate() {
             for (a, y) in a.iter_mut().zip(y) {
@@ -701,7 +781,13 @@ mod avx512 {
     /// `dpbusd` against a row's four activation bytes broadcast, and one transposed load serves
     /// every row. Each lane runs [`super::step`] on exact integer sums: the one-row bits.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c")]
-    pub unsafe fn q4k_sixteen_columns<'a>(col: impl Fn(usize) -> &'a [super::Q4K], kb: usize, ys: &[super::Q8K], rows: usize, out: &mut [[f32; 16]]) {
+    pub unsafe fn q4k_sixteen_columns<'a>(
+        col: impl Fn(usize) -> &'a [super::Q4K],
+        kb: usize,
+        ys: &[super::Q8K],
+        rows: usize,
+        out: &mut [[f32; 16]],
+    ) {
         debug_assert!(rows <= TILE_ROWS && out.len() >= rows);
         let m4 = _mm512_set1_epi8(0x0F);
         let mut acc = [_mm512_setzero_ps(); TILE_ROWS];
@@ -724,7 +810,10 @@ mod avx512 {
             let high = |lo: __m512i, top: __m512i, k: u32, shift: u32| {
                 _mm512_or_si512(field(lo, 8 * k + shift, 0x0F), _mm512_slli_epi32::<4>(field(top, 8 * k + 6, 3)))
             };
-            let sc: [__m512i; 8] = std::array::from_fn(|j| if j < 4 { field(s0, 8 * j as u32, 63) } else { high(s2, s0, j as u32 - 4, 0) });
+            let sc: [__m512i; 8] =
+                std::array::from_fn(
+                    |j| if j < 4 { field(s0, 8 * j as u32, 63) } else { high(s2, s0, j as u32 - 4, 0) },
+                );
             let mins: [__m512i; 8] = std::array::from_fn(|j| {
                 let m = if j < 4 { field(s1, 8 * j as u32, 63) } else { high(s2, s1, j as u32 - 4, 4) };
                 // In both i16 halves, against a (bsums[2j], bsums[2j + 1]) pair.
@@ -773,7 +862,12 @@ mod avx512 {
     /// (up to 16 · 63 · 128) needs i32, so the scale takes a `mullo`.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-    unsafe fn half_rows<const R: usize>(u: &[__m512i; 4], y: [*const i32; R], sc: __m512i, isum: &mut [__m512i]) -> usize {
+    unsafe fn half_rows<const R: usize>(
+        u: &[__m512i; 4],
+        y: [*const i32; R],
+        sc: __m512i,
+        isum: &mut [__m512i],
+    ) -> usize {
         let mut a = [_mm512_setzero_si512(); R];
         for (g, &u) in u.iter().enumerate() {
             for (a, y) in a.iter_mut().zip(y) {
@@ -791,7 +885,13 @@ mod avx512 {
     /// row's broadcast bytes and times that half's scale; the `bsums` term and the float step
     /// are [`super::step`]'s, lane by lane.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c")]
-    pub unsafe fn q6k_sixteen_columns<'a>(col: impl Fn(usize) -> &'a [super::Q6K], kb: usize, ys: &[super::Q8K], rows: usize, out: &mut [[f32; 16]]) {
+    pub unsafe fn q6k_sixteen_columns<'a>(
+        col: impl Fn(usize) -> &'a [super::Q6K],
+        kb: usize,
+        ys: &[super::Q8K],
+        rows: usize,
+        out: &mut [[f32; 16]],
+    ) {
         debug_assert!(rows <= TILE_ROWS && out.len() >= rows);
         let (m4, m30) = (_mm512_set1_epi8(0x0F), _mm512_set1_epi8(0x30));
         let mut acc = [_mm512_setzero_ps(); TILE_ROWS];
@@ -815,7 +915,10 @@ mod avx512 {
                 _mm512_srai_epi32::<24>(_mm512_sll_epi32(v, _mm_cvtsi32_si128(24 - 8 * (s % 4) as i32)))
             });
             let pairs: [__m512i; 8] = std::array::from_fn(|p| {
-                _mm512_or_si512(_mm512_and_si512(sc[2 * p], _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32::<16>(sc[2 * p + 1]))
+                _mm512_or_si512(
+                    _mm512_and_si512(sc[2 * p], _mm512_set1_epi32(0xFFFF)),
+                    _mm512_slli_epi32::<16>(sc[2 * p + 1]),
+                )
             });
             isum[..rows].fill(_mm512_setzero_si512());
             for n in 0..2 {
@@ -831,7 +934,9 @@ mod avx512 {
                                 0 => (_mm512_and_si512(a[g], m4), _mm512_slli_epi16::<4>(h[g])),
                                 1 => (_mm512_and_si512(bq[g], m4), _mm512_slli_epi16::<2>(h[g])),
                                 2 => (_mm512_and_si512(_mm512_srli_epi16::<4>(a[g]), m4), h[g]),
-                                _ => (_mm512_and_si512(_mm512_srli_epi16::<4>(bq[g]), m4), _mm512_srli_epi16::<2>(h[g])),
+                                _ => {
+                                    (_mm512_and_si512(_mm512_srli_epi16::<4>(bq[g]), m4), _mm512_srli_epi16::<2>(h[g]))
+                                }
                             };
                             // lo | (hi & 0x30)
                             _mm512_ternarylogic_epi32::<0xF8>(lo, hi, m30)
@@ -850,14 +955,16 @@ mod avx512 {
                     ib = _mm512_dpwssd_epi32(ib, pair, _mm512_set1_epi32(bs.add(p).read_unaligned()));
                 }
                 let isum = _mm512_sub_epi32(isum, _mm512_mullo_epi32(ib, _mm512_set1_epi32(super::Q6K::OFFSET)));
-                *acc = _mm512_add_ps(*acc, _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(y.d), xd), _mm512_cvtepi32_ps(isum)));
+                *acc = _mm512_add_ps(
+                    *acc,
+                    _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(y.d), xd), _mm512_cvtepi32_ps(isum)),
+                );
             }
         }
         for (o, a) in out.iter_mut().zip(&acc[..rows]) {
             _mm512_storeu_ps(o.as_mut_ptr(), *a);
         }
     }
-
 }
 
 /// The one-row loop of every SIMD tier: `sums(x, y)` is a block's exact (Σ sc·u·y, Σ bcoef·bsums),
@@ -945,12 +1052,26 @@ fn matmul<W: KBlock>(w: &[W], xq: &[Q8K], m: usize, k: usize, n: usize, out: &mu
         let put = |r: usize, c: usize, v: f32| unsafe { *p.0.add(r * n + c) = v };
         #[cfg(target_arch = "x86_64")]
         if sixteen {
-            by_tiles::<W, 16>(w, kb, cols, m, |col, r0, rows, got| unsafe { W::sixteen_columns(col, kb, &xq[r0 * kb..], rows, got) }, put);
+            by_tiles::<W, 16>(
+                w,
+                kb,
+                cols,
+                m,
+                |col, r0, rows, got| unsafe { W::sixteen_columns(col, kb, &xq[r0 * kb..], rows, got) },
+                put,
+            );
             return;
         }
         #[cfg(target_arch = "x86_64")]
         if eight {
-            by_tiles::<W, 8>(w, kb, cols, m, |col, r0, rows, got| unsafe { W::eight_columns(col, kb, &xq[r0 * kb..], rows, got) }, put);
+            by_tiles::<W, 8>(
+                w,
+                kb,
+                cols,
+                m,
+                |col, r0, rows, got| unsafe { W::eight_columns(col, kb, &xq[r0 * kb..], rows, got) },
+                put,
+            );
             return;
         }
         // Fewer rows: one element at a time, each column's bytes read in order (eight
@@ -960,7 +1081,13 @@ fn matmul<W: KBlock>(w: &[W], xq: &[Q8K], m: usize, k: usize, n: usize, out: &mu
             for c in cols.clone() {
                 for r in 0..m {
                     let (wc, y) = (&w[c * kb..(c + 1) * kb], &xq[r * kb..(r + 1) * kb]);
-                    put(r, c, unsafe { if wide { element_avx512(wc, y) } else { element_avx2(wc, y) } });
+                    put(r, c, unsafe {
+                        if wide {
+                            element_avx512(wc, y)
+                        } else {
+                            element_avx2(wc, y)
+                        }
+                    });
                 }
             }
             return;
@@ -1043,19 +1170,29 @@ mod tests {
                 s ^= s >> 7;
                 s ^= s << 17;
                 let u = (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
-                if i % 61 == 0 { u * 9.0 } else { u }
+                if i % 61 == 0 {
+                    u * 9.0
+                } else {
+                    u
+                }
             })
             .collect()
     }
 
-    fn check<B: GgmlType<VecDotType = BlockQ8K>, W: KBlock>(run: fn(&[B], &[BlockQ8K], usize, usize, usize, &mut [f32])) {
+    fn check<B: GgmlType<VecDotType = BlockQ8K>, W: KBlock>(
+        run: fn(&[B], &[BlockQ8K], usize, usize, usize, &mut [f32]),
+    ) {
         // Two super-blocks per column, and as many as take the sixteen-column kernel at one row.
         for kb in [2, SIXTEEN_ONE_ROW_MIN_BLOCKS] {
             check_shape::<B, W>(run, 37, 256 * kb);
         }
     }
 
-    fn check_shape<B: GgmlType<VecDotType = BlockQ8K>, W: KBlock>(run: fn(&[B], &[BlockQ8K], usize, usize, usize, &mut [f32]), n: usize, k: usize) {
+    fn check_shape<B: GgmlType<VecDotType = BlockQ8K>, W: KBlock>(
+        run: fn(&[B], &[BlockQ8K], usize, usize, usize, &mut [f32]),
+        n: usize,
+        k: usize,
+    ) {
         let mut wq = vec![B::zeros(); n * k / 256];
         B::from_float(&data(n * k, 3), &mut wq);
         let x = data(19 * k, 5);

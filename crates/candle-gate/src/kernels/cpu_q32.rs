@@ -560,7 +560,11 @@ struct RowGroup {
 impl RowGroup {
     fn new(narrow: Vec<Group8>, isa: super::Isa) -> RowGroup {
         // SAFETY: AVX-512 F is part of the tier checked here.
-        let wide = if isa == super::Isa::Avx512 { narrow.iter().map(|g| unsafe { avx512::Group16::of(g) }).collect() } else { Vec::new() };
+        let wide = if isa == super::Isa::Avx512 {
+            narrow.iter().map(|g| unsafe { avx512::Group16::of(g) }).collect()
+        } else {
+            Vec::new()
+        };
         RowGroup { narrow, wide }
     }
 }
@@ -568,7 +572,16 @@ impl RowGroup {
 /// Rows `r0..r0+rows` (at most 8, their [`RowGroup`]) against columns `cols`.
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
-fn group8<W: Weights>(w: &[W], groups: &RowGroup, kb: usize, r0: usize, rows: usize, cols: std::ops::Range<usize>, n: usize, out: *mut f32) {
+fn group8<W: Weights>(
+    w: &[W],
+    groups: &RowGroup,
+    kb: usize,
+    r0: usize,
+    rows: usize,
+    cols: std::ops::Range<usize>,
+    n: usize,
+    out: *mut f32,
+) {
     let col = |c: usize| &w[c * kb..(c + 1) * kb];
     let put = |c: usize, acc: &[f32]| {
         for (i, v) in acc.iter().take(rows).enumerate() {
@@ -699,7 +712,9 @@ fn matmul<W: Weights>(w: &[W], xq: &[W::Y], m: usize, k: usize, n: usize, out: &
             if rows < GROUP_MIN_ROWS || isa < super::Isa::Avx2 {
                 return Vec::new();
             }
-            (0..rows.div_ceil(8)).map(|g| RowGroup::new(groups_of::<W>(xq, &ysum, kb, r0 + 8 * g, 8.min(rows - 8 * g)), isa)).collect()
+            (0..rows.div_ceil(8))
+                .map(|g| RowGroup::new(groups_of::<W>(xq, &ysum, kb, r0 + 8 * g, 8.min(rows - 8 * g)), isa))
+                .collect()
         })
         .collect();
     let run = |task: usize| {
@@ -751,7 +766,11 @@ mod tests {
             }
             b[0] = 0;
             b[1] = 0x3c; // d = 1.0
-            let blk = Q50 { d: f16::from_bits(u16::from_le_bytes([b[0], b[1]])), qh: [b[2], b[3], b[4], b[5]], qs: b[6..22].try_into().unwrap() };
+            let blk = Q50 {
+                d: f16::from_bits(u16::from_le_bytes([b[0], b[1]])),
+                qh: [b[2], b[3], b[4], b[5]],
+                qs: b[6..22].try_into().unwrap(),
+            };
             let mut got = [0u8; 32];
             // SAFETY: AVX2 checked above.
             unsafe { std::arch::x86_64::_mm256_storeu_si256(got.as_mut_ptr() as *mut _, blk.u_avx2()) };

@@ -41,7 +41,13 @@ mod avx2 {
     /// `d(r)`: Candle's `acc = fma(d_x·d_y, cvt(Σ pairs), acc)`, the weight block loaded and its
     /// absolute value taken once for all the rows.
     #[inline(always)]
-    unsafe fn block<const R: usize>(acc: &mut [__m256; R], x: *const Q80, ys: [*const Q80; R], b: usize, d: impl Fn(usize) -> f32) {
+    unsafe fn block<const R: usize>(
+        acc: &mut [__m256; R],
+        x: *const Q80,
+        ys: [*const Q80; R],
+        b: usize,
+        d: impl Fn(usize) -> f32,
+    ) {
         let x = &*x.add(b);
         prefetch_ahead(x);
         let bx = _mm256_loadu_si256(x.qs.as_ptr() as *const __m256i);
@@ -234,7 +240,11 @@ pub fn matmul(w: &[BlockQ8_0], xq: &[BlockQ8_0], m: usize, k: usize, n: usize, o
                 // SAFETY: AVX-512 F/BW and VNNI are part of the tier (`wide`).
                 (0..kb).map(|b| unsafe { avx512::Rows2::of(&yl[b], dl[b], &yh[b], dh[b]) }).collect()
             };
-            if m == 1 { vec![pair(0, 0)] } else { (0..m / 2).map(|p| pair(2 * p, 2 * p + 1)).collect() }
+            if m == 1 {
+                vec![pair(0, 0)]
+            } else {
+                (0..m / 2).map(|p| pair(2 * p, 2 * p + 1)).collect()
+            }
         };
         let ptr = OutPtr(out.as_mut_ptr());
         let col_tasks = n.div_ceil(COLS_PER_TASK);
@@ -247,7 +257,8 @@ pub fn matmul(w: &[BlockQ8_0], xq: &[BlockQ8_0], m: usize, k: usize, n: usize, o
             if m == 1 && wide {
                 while cols.start + 2 * ONE_ROW_PAIRS <= cols.end {
                     let c = cols.start;
-                    let w2: [[&[Q80]; 2]; ONE_ROW_PAIRS] = std::array::from_fn(|i| [col(c + 2 * i), col(c + 2 * i + 1)]);
+                    let w2: [[&[Q80]; 2]; ONE_ROW_PAIRS] =
+                        std::array::from_fn(|i| [col(c + 2 * i), col(c + 2 * i + 1)]);
                     // SAFETY: AVX-512 F/BW and VNNI are part of the tier (`wide`).
                     let got = unsafe { avx512::columns::<ONE_ROW_PAIRS>(w2, &pairs[0]) };
                     for (i, &v) in got.as_flattened().iter().enumerate() {

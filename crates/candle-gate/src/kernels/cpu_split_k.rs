@@ -84,7 +84,18 @@ pub fn matmul(w: &[f16], x: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
 
 /// Dispatches one tile to the monomorphized kernel for its shape.
 #[allow(clippy::too_many_arguments)]
-unsafe fn run_tile(x: &[f32], w: &[f16], k: usize, n: usize, cl: usize, r0: usize, rows: usize, c0: usize, cols: usize, op: OutPtr) {
+unsafe fn run_tile(
+    x: &[f32],
+    w: &[f16],
+    k: usize,
+    n: usize,
+    cl: usize,
+    r0: usize,
+    rows: usize,
+    c0: usize,
+    cols: usize,
+    op: OutPtr,
+) {
     macro_rules! go {
         ($r:literal, $c:literal) => {{
             let xs: [&[f32]; $r] = std::array::from_fn(|i| &x[(r0 + i) * k..(r0 + i + 1) * k]);
@@ -233,7 +244,13 @@ mod tests {
                         let b = tile_portable::<$r, $c>(xs, ws, cl);
                         for i in 0..$r {
                             for j in 0..$c {
-                                assert_eq!(a[i][j].to_bits(), b[i][j].to_bits(), "k={k} splits={splits} tile {}x{} [{i},{j}]", $r, $c);
+                                assert_eq!(
+                                    a[i][j].to_bits(),
+                                    b[i][j].to_bits(),
+                                    "k={k} splits={splits} tile {}x{} [{i},{j}]",
+                                    $r,
+                                    $c
+                                );
                             }
                         }
                     }};

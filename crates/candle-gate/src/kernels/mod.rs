@@ -91,7 +91,14 @@ impl Isa {
         #[cfg(target_arch = "x86_64")]
         {
             use std::arch::is_x86_feature_detected as has;
-            if has!("avx512f") && has!("avx512bw") && has!("avx512vl") && has!("avx512vnni") && has!("avx2") && has!("fma") && has!("f16c") {
+            if has!("avx512f")
+                && has!("avx512bw")
+                && has!("avx512vl")
+                && has!("avx512vnni")
+                && has!("avx2")
+                && has!("fma")
+                && has!("f16c")
+            {
                 return Isa::Avx512;
             }
             if has!("avx2") && has!("fma") && has!("f16c") {
@@ -188,8 +195,6 @@ pub(crate) fn parallel_for(total: usize, run: impl Fn(usize) + Sync + Send) {
 #[allow(dead_code)]
 pub(crate) fn row_split_via_candle(native: &QMatMul, xs2: &Tensor) -> candle_core::Result<Tensor> {
     let m = xs2.dim(0)?;
-    let rows = (0..m)
-        .map(|r| native.forward(&xs2.narrow(0, r, 1)?))
-        .collect::<candle_core::Result<Vec<_>>>()?;
+    let rows = (0..m).map(|r| native.forward(&xs2.narrow(0, r, 1)?)).collect::<candle_core::Result<Vec<_>>>()?;
     Tensor::cat(&rows, 0)
 }

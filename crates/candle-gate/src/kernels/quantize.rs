@@ -177,11 +177,23 @@ mod tests {
             .map(|i| {
                 let r = next();
                 match (i / 32) % 8 {
-                    0 => if i % 32 == 0 { 127.0 } else { (r % 255) as f32 / 2.0 - 63.5 },
+                    0 => {
+                        if i % 32 == 0 {
+                            127.0
+                        } else {
+                            (r % 255) as f32 / 2.0 - 63.5
+                        }
+                    }
                     1 => [f32::NAN, f32::INFINITY, -0.0, 0.0, 1e-40, -1e-42, 3.0e38, -2.5][(r % 8) as usize],
                     2 => 0.0,
                     3 => f32::from_bits((r as u32) & 0x807F_FFFF | 0x3F00_0000),
-                    4 => if i % 32 == 5 { -1000.0 } else { (r % 2001) as f32 - 1000.0 },
+                    4 => {
+                        if i % 32 == 5 {
+                            -1000.0
+                        } else {
+                            (r % 2001) as f32 - 1000.0
+                        }
+                    }
                     _ => f32::from_bits(r as u32 >> 1) * if r & (1 << 40) != 0 { -1.0 } else { 1.0 },
                 }
             })
@@ -214,7 +226,9 @@ mod tests {
 
     #[test]
     fn rounding_is_roundf_on_ties_and_edges() {
-        for v in [0.5f32, -0.5, 1.5, -1.5, 2.5, -2.5, 0.49999997, -0.49999997, 8388607.5, 8388608.0, 1e30, -0.0, f32::NAN] {
+        for v in
+            [0.5f32, -0.5, 1.5, -1.5, 2.5, -2.5, 0.49999997, -0.49999997, 8388607.5, 8388608.0, 1e30, -0.0, f32::NAN]
+        {
             let (a, b) = (round_half_away(v), v.round());
             assert!(a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()), "{v}: {a} != {b}");
         }
