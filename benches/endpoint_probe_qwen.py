@@ -27,7 +27,6 @@ candle-gate's gate counters from /metrics). Nothing is asserted; run the full be
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys

@@ -58,7 +58,6 @@ def main(argv=None) -> int:
         for dtype in ("f16", "f32"):
             same, prefix = agreement(greedy(model, chats, a.new_tokens, kv_dtype=dtype), oracle)
             rows.append({"model": name, "kv_dtype": dtype, "chats": len(chats), "identical": same, "mean_prefix": prefix})
-            r = rows[-1]
             print(f"{name:<38} K/V {dtype}: {same} of {len(chats)} chats identical to the oracle over all "
                   f"{a.new_tokens} tokens; {100 * prefix:.1f}% of tokens before the first divergence", flush=True)
     if a.json:

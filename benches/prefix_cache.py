@@ -35,7 +35,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List
 
 import numpy as np
 
@@ -191,8 +191,10 @@ def system_workload(servers: List[Server], a: argparse.Namespace) -> Dict[str, A
         client = s.client()
         t0 = time.perf_counter()
         with ThreadPoolExecutor(a.clients) as ex:
-            res = list(ex.map(lambda q: stream_chat(client, [{"role": "system", "content": system},
-                                                             {"role": "user", "content": q}], a.max_tokens), questions))
+            def ask(q: str, client: Any = client) -> Dict[str, Any]:
+                return stream_chat(client, [{"role": "system", "content": system}, {"role": "user", "content": q}],
+                                   a.max_tokens)
+            res = list(ex.map(ask, questions))
         total = time.perf_counter() - t0
         toks = sum(len(r["gaps"]) + 1 for r in res)
         ttft = [r["ttft"] for r in res]

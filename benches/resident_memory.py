@@ -5,7 +5,6 @@ the interpreter's own RSS (Python, numpy, the extension, before any model) is pr
     python benches/resident_memory.py [--models a,b]
 """
 import argparse
-import os
 import subprocess
 import sys
 

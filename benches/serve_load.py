@@ -23,12 +23,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import socket
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Optional, Sequence, Tuple

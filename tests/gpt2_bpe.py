@@ -44,7 +44,7 @@ class Gpt2Bpe:
         self.split = regex.compile(QWEN2_SPLIT)
         self.b2u = _byte_to_unicode()
 
-    @lru_cache(maxsize=None)
+    @lru_cache(maxsize=None)  # noqa: B019 (one tokenizer per test session)
     def _bpe(self, word: str) -> Tuple[str, ...]:
         parts = list(word)
         none = 1 << 62

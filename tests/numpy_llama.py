@@ -51,7 +51,8 @@ class NumpyLlama:
         g = self.n_head // self.n_kv
         mask = np.triu(np.full((T, T), -np.inf), 1)
         for i in range(self.n_layer):
-            p = lambda n: self.w[f"blk.{i}.{n}.weight"]
+            def p(n, i=i):
+                return self.w[f"blk.{i}.{n}.weight"]
             h = self._norm(x, p("attn_norm"))
             q = (h @ p("attn_q").T).reshape(T, self.n_head, self.hd)
             k = (h @ p("attn_k").T).reshape(T, self.n_kv, self.hd)

@@ -2,10 +2,8 @@
 bad input that must not harm requests in flight."""
 import threading
 
-import numpy as np
 import pytest
 
-import candle_gate
 from candle_gate import CandleGateError, Engine
 
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village,", "def fibonacci(n):",
@@ -38,7 +36,7 @@ def test_staggered_arrivals_and_chunked_prefill_do_not_change_output(model):
     eng.step()
     ids[eng.submit(PROMPTS[2], max_new_tokens=12)] = PROMPTS[2]  # waits: max_num_seqs=3
     outs = eng.run(list(ids) + [filler])
-    for (rid, p), r in zip(ids.items(), outs):
+    for (_, p), r in zip(ids.items(), outs):
         assert r.token_ids.tolist() == want[p], p
 
 
@@ -61,7 +59,8 @@ def test_cancel(model):
     eng = Engine(model)
     a = eng.submit(PROMPTS[0], max_new_tokens=50)
     b = eng.submit(PROMPTS[1], max_new_tokens=8)
-    eng.step(); eng.step()
+    eng.step()
+    eng.step()
     eng.cancel(a)
     [rb] = eng.run([b])
     ra = eng.result(a)
@@ -75,7 +74,8 @@ def test_bad_requests_are_refused_and_in_flight_requests_are_unchanged(model):
     want = [alone(model, p, 10).token_ids.tolist() for p in PROMPTS[:2]]
     eng = Engine(model, kv_budget_tokens=4096)
     ids = [eng.submit(p, max_new_tokens=10) for p in PROMPTS[:2]]
-    eng.step(); eng.step()
+    eng.step()
+    eng.step()
     ctx = model.config["context_length"]
     bad = [
         (lambda: eng.submit("", max_new_tokens=4), ValueError, "empty prompt"),

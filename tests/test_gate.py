@@ -5,7 +5,6 @@ tau and deep_tau are
 the packaged profile's (``candle_gate.PACKAGED_PROFILE``), calibrated by ``candle-gate calibrate
 --gate`` on candle_gate.calibrate.CALIBRATION_PROMPTS; the chats here are not in that set."""
 import json
-import os
 
 import numpy as np
 import pytest

@@ -1,6 +1,5 @@
 """The default model end to end from Python: generation, chat, CLI, determinism, bad input."""
 import json
-import os
 import subprocess
 import sys
 

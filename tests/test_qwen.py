@@ -6,11 +6,9 @@ import json
 import jinja2
 import jinja2.ext
 import jinja2.sandbox
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-import candle_gate
 from candle_gate import Engine, Model
 
 from gpt2_bpe import Gpt2Bpe
@@ -95,7 +93,7 @@ def test_control_tokens_come_only_from_the_template(qwen):
 
 def _encode_with_controls(model, text):
     out = []
-    for i, piece in enumerate(text.replace("<|im_start|>", "\0S\0").replace("<|im_end|>", "\0E\0").split("\0")):
+    for piece in text.replace("<|im_start|>", "\0S\0").replace("<|im_end|>", "\0E\0").split("\0"):
         if piece == "S":
             out.append(IM_START)
         elif piece == "E":

@@ -5,7 +5,6 @@ The sampler is tested on fixed logits through ``_native._testing`` (the engine's
 ``sampling::decide``) against an independent numpy statement of the distribution it must draw
 from; the rest runs the real model in the real engine."""
 import json
-import os
 import subprocess
 import sys
 

@@ -1,7 +1,6 @@
 """The OpenAI-compatible server (``candle-gate serve``), run for real as a subprocess and spoken to
 with the official ``openai`` client and with httpx for raw HTTP."""
 import json
-import os
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor

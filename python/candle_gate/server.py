@@ -606,7 +606,7 @@ class ServerState:
         self.max_model_len = 0
 
     def load(self, loop: asyncio.AbstractEventLoop) -> None:
-        from .models import KNOWN_MODELS, resolve
+        from .models import KNOWN_MODELS
         a = self.args
         try:
             self.model = Model.load(a.model, mode=a.mode, profile=a.profile)
