@@ -161,3 +161,14 @@ def test_engine_argument_errors(model):
         Engine(model, prefill_chunk=512, max_tokens_per_step=256)
     with pytest.raises(ValueError, match="unknown mode"):
         Engine(model, mode="warp")
+
+
+def test_generate_takes_the_same_sampling_keywords_as_submit(model):
+    [a] = model.generate(["Once upon a time"], max_new_tokens=6, temperature=0.8, seed=7, logprobs=True)
+    [b] = Engine(model).generate(["Once upon a time"], max_new_tokens=6, temperature=0.8, seed=7, logprobs=True)
+    assert a.token_ids.tolist() == b.token_ids.tolist() and a.seed == b.seed == 7 and len(a.logprobs) == 6
+    # engine keywords and sampling keywords mix; an unknown one names both sets and params=
+    [c] = model.generate(["Once upon a time"], max_new_tokens=6, temperature=0.8, seed=7, kv_dtype="f16")
+    assert c.token_ids.tolist() == a.token_ids.tolist()
+    with pytest.raises(TypeError, match="params="):
+        model.generate(["Once upon a time"], temprature=0.8)

@@ -5,6 +5,7 @@ token ids and dicts into :class:`Result` objects.
 """
 from __future__ import annotations
 
+import inspect
 import json
 import os
 
@@ -24,6 +25,8 @@ GATES = tuple(_native.GATES)
 #: ``top_p``, ``min_p``, ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``,
 #: ``seed``, ``n``, ``logprobs``, ``top_logprobs``. Rust's type: validated when built.
 SamplingParams = _native.SamplingParams
+#: The keywords :class:`SamplingParams` takes (read off Rust's signature, not restated).
+SAMPLING_KEYWORDS = frozenset(inspect.signature(SamplingParams).parameters)
 
 Chat = List[Dict[str, str]]
 Prompt = Union[str, Chat, Sequence[int]]
@@ -163,11 +166,20 @@ class Model:
 
     def generate(self, prompts: Union[Prompt, List[Prompt]], max_new_tokens: int = 64,
                  stop: Optional[Sequence[str]] = None, chat: bool = False,
-                 params: Optional[SamplingParams] = None, **engine_kwargs: Any) -> List[Result]:
+                 params: Optional[SamplingParams] = None, **kwargs: Any) -> List[Result]:
         """Generation for a list of prompts, batched together; results in input order. Greedy
-        unless ``params`` (a :class:`SamplingParams`) says otherwise."""
+        unless ``params`` (a :class:`SamplingParams`) or sampling keywords (``temperature``,
+        ``top_p``, ``seed``, ``n``, ``logprobs``, ...) say otherwise; the other keywords configure
+        the :class:`Engine` (``mode``, ``gate``, ``kv_dtype``, ...)."""
+        sampling = {k: v for k, v in kwargs.items() if k in SAMPLING_KEYWORDS}
+        engine_kwargs = {k: v for k, v in kwargs.items() if k not in SAMPLING_KEYWORDS}
+        unknown = set(engine_kwargs) - set(inspect.signature(Engine).parameters)
+        if unknown:
+            raise TypeError(f"unknown keyword {', '.join(sorted(unknown))}: sampling takes "
+                            f"{', '.join(sorted(SAMPLING_KEYWORDS))} (or params=), the engine "
+                            f"{', '.join(p for p in inspect.signature(Engine).parameters if p != 'model')}")
         return Engine(self, **engine_kwargs).generate(prompts, max_new_tokens=max_new_tokens, stop=stop,
-                                                      chat=chat, params=params)
+                                                      chat=chat, params=params, **sampling)
 
 
 class Engine:
@@ -292,14 +304,15 @@ class Engine:
 
     def generate(self, prompts: Union[Prompt, List[Prompt]], max_new_tokens: int = 64,
                  stop: Optional[Sequence[str]] = None, chat: bool = False,
-                 params: Optional[SamplingParams] = None) -> List[Result]:
+                 params: Optional[SamplingParams] = None, **sampling: Any) -> List[Result]:
+        """Submits every prompt (decoded as :meth:`submit` says) and runs them together;
+        results in input order."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
             raise TypeError("prompts must be a list of prompts")
-        if params is None:
-            params = SamplingParams(max_new_tokens=max_new_tokens, stop=stop)
-        ids = [self.submit(p, chat=chat, params=params) for p in prompts]
+        ids = [self.submit(p, max_new_tokens=max_new_tokens, stop=stop, chat=chat, params=params, **sampling)
+               for p in prompts]
         return self.run(ids)
 
 
