@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     first, last_report = None, t0
     while eng.has_work:
         eng.step()
-        for ev in eng._native.events():
+        for ev in eng.events():
             if ev["type"] == "token" and first is None:
                 first = time.perf_counter()
         now = time.perf_counter()
@@ -50,7 +50,7 @@ def main(argv=None) -> int:
             print(f"  prefilling: {now - t0:.0f} s", file=sys.stderr, flush=True)
     t1 = time.perf_counter()
     r = eng.result(rid)
-    blocks = eng._native.kv_used_blocks  # all given back by now
+    blocks = eng.kv_stats()["used"]  # all given back by now
     per_token = model.config[f"kv_bytes_per_token_{a.kv_dtype}"]
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"prefill {n / (first - t0):.1f} tok/s ({first - t0:.1f} s); decode {(len(r.token_ids) - 1) / (t1 - first):.1f} tok/s "

@@ -149,7 +149,7 @@ def in_process(model_path: str, chats, order: List[int], c: int, max_tokens: int
         while pending and len(live) < c:
             live.add(eng.submit(chats[pending.pop(0)], max_new_tokens=max_tokens, chat=True))
         eng.step()
-        for ev in eng._native.events():
+        for ev in eng.events():
             if ev["type"] == "token":
                 tokens += 1
             elif ev["type"] == "finished":

@@ -102,7 +102,7 @@ def candle_gate_run(model: Model, toks: List[List[int]], new_tokens: int, thread
     started, first = set(), None
     while len(started) < len(ids) and eng.has_work:
         eng.step()
-        for ev in eng._native.events():
+        for ev in eng.events():
             if ev["type"] == "token":
                 started.add(ev["id"])
                 if first is None:
@@ -110,7 +110,7 @@ def candle_gate_run(model: Model, toks: List[List[int]], new_tokens: int, thread
     n, t1 = 0, time.perf_counter()
     while eng.has_work:
         eng.step()
-        n += sum(1 for ev in eng._native.events() if ev["type"] == "token")
+        n += sum(1 for ev in eng.events() if ev["type"] == "token")
     dt = time.perf_counter() - t1
     eng.run(ids)
     return {"prefill_tok_s": len(toks[0]) / first if len(toks) == 1 else float("nan"),

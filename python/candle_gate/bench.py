@@ -80,14 +80,14 @@ def _measure(model: Model, mode: str, c: int, max_new_tokens: int, gate: str,
     started = set()
     while len(started) < c and eng.has_work:
         eng.step()
-        for ev in eng._native.events():
+        for ev in eng.events():
             if ev["type"] == "token":
                 started.add(ev["id"])
     decode_tokens = 0
     t0 = time.perf_counter()
     while eng.has_work:
         eng.step()
-        decode_tokens += sum(1 for ev in eng._native.events() if ev["type"] == "token")
+        decode_tokens += sum(1 for ev in eng.events() if ev["type"] == "token")
     dt = time.perf_counter() - t0
     eng.run(ids)
     return {"concurrency": c, "tok_per_s": decode_tokens / dt if dt > 0 and decode_tokens > 0 else 0.0,

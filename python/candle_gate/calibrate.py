@@ -143,7 +143,7 @@ def calibrate_gate(model: Union[None, str, Model] = None, mode: str = "split_k_f
         prompts = prompts[:6]
         max_new_tokens = min(max_new_tokens, 16)
     if isinstance(model, Model):
-        if model._native.mode != mode:
+        if model.mode != mode:
             model = Model.load(model.path, mode=mode, profile=profile)
     else:
         model = Model.load(model, mode=mode, profile=profile)

@@ -116,6 +116,11 @@ class Model:
         return self._native.path
 
     @property
+    def mode(self) -> str:
+        """The fast lane's kernel policy this model was loaded with."""
+        return self._native.mode
+
+    @property
     def config(self) -> Dict[str, Any]:
         return self._native.config
 
@@ -256,6 +261,35 @@ class Engine:
 
     def step(self) -> int:
         return self._native.step()
+
+    def events(self) -> List[Dict[str, Any]]:
+        """The events since the last call (the dicts :meth:`stream` yields), without stepping."""
+        return self._native.events()
+
+    def is_finished(self, request_id: int) -> bool:
+        return self._native.is_finished(int(request_id))
+
+    @property
+    def num_running(self) -> int:
+        return self._native.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self._native.num_waiting
+
+    @property
+    def kernels(self) -> str:
+        """The kernel policy and K/V storage as they enter the fingerprint (``mode=…;kv=f16``)."""
+        return self._native.kernels
+
+    @property
+    def gate(self) -> str:
+        """The gate's settings as they enter the fingerprint (``gate=off``, ``gate=gated;tau=…``)."""
+        return self._native.gate
+
+    @property
+    def kv_budget_tokens(self) -> int:
+        return self._native.kv_budget_tokens
 
     def cancel(self, request_id: int) -> None:
         self._native.cancel(int(request_id))

@@ -481,7 +481,7 @@ class EngineWorker:
         with self.lock:
             if self.num_waiting + self.submitted_since_refresh >= max_queue:
                 raise QueueFull()
-            rid = self.eng._native.submit(ids, params, None)
+            rid = self.eng.submit(ids, params=params)
             self.tracks[rid] = _Track(queue, params.n)
             self.submitted_since_refresh += 1
         self.wake.set()
@@ -502,7 +502,7 @@ class EngineWorker:
                 self.on_done(last[1])
 
     def _drain(self) -> None:
-        events = self.eng._native.events()
+        events = self.eng.events()
         if not events:
             return
         per: Dict[int, List[Any]] = {}
@@ -532,9 +532,8 @@ class EngineWorker:
             pass
 
     def _refresh(self) -> None:
-        nat = self.eng._native
         with self.lock:
-            self.num_running, self.num_waiting = nat.num_running, nat.num_waiting
+            self.num_running, self.num_waiting = self.eng.num_running, self.eng.num_waiting
             self.submitted_since_refresh = 0
         self.kv_stats = self.eng.kv_stats()
         self.gate_stats = self.eng.gate_stats()
@@ -627,8 +626,7 @@ class ServerState:
         stem = Path(path).stem
         self.model_name = a.served_model_name or (a.model if a.model in KNOWN_MODELS else stem)
         self.model_aliases = {self.model_name, stem, Path(path).name, path, str(a.model)}
-        nat = self.eng._native
-        stack = "\n".join([self.model.sha256(), _native.__version__, nat.kernels, nat.gate,
+        stack = "\n".join([self.model.sha256(), _native.__version__, self.eng.kernels, self.eng.gate,
                            _native.host_signature(a.mode)])
         self.system_fingerprint = "fp_" + hashlib.sha256(stack.encode()).hexdigest()[:16]
         self.worker = EngineWorker(self.eng, loop, self._count_finished)

@@ -355,14 +355,14 @@ class Runner:
         rids = [self._submit(eng, i, forced) for i in range(self.n)]
         probed, started = set(rids), set()
         k = 0
-        while any(not eng._native.is_finished(r) for r in rids):
+        while any(not eng.is_finished(r) for r in rids):
             if len(started) == self.n and k % self.mixed_prefill_every == 0:
                 eng.submit(self.filler, max_new_tokens=1)
             if eng.step() == 0 and not eng.has_work:
                 break
             if len(started) == self.n:
                 k += 1
-            for ev in eng._native.events():
+            for ev in eng.events():
                 if ev["id"] in probed:
                     started.add(ev["id"])
         res = eng.run(rids)
