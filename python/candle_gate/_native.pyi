@@ -13,6 +13,10 @@ GATES: List[str]
 KNOWN_MODELS: List[Dict[str, Any]]
 MAX_N: int
 MAX_TOP_LOGPROBS: int
+DEFAULT_MAX_NEW_TOKENS: int
+#: EngineConfig::default(): max_num_seqs, max_tokens_per_step, prefill_chunk, kv_budget_tokens,
+#: kv_dtype, enable_prefix_caching
+ENGINE_DEFAULTS: Dict[str, Any]
 CUDA_AVAILABLE: bool
 METAL_AVAILABLE: bool
 _testing: ModuleType
@@ -23,7 +27,7 @@ class SamplingParams:
     def __init__(
         self,
         *,
-        max_new_tokens: int = 64,
+        max_new_tokens: Optional[int] = None,
         stop: Optional[Sequence[str]] = None,
         temperature: float = 0.0,
         top_k: int = 0,
@@ -97,16 +101,16 @@ class Engine:
         gate: str = "off",
         tau: Optional[float] = None,
         deep_tau: Optional[float] = None,
-        max_num_seqs: int = 16,
-        max_tokens_per_step: int = 256,
-        prefill_chunk: int = 64,
-        kv_budget_tokens: int = 65536,
-        kv_dtype: str = "f16",
+        max_num_seqs: Optional[int] = None,
+        max_tokens_per_step: Optional[int] = None,
+        prefill_chunk: Optional[int] = None,
+        kv_budget_tokens: Optional[int] = None,
+        kv_dtype: Optional[str] = None,
         threads: Optional[int] = None,
         record_logit_hashes: bool = False,
         row_split_max: Optional[int] = None,
         gate_profiles: Optional[List[str]] = None,
-        enable_prefix_caching: bool = True,
+        enable_prefix_caching: Optional[bool] = None,
         collide_prefix_hashes: bool = False,
     ) -> None: ...
     def submit(self, prompt_tokens: Sequence[int], params: SamplingParams, forced_tokens: Optional[Sequence[int]] = None) -> int: ...

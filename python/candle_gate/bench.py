@@ -26,7 +26,7 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence, Union
 
-from .engine import Engine, Model, resolve_gate
+from .engine import DEFAULT_MAX_NEW_TOKENS, Engine, Model, resolve_gate
 
 # Chat prompts that ask for long answers, so requests rarely stop before max_new_tokens.
 BENCH_TOPICS = [
@@ -117,7 +117,7 @@ def throughput(model: Union[None, str, Model] = None, mode: str = "invariant",
 
 
 def gate_cost(model: Union[None, str, Model] = None, mode: str = "split_k_f16", concurrency: int = 4,
-              max_new_tokens: int = 64, tau: Optional[float] = None, deep_tau: Optional[float] = None,
+              max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, tau: Optional[float] = None, deep_tau: Optional[float] = None,
               profile: Optional[str] = None, repeats: int = 2,
               sampling: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Off / gated / always side by side (see the module docstring). The mode and the gate's

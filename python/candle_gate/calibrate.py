@@ -39,7 +39,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import numpy as np
 
 from . import _native
-from .engine import MODES, Model, Result, user_profile_path
+from .engine import DEFAULT_MAX_NEW_TOKENS, MODES, Model, Result, user_profile_path
 from .models import resolve
 from .probe import Progress, Runner, check_prompts, load_prompts
 
@@ -127,7 +127,7 @@ def _max(x: np.ndarray) -> float:
 
 
 def calibrate_gate(model: Union[None, str, Model] = None, mode: str = "split_k_f16",
-                   prompts: Optional[Sequence[Any]] = None, max_new_tokens: int = 64,
+                   prompts: Optional[Sequence[Any]] = None, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                    safety: float = 2.0, quick: bool = False, profile: Optional[str] = None,
                    progress: bool = True) -> Dict[str, Any]:
     """Measures the margin movements and returns the profile's ``"gate"`` entry (see the module

@@ -7,7 +7,7 @@ import sys
 from typing import List, Optional
 
 from . import _native
-from .engine import GATES, MODES
+from .engine import DEFAULT_MAX_NEW_TOKENS, ENGINE_DEFAULTS, GATES, MODES
 from .models import DEFAULT_MODEL
 
 
@@ -18,7 +18,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def _kv_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kv-dtype", default="f16", choices=["f16", "f32"], help="how K/V values are stored")
+    p.add_argument("--kv-dtype", default=ENGINE_DEFAULTS["kv_dtype"], choices=["f16", "f32"], help="how K/V values are stored")
 
 
 def _gate_args(p: argparse.ArgumentParser) -> None:
@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     _kv_args(g)
     _sampling_args(g)
     g.add_argument("--n", type=int, default=1, help="choices from the one prompt")
-    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
@@ -149,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the profile to write or update (default: the user's, which gated engines read first: "
                         "profile-cpu.json in the model cache)")
     c.add_argument("--prompts", default=None, help="calibration prompts for --gate (JSON list or text file)")
-    c.add_argument("--max-new-tokens", type=int, default=64)
+    c.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
     c.add_argument("--safety", type=float, default=2.0, help="tau = safety x the largest measured margin movement")
     c.set_defaults(func=cmd_calibrate)
 
@@ -197,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     gb.add_argument("--tau", type=float, default=None, help="default: the profile's calibrated tau")
     gb.add_argument("--deep-tau", type=float, default=None)
     gb.add_argument("--concurrency", type=int, default=4)
-    gb.add_argument("--max-new-tokens", type=int, default=64)
+    gb.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
     gb.add_argument("--json", action="store_true")
     _sampling_args(gb)
     gb.set_defaults(func=cmd_bench)
@@ -214,11 +214,12 @@ def build_parser() -> argparse.ArgumentParser:
     _kv_args(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--max-num-seqs", type=int, default=16, help="sequences in the running batch")
-    s.add_argument("--max-num-batched-tokens", type=int, default=256,
+    s.add_argument("--max-num-seqs", type=int, default=ENGINE_DEFAULTS["max_num_seqs"], help="sequences in the running batch")
+    s.add_argument("--max-num-batched-tokens", type=int, default=ENGINE_DEFAULTS["max_tokens_per_step"],
                    help="rows in one step (decode rows first, then prefill chunks): bounds the inter-token latency a long prefill adds")
-    s.add_argument("--prefill-chunk", type=int, default=64, help="prompt positions per prefill chunk")
-    s.add_argument("--kv-budget-tokens", type=int, default=65536,
+    s.add_argument("--prefill-chunk", type=int, default=ENGINE_DEFAULTS["prefill_chunk"],
+                   help="prompt positions per prefill chunk")
+    s.add_argument("--kv-budget-tokens", type=int, default=ENGINE_DEFAULTS["kv_budget_tokens"],
                    help="the KV pool's size in positions (allocated at start; cached prefixes live in it too)")
     s.add_argument("--no-prefix-cache", action="store_true",
                    help="never reuse the K/V of a prefix another request computed")

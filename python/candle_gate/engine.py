@@ -27,6 +27,11 @@ GATES = tuple(_native.GATES)
 SamplingParams = _native.SamplingParams
 #: The keywords :class:`SamplingParams` takes (read off Rust's signature, not restated).
 SAMPLING_KEYWORDS = frozenset(inspect.signature(SamplingParams).parameters)
+#: The engine's defaults and the default length of a generation: Rust's (`EngineConfig::default`,
+#: `SamplingParams::default`), read here rather than restated.
+ENGINE_DEFAULTS: Dict[str, Any] = dict(_native.ENGINE_DEFAULTS)
+DEFAULT_MAX_NEW_TOKENS: int = _native.DEFAULT_MAX_NEW_TOKENS
+_D = ENGINE_DEFAULTS
 
 Chat = List[Dict[str, str]]
 Prompt = Union[str, Chat, Sequence[int]]
@@ -169,7 +174,7 @@ class Model:
     def engine(self, **kwargs: Any) -> "Engine":
         return Engine(self, **kwargs)
 
-    def generate(self, prompts: Union[Prompt, List[Prompt]], max_new_tokens: int = 64,
+    def generate(self, prompts: Union[Prompt, List[Prompt]], max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                  stop: Optional[Sequence[str]] = None, chat: bool = False,
                  params: Optional[SamplingParams] = None, **kwargs: Any) -> List[Result]:
         """Generation for a list of prompts, batched together; results in input order. Greedy
@@ -193,10 +198,11 @@ class Engine:
 
     def __init__(self, model: Union[Model, str, None] = None, mode: Optional[str] = None,
                  profile: Optional[str] = None, gate: str = "off", tau: Optional[float] = None,
-                 max_num_seqs: int = 16, max_tokens_per_step: int = 256, prefill_chunk: int = 64,
-                 kv_budget_tokens: int = 65536, threads: Optional[int] = None,
-                 record_logit_hashes: bool = False, row_split_max: Optional[int] = None,
-                 deep_tau: Optional[float] = None, kv_dtype: str = "f16", enable_prefix_caching: bool = True):
+                 max_num_seqs: int = _D["max_num_seqs"], max_tokens_per_step: int = _D["max_tokens_per_step"],
+                 prefill_chunk: int = _D["prefill_chunk"], kv_budget_tokens: int = _D["kv_budget_tokens"],
+                 threads: Optional[int] = None, record_logit_hashes: bool = False,
+                 row_split_max: Optional[int] = None, deep_tau: Optional[float] = None,
+                 kv_dtype: str = _D["kv_dtype"], enable_prefix_caching: bool = _D["enable_prefix_caching"]):
         if not isinstance(model, Model):
             model = Model.load(model)
         self.model = model
@@ -243,7 +249,7 @@ class Engine:
         when tau was given or the engine is not gated)."""
         return self._native.gate_source
 
-    def submit(self, prompt: Prompt, max_new_tokens: int = 64, stop: Union[str, Sequence[str], None] = None,
+    def submit(self, prompt: Prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, stop: Union[str, Sequence[str], None] = None,
                chat: bool = False, forced_tokens: Optional[Sequence[int]] = None,
                params: Optional[SamplingParams] = None, **sampling: Any) -> int:
         """Queues a prompt; returns its request id. Decoding is ``params``, or a
@@ -336,7 +342,7 @@ class Engine:
     def run(self, ids: Sequence[int]) -> List[Result]:
         return [Result._from(d) for d in self._native.run([int(i) for i in ids])]
 
-    def generate(self, prompts: Union[Prompt, List[Prompt]], max_new_tokens: int = 64,
+    def generate(self, prompts: Union[Prompt, List[Prompt]], max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                  stop: Optional[Sequence[str]] = None, chat: bool = False,
                  params: Optional[SamplingParams] = None, **sampling: Any) -> List[Result]:
         """Submits every prompt (decoded as :meth:`submit` says) and runs them together;

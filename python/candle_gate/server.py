@@ -611,10 +611,8 @@ class ServerState:
             self.model = Model.load(a.model, mode=a.mode, profile=a.profile)
             self.eng = Engine(self.model, gate=a.gate, tau=a.tau, deep_tau=a.deep_tau, profile=a.profile,
                               max_num_seqs=a.max_num_seqs, threads=a.threads, kv_dtype=a.kv_dtype,
-                              prefill_chunk=getattr(a, "prefill_chunk", 64),
-                              max_tokens_per_step=getattr(a, "max_num_batched_tokens", 256),
-                              kv_budget_tokens=getattr(a, "kv_budget_tokens", 65536),
-                              enable_prefix_caching=not getattr(a, "no_prefix_cache", False))
+                              prefill_chunk=a.prefill_chunk, max_tokens_per_step=a.max_num_batched_tokens,
+                              kv_budget_tokens=a.kv_budget_tokens, enable_prefix_caching=not a.no_prefix_cache)
         except Exception as e:
             self.load_error = str(e)
             print(f"candle-gate serve: error: could not load the model: {e}", file=sys.stderr, flush=True)

@@ -287,12 +287,12 @@ pub(crate) struct SamplingParams {
 #[pymethods]
 impl SamplingParams {
     #[new]
-    #[pyo3(signature = (*, max_new_tokens = 64, stop = None, temperature = 0.0, top_k = 0, top_p = 1.0, min_p = 0.0,
+    #[pyo3(signature = (*, max_new_tokens = None, stop = None, temperature = 0.0, top_k = 0, top_p = 1.0, min_p = 0.0,
         repetition_penalty = 1.0, presence_penalty = 0.0, frequency_penalty = 0.0, seed = None, n = 1,
         logprobs = false, top_logprobs = 0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
-        max_new_tokens: i64,
+        max_new_tokens: Option<i64>,
         stop: Option<&Bound<'_, PyAny>>,
         temperature: f64,
         top_k: i64,
@@ -318,6 +318,8 @@ impl SamplingParams {
                 u64::try_from(s).map_err(|_| PyValueError::new_err(format!("seed must be in [0, 2**64), got {s}")))
             })
             .transpose()?;
+        // The default is the Rust type's (`DEFAULT_MAX_NEW_TOKENS`): one owner.
+        let max_new_tokens = max_new_tokens.unwrap_or(candle_gate::SamplingParams::default().max_new_tokens as i64);
         if max_new_tokens <= 0 {
             return Err(PyValueError::new_err(format!("max_new_tokens must be positive, got {max_new_tokens}")));
         }
@@ -427,9 +429,9 @@ impl Engine {
     /// profile's thresholds), `enable_prefix_caching`.
     #[new]
     #[pyo3(signature = (model, *, mode = None, profile = None, gate = "off", tau = None, deep_tau = None,
-        max_num_seqs = 16, max_tokens_per_step = 256, prefill_chunk = 64, kv_budget_tokens = 65536,
-        kv_dtype = "f16", threads = None, record_logit_hashes = false, row_split_max = None, gate_profiles = None,
-        enable_prefix_caching = true, collide_prefix_hashes = false))]
+        max_num_seqs = None, max_tokens_per_step = None, prefill_chunk = None, kv_budget_tokens = None,
+        kv_dtype = None, threads = None, record_logit_hashes = false, row_split_max = None, gate_profiles = None,
+        enable_prefix_caching = None, collide_prefix_hashes = false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         model: &Model,
@@ -438,24 +440,28 @@ impl Engine {
         gate: &str,
         tau: Option<f32>,
         deep_tau: Option<f32>,
-        max_num_seqs: i64,
-        max_tokens_per_step: i64,
-        prefill_chunk: i64,
-        kv_budget_tokens: i64,
-        kv_dtype: &str,
+        max_num_seqs: Option<i64>,
+        max_tokens_per_step: Option<i64>,
+        prefill_chunk: Option<i64>,
+        kv_budget_tokens: Option<i64>,
+        kv_dtype: Option<&str>,
         threads: Option<i64>,
         record_logit_hashes: bool,
         row_split_max: Option<i64>,
         gate_profiles: Option<Vec<String>>,
-        enable_prefix_caching: bool,
+        enable_prefix_caching: Option<bool>,
         collide_prefix_hashes: bool,
     ) -> PyResult<Self> {
         guarded("Engine()", || {
-            let max_num_seqs = count("max_num_seqs", max_num_seqs)?;
-            let max_tokens_per_step = count("max_tokens_per_step", max_tokens_per_step)?;
-            let prefill_chunk = count("prefill_chunk", prefill_chunk)?;
-            let kv_budget_tokens = count("kv_budget_tokens", kv_budget_tokens)?;
-            let kv_dtype = candle_gate::llama::KvDtype::from_str(kv_dtype).map_err(to_py)?;
+            // What is not given is `EngineConfig::default()`'s (`ENGINE_DEFAULTS`): one owner.
+            let d = EngineConfig::default();
+            let given = |name: &str, v: Option<i64>, default: usize| v.map_or(Ok(default), |v| count(name, v));
+            let max_num_seqs = given("max_num_seqs", max_num_seqs, d.max_num_seqs)?;
+            let max_tokens_per_step = given("max_tokens_per_step", max_tokens_per_step, d.max_tokens_per_step)?;
+            let prefill_chunk = given("prefill_chunk", prefill_chunk, d.prefill_chunk)?;
+            let kv_budget_tokens = given("kv_budget_tokens", kv_budget_tokens, d.kv_budget_tokens)?;
+            let kv_dtype = kv_dtype.map_or(Ok(d.kv_dtype), candle_gate::llama::KvDtype::from_str).map_err(to_py)?;
+            let enable_prefix_caching = enable_prefix_caching.unwrap_or(d.enable_prefix_caching);
             let threads = threads.map(|t| count("threads", t)).transpose()?;
             let row_split_max = row_split_max.map(|r| count("row_split_max", r)).transpose()?;
             let mode = mode.unwrap_or(model.inner.policy.mode.name());
@@ -835,6 +841,16 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Engine>()?;
     m.add_class::<SamplingParams>()?;
     m.add("MAX_TOP_LOGPROBS", candle_gate::sampling::MAX_TOP_LOGPROBS)?;
+    m.add("DEFAULT_MAX_NEW_TOKENS", candle_gate::SamplingParams::default().max_new_tokens)?;
+    let d = EngineConfig::default();
+    let defaults = PyDict::new(m.py());
+    defaults.set_item("max_num_seqs", d.max_num_seqs)?;
+    defaults.set_item("max_tokens_per_step", d.max_tokens_per_step)?;
+    defaults.set_item("prefill_chunk", d.prefill_chunk)?;
+    defaults.set_item("kv_budget_tokens", d.kv_budget_tokens)?;
+    defaults.set_item("kv_dtype", d.kv_dtype.name())?;
+    defaults.set_item("enable_prefix_caching", d.enable_prefix_caching)?;
+    m.add("ENGINE_DEFAULTS", defaults)?;
     m.add("MAX_N", candle_gate::sampling::MAX_N)?;
     testing::register(m)?; // _native._testing: test scaffolding
     Ok(())
