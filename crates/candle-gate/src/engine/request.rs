@@ -90,8 +90,7 @@ impl Request {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FinishReason {
     Eos,
     StopString,
@@ -100,6 +99,13 @@ pub enum FinishReason {
     ContextFull,
     /// The engine failed for this request alone (`Output::error` says why); others go on.
     Error,
+}
+
+/// Serialized as its one name ([`FinishReason::name`]).
+impl Serialize for FinishReason {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
+    }
 }
 
 impl FinishReason {
