@@ -51,15 +51,9 @@ class ModelDownloadError(RuntimeError):
 
 
 def cache_dir() -> Path:
-    """``CANDLE_GATE_CACHE``, else ``$XDG_CACHE_HOME/candle-gate``, else ``~/.cache/candle-gate``
-    (the same rule as the Rust crate's ``registry::cache_dir``)."""
-    d = os.environ.get("CANDLE_GATE_CACHE")
-    if d:
-        return Path(d)
-    x = os.environ.get("XDG_CACHE_HOME")
-    if x:
-        return Path(x) / "candle-gate"
-    return Path.home() / ".cache" / "candle-gate"
+    """``CANDLE_GATE_CACHE``, else ``$XDG_CACHE_HOME/candle-gate``, else ``~/.cache/candle-gate``:
+    the Rust crate's rule (``registry::cache_dir``), asked each time (the environment may change)."""
+    return Path(_native.cache_dir())
 
 
 def _sha256(path: Path) -> str:

@@ -768,6 +768,13 @@ fn resolve_gate(
     })
 }
 
+/// Where known models are cached (`registry::cache_dir`: `CANDLE_GATE_CACHE`, else
+/// `$XDG_CACHE_HOME/candle-gate`, else `~/.cache/candle-gate`).
+#[pyfunction]
+fn cache_dir() -> String {
+    candle_gate::registry::cache_dir().to_string_lossy().into_owned()
+}
+
 /// Where `candle-gate calibrate` writes, and a gated engine looks first: the user's cache.
 #[pyfunction]
 fn user_profile_path() -> String {
@@ -834,6 +841,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("DEFAULT_MODEL", candle_gate::registry::DEFAULT_MODEL)?;
     m.add_function(wrap_pyfunction!(resolve_gate, m)?)?;
     m.add_function(wrap_pyfunction!(user_profile_path, m)?)?;
+    m.add_function(wrap_pyfunction!(cache_dir, m)?)?;
     m.add_function(wrap_pyfunction!(check_chat, m)?)?;
     m.add_function(wrap_pyfunction!(merge_gate, m)?)?;
     m.add_class::<Model>()?;
