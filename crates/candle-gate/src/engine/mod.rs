@@ -338,7 +338,9 @@ impl Engine {
 
     /// Admits waiting sequences in order while the sequence limit and the pool allow: a
     /// sequence comes in when the blocks its history still needs (after its prefix-cache hit)
-    /// plus one step fit beside what the running sequences need to reach their next token.
+    /// plus one step fit beside what the running sequences need to reach their next token, and
+    /// no running sequence is still prefilling whole blocks of its prompt (then it comes in once
+    /// they are cached, and takes them as a hit).
     fn admit(&mut self) -> Result<()> {
         let mut committed: usize = self
             .scheduler
@@ -347,6 +349,11 @@ impl Engine {
             .map(|s| self.runner.blocks_to_extend(s.id, s.target() + 1 - s.computed))
             .sum();
         while let Some(s) = self.scheduler.next_to_admit() {
+            // Its prefix is being computed by a running request: wait for those blocks instead
+            // of computing them a second time beside it.
+            if self.cfg.enable_prefix_caching && self.scheduler.prefix_in_flight(s) {
+                break;
+            }
             let hit = self.runner.open(s);
             let need = (s.target() + 1).div_ceil(KV_BLOCK) - hit / KV_BLOCK;
             if need + committed > self.runner.available_blocks() {

@@ -11,6 +11,7 @@ use std::ops::Range;
 
 use super::sequence::Sequence;
 use super::{EngineConfig, RequestId};
+use crate::kv_cache::KV_BLOCK;
 
 /// One sequence's work in a step.
 #[derive(Clone, Debug, PartialEq)]
@@ -62,6 +63,18 @@ impl Scheduler {
         let s = self.waiting.front()?;
         let slots = if s.index == 0 && s.steps.is_empty() { s.req.params.n } else { 1 };
         (self.running.len() + slots <= self.max_num_seqs).then_some(s)
+    }
+
+    /// Whether a running sequence is still prefilling a whole block of `s`'s prompt that `s`
+    /// could take from the prefix cache once it is computed (a shared system prompt, the same
+    /// document): then `s` is better admitted after it.
+    pub fn prefix_in_flight(&self, s: &Sequence) -> bool {
+        let mine = &s.req.prompt_tokens[..s.req.prompt_tokens.len() - 1];
+        self.running.iter().any(|r| {
+            let theirs = &r.req.prompt_tokens;
+            let shared = mine.iter().zip(theirs).take_while(|(a, b)| a == b).count() / KV_BLOCK * KV_BLOCK;
+            shared > s.computed && r.computed < shared && r.in_prefill()
+        })
     }
 
     /// Moves the front waiting sequence to running, holding `computed` positions.
@@ -196,5 +209,21 @@ mod tests {
         assert_eq!(s.next_chunk(64), 41..43);
         s.computed = 43;
         assert!(!s.in_prefill());
+    }
+
+    #[test]
+    fn a_request_waits_while_a_running_one_prefills_the_blocks_it_shares() {
+        let mut sch = Scheduler::new(&EngineConfig::default());
+        let mut a = seq(1, 100);
+        a.req.prompt_tokens[70] = 9; // a and b share 70 positions: two whole blocks
+        sch.waiting.push_back(a);
+        sch.admit_front(0);
+        let b = seq(2, 90);
+        assert!(sch.prefix_in_flight(&b));
+        sch.running[0].computed = 64;
+        assert!(!sch.prefix_in_flight(&b), "both shared blocks are computed");
+        sch.running[0].computed = 0;
+        assert!(sch.prefix_in_flight(&seq(3, 40)), "one whole shared block before its last token");
+        assert!(!sch.prefix_in_flight(&seq(4, 20)), "less than a block in common");
     }
 }
