@@ -3,7 +3,10 @@
 //!
 //!     cargo run --release -p candle-gate --example embed_qmatmul [-- path/to/model.gguf]
 //!
-//! Without a path it uses the default model (downloaded once: `candle-gate fetch`).
+//! Without a path it uses Qwen2.5-Coder-0.5B (`candle-gate fetch --model
+//! qwen2.5-coder-0.5b-instruct-q4_k_m`), whose Q6_K/Q4_K layers Candle runs with kernels that
+//! depend on the row count on many x86 hosts (SmolLM2's Q4_1 takes Candle's exact generic path).
+//! On the Zen 4 development host: 896 of 896 outputs equal for candle-gate, 77 of 896 for Candle.
 
 use candle_core::quantized::{gguf_file, QMatMul as CandleQMatMul};
 use candle_core::{Device, Module, Tensor};
@@ -11,7 +14,7 @@ use candle_core::{Device, Module, Tensor};
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let path = match std::env::args().nth(1) {
         Some(p) => p.into(),
-        None => candle_gate::registry::resolve("smollm2-135m-instruct-q4_1")?,
+        None => candle_gate::registry::resolve("qwen2.5-coder-0.5b-instruct-q4_k_m")?,
     };
     let mut file = std::fs::File::open(&path)?;
     let content = gguf_file::Content::read(&mut file)?;
