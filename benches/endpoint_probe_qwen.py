@@ -1,4 +1,4 @@
-"""The endpoint probe against four servers on the same Qwen2.5-Coder 0.5B GGUF (issue 14's benchmark).
+"""The endpoint probe against four servers on the same Qwen2.5-Coder 0.5B GGUF.
 
     pip install ".[serve,endpoint]" "llama-cpp-python[server]"
     python benches/endpoint_probe_qwen.py [--gated-profile PROFILE.json]    # the full run (long)
