@@ -153,7 +153,6 @@ impl PrefixIndex {
     /// The least recently released cached block, unregistered, for reuse.
     pub fn evict(&mut self) -> Option<u32> {
         let (_, block) = self.evictable.pop_first()?;
-        self.entries.get_mut(&block).map(|e| e.tick = None);
         self.unregister(block);
         Some(block)
     }
