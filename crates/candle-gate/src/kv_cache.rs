@@ -200,11 +200,7 @@ impl KvPool {
     }
 
     fn retain(&self, id: u32) {
-        let mut g = self.lock();
-        if g.refs[id as usize] == 0 {
-            g.index.retained(id);
-        }
-        g.refs[id as usize] += 1;
+        self.lock().retain(id);
     }
 
     fn release(&self, id: u32) {
@@ -235,10 +231,7 @@ impl KvPool {
             else {
                 break;
             };
-            if g.refs[block as usize] == 0 {
-                g.index.retained(block);
-            }
-            g.refs[block as usize] += 1;
+            g.retain(block);
             hits.push((block, g.ptrs[block as usize], serial));
             parent = serial;
         }
@@ -281,6 +274,14 @@ impl KvPool {
 }
 
 impl PoolInner {
+    /// One more holder of block `id`: a cached block no cache held is no longer evictable.
+    fn retain(&mut self, id: u32) {
+        if self.refs[id as usize] == 0 {
+            self.index.retained(id);
+        }
+        self.refs[id as usize] += 1;
+    }
+
     fn empty(hash_fn: HashFn) -> Self {
         PoolInner {
             slabs: Vec::new(),

@@ -121,6 +121,9 @@ impl Runner {
         }
         let Some(slot) = self.slots.get_mut(&s.id) else { return };
         let clean = s.clean_prefix().min(s.computed).min(slot.cache.len());
+        if slot.chain.len() >= clean / KV_BLOCK {
+            return; // most steps: no block filled since the last one
+        }
         let ids = slot.cache.block_ids();
         while slot.chain.len() < clean / KV_BLOCK {
             let b = slot.chain.len();
