@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from candle_gate import CandleGateError, Engine
+from candle_gate import Engine, EngineShutDown
 
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village,", "def fibonacci(n):",
            "The three primary colors are"]
@@ -78,27 +78,29 @@ def test_bad_requests_are_refused_and_in_flight_requests_are_unchanged(model):
     eng.step()
     ctx = model.config["context_length"]
     bad = [
-        (lambda: eng.submit("", max_new_tokens=4), ValueError, "empty prompt"),
-        (lambda: eng.submit([5] * ctx, max_new_tokens=4), ValueError, "context"),
-        (lambda: eng.submit("hi", max_new_tokens=0), ValueError, "max_new_tokens"),
-        (lambda: eng.submit("hi", max_new_tokens=-3), ValueError, "max_new_tokens"),
-        (lambda: eng.submit("hi", max_new_tokens=10**12), ValueError, "max_new_tokens"),
-        (lambda: eng.submit("hi", max_new_tokens="4"), TypeError, "max_new_tokens"),
-        (lambda: eng.submit(42, max_new_tokens=4), TypeError, "prompt"),
-        (lambda: eng.submit("hi", max_new_tokens=4, stop=[""]), ValueError, "stop"),
-        (lambda: eng.submit("hi", max_new_tokens=4, stop=[3]), TypeError, "stop"),
-        (lambda: eng.submit([{"role": "user"}], max_new_tokens=4), TypeError, "chat"),
-        (lambda: eng.submit("hi", max_new_tokens=5000), ValueError, "KV cache"),  # can never fit 4096
-        (lambda: eng.cancel(424242), ValueError, "unknown request id"),
+        (lambda: eng.submit("", max_new_tokens=4), ValueError, "empty prompt", "prompt"),
+        (lambda: eng.submit([5] * ctx, max_new_tokens=4), ValueError, "context", "prompt"),
+        (lambda: eng.submit("hi", max_new_tokens=0), ValueError, "max_new_tokens", "max_new_tokens"),
+        (lambda: eng.submit("hi", max_new_tokens=-3), ValueError, "max_new_tokens", "max_new_tokens"),
+        (lambda: eng.submit("hi", max_new_tokens=10**12), ValueError, "max_new_tokens", "max_new_tokens"),
+        (lambda: eng.submit("hi", max_new_tokens="4"), TypeError, "max_new_tokens", None),
+        (lambda: eng.submit(42, max_new_tokens=4), TypeError, "prompt", None),
+        (lambda: eng.submit("hi", max_new_tokens=4, stop=[""]), ValueError, "stop", "stop"),
+        (lambda: eng.submit("hi", max_new_tokens=4, stop=[3]), TypeError, "stop", None),
+        (lambda: eng.submit([{"role": "user"}], max_new_tokens=4), TypeError, "chat", None),
+        (lambda: eng.submit("hi", max_new_tokens=5000), ValueError, "KV cache", "max_new_tokens"),  # can never fit 4096
+        (lambda: eng.cancel(424242), ValueError, "unknown request id", "request_id"),
     ]
-    for call, exc, needle in bad:
-        with pytest.raises(exc, match=needle):
+    for call, exc, needle, param in bad:
+        with pytest.raises(exc, match=needle) as e:
             call()
+        # the parameter is data on the error, so the server maps it without reading the message
+        assert getattr(e.value, "param", None) == param, (needle, e.value)
         eng.step()
     outs = eng.run(ids)
     assert [o.token_ids.tolist() for o in outs] == want
     eng.shutdown()
-    with pytest.raises(CandleGateError, match="shut down"):
+    with pytest.raises(EngineShutDown, match="shut down"):
         eng.submit("hi", max_new_tokens=2)
 
 

@@ -12,13 +12,13 @@
 ``candle_gate.probe`` is the probe's package (``runner``: the compositions; ``report``: the table,
 the JSON and the PNG); ``candle_gate.run_probe`` is ``candle_gate.probe.run_probe``.
 """
-from ._native import CandleGateError, CUDA_AVAILABLE, METAL_AVAILABLE, __version__
+from ._native import CandleGateError, EngineShutDown, InvalidParameter, CUDA_AVAILABLE, METAL_AVAILABLE, __version__
 from .models import DEFAULT_MODEL, cache_dir, fetch, resolve
 from .engine import Engine, Model, Result, SamplingParams, MODES, GATES, PACKAGED_PROFILE, user_profile_path
 from .probe import run_probe
 
 __all__ = [
-    "CandleGateError", "CUDA_AVAILABLE", "METAL_AVAILABLE", "__version__",
+    "CandleGateError", "EngineShutDown", "InvalidParameter", "CUDA_AVAILABLE", "METAL_AVAILABLE", "__version__",
     "DEFAULT_MODEL", "cache_dir", "fetch", "resolve",
     "Engine", "Model", "Result", "SamplingParams", "MODES", "GATES", "PACKAGED_PROFILE",
     "user_profile_path", "run_probe",

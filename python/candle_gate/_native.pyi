@@ -23,6 +23,11 @@ _testing: ModuleType
 
 class CandleGateError(Exception): ...
 
+class InvalidParameter(ValueError):
+    param: str
+
+class EngineShutDown(CandleGateError): ...
+
 class SamplingParams:
     def __init__(
         self,

@@ -102,6 +102,13 @@ def _chat_json(chat: Any) -> str:
         raise TypeError(f"a chat must be JSON-serializable message dicts: {e}") from None
 
 
+def _invalid(param: str, msg: str) -> "_native.InvalidParameter":
+    """The error Rust raises for a bad parameter, for the few checks made before reaching it."""
+    e = _native.InvalidParameter(msg)
+    e.param = param
+    return e
+
+
 class Model:
     """A loaded GGUF model. ``mode`` picks the fast lane's kernels (see README)."""
 
@@ -112,7 +119,7 @@ class Model:
     def load(cls, name_or_path: Optional[str] = None, mode: str = "invariant",
              profile: Optional[str] = None, quiet: bool = False) -> "Model":
         if mode not in MODES:  # Rust's names; checked here before resolve() may download
-            raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+            raise _invalid("mode", f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
         path = resolve(name_or_path, quiet=quiet)
         return cls(_native.Model.load(str(path), mode, profile))
 
@@ -164,11 +171,11 @@ class Model:
                 isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
             ids = [int(t) for t in prompt]
             if any(t < 0 for t in ids):
-                raise ValueError("token ids must be non-negative")
+                raise _invalid("prompt", "token ids must be non-negative")
         else:
             raise TypeError(f"a prompt must be a str, a chat (list of message dicts) or token ids, got {type(prompt).__name__}")
         if not ids:
-            raise ValueError("empty prompt")
+            raise _invalid("prompt", "empty prompt")
         return ids
 
     def engine(self, **kwargs: Any) -> "Engine":

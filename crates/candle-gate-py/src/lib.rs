@@ -21,6 +21,20 @@ use pyo3::types::{PyDict, PyList, PyString};
 mod testing;
 
 create_exception!(_native, CandleGateError, PyException, "Any error raised by candle-gate.");
+create_exception!(
+    _native,
+    InvalidParameter,
+    PyValueError,
+    "A request or option out of range; `param` names it (Rust's spelling, e.g. 'max_new_tokens')."
+);
+create_exception!(_native, EngineShutDown, CandleGateError, "The engine has been shut down.");
+
+/// An `InvalidParameter` carrying `param` as data, so callers never parse the message.
+fn invalid(param: &str, msg: String) -> PyErr {
+    let e = InvalidParameter::new_err(msg);
+    Python::attach(|py| e.value(py).setattr("param", param)).expect("setting an attribute on a new exception");
+    e
+}
 
 /// Candle errors carry a backtrace when RUST_BACKTRACE is set; Python users get the message.
 fn clean(msg: String) -> String {
@@ -32,6 +46,8 @@ fn clean(msg: String) -> String {
 
 fn to_py(e: candle_gate::Error) -> PyErr {
     match e {
+        candle_gate::Error::InvalidParam { param, msg } => invalid(param, msg),
+        candle_gate::Error::ShutDown => EngineShutDown::new_err(e.to_string()),
         candle_gate::Error::BadInput(m) => PyValueError::new_err(clean(m)),
         other => CandleGateError::new_err(clean(other.to_string())),
     }
@@ -56,7 +72,7 @@ fn check_chat(messages_json: &str) -> PyResult<()> {
 /// conversion to usize says only "can't convert negative int to unsigned"); the engine checks
 /// the rest (`EngineConfig`'s bounds).
 fn count(name: &str, v: i64) -> PyResult<usize> {
-    usize::try_from(v).map_err(|_| PyValueError::new_err(format!("{name} must not be negative, got {v}")))
+    usize::try_from(v).map_err(|_| invalid(name, format!("{name} must not be negative, got {v}")))
 }
 
 /// Runs `f`, turning a panic into a `CandleGateError` instead of unwinding into Python.
@@ -314,20 +330,12 @@ impl SamplingParams {
                 .map_err(|_| PyTypeError::new_err("stop must be a string or a list of strings"))?,
         };
         let seed = seed
-            .map(|s| {
-                u64::try_from(s).map_err(|_| PyValueError::new_err(format!("seed must be in [0, 2**64), got {s}")))
-            })
+            .map(|s| u64::try_from(s).map_err(|_| invalid("seed", format!("seed must be in [0, 2**64), got {s}"))))
             .transpose()?;
         // The default is the Rust type's (`DEFAULT_MAX_NEW_TOKENS`): one owner.
         let max_new_tokens = max_new_tokens.unwrap_or(candle_gate::SamplingParams::default().max_new_tokens as i64);
-        if max_new_tokens <= 0 {
-            return Err(PyValueError::new_err(format!("max_new_tokens must be positive, got {max_new_tokens}")));
-        }
-        if n <= 0 {
-            return Err(PyValueError::new_err(format!("n must be positive, got {n}")));
-        }
         let inner = candle_gate::SamplingParams {
-            max_new_tokens: max_new_tokens as usize,
+            max_new_tokens: count("max_new_tokens", max_new_tokens)?,
             stop,
             temperature: temperature as f32,
             top_k: count("top_k", top_k)?,
@@ -337,7 +345,7 @@ impl SamplingParams {
             presence_penalty: presence_penalty as f32,
             frequency_penalty: frequency_penalty as f32,
             seed,
-            n: n as usize,
+            n: count("n", n)?,
             logprobs,
             top_logprobs: count("top_logprobs", top_logprobs)?,
         };
@@ -811,6 +819,8 @@ fn kernel_tier() -> &'static str {
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("CandleGateError", m.py().get_type::<CandleGateError>())?;
+    m.add("InvalidParameter", m.py().get_type::<InvalidParameter>())?;
+    m.add("EngineShutDown", m.py().get_type::<EngineShutDown>())?;
     m.add("__version__", candle_gate::VERSION)?;
     m.add("CUDA_AVAILABLE", candle_gate::kernels::cuda::AVAILABLE)?;
     m.add("METAL_AVAILABLE", candle_gate::kernels::metal::AVAILABLE)?;

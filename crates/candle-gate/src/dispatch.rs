@@ -60,7 +60,7 @@ impl FromStr for Mode {
     fn from_str(s: &str) -> Result<Self> {
         Mode::ALL.into_iter().find(|m| m.name() == s).ok_or_else(|| {
             let names: Vec<&str> = Mode::ALL.iter().map(|m| m.name()).collect();
-            Error::BadInput(format!("unknown mode {s:?}; expected one of {}", names.join(", ")))
+            Error::invalid("mode", format!("unknown mode {s:?}; expected one of {}", names.join(", ")))
         })
     }
 }

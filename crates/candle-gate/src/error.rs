@@ -18,6 +18,26 @@ pub enum Error {
     Io(#[from] std::io::Error),
     #[error("engine: {0}")]
     Engine(String),
+    /// A request or engine option out of range. `param` names it as the crate spells it, so a
+    /// caller (the server, the binding) maps the error to its own field without reading `msg`.
+    #[error("{msg}")]
+    InvalidParam { param: &'static str, msg: String },
+    #[error("the engine has been shut down")]
+    ShutDown,
+}
+
+impl Error {
+    pub fn invalid(param: &'static str, msg: impl Into<String>) -> Self {
+        Error::InvalidParam { param, msg: msg.into() }
+    }
+
+    /// The parameter an [`Error::InvalidParam`] names.
+    pub fn param(&self) -> Option<&'static str> {
+        match self {
+            Error::InvalidParam { param, .. } => Some(param),
+            _ => None,
+        }
+    }
 }
 
 pub type Result<T> = std::result::Result<T, Error>;

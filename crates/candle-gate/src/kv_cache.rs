@@ -57,7 +57,7 @@ impl std::str::FromStr for KvDtype {
         KvDtype::ALL
             .into_iter()
             .find(|d| d.name() == s)
-            .ok_or_else(|| Error::BadInput(format!("unknown kv_dtype {s:?}; expected f16 or f32")))
+            .ok_or_else(|| Error::invalid("kv_dtype", format!("unknown kv_dtype {s:?}; expected f16 or f32")))
     }
 }
 

@@ -27,6 +27,8 @@ pub const MAX_TOP_LOGPROBS: usize = 20;
 pub const MAX_N: usize = 64;
 /// Most stop strings one request can give.
 pub const MAX_STOP: usize = 16;
+/// The largest `max_new_tokens` a request may ask for.
+pub const MAX_NEW_TOKENS_LIMIT: usize = 1 << 20;
 
 /// How one request decodes: everything about its output but the prompt.
 #[derive(Clone, Debug, PartialEq)]
@@ -86,37 +88,44 @@ impl SamplingParams {
 
     /// Every rule on the parameters, with a message naming the parameter.
     pub fn validate(&self) -> Result<()> {
-        let bad = |m: String| Err(Error::BadInput(m));
+        let bad = |param: &'static str, m: String| Err(Error::invalid(param, m));
         let t = self.temperature;
         if !t.is_finite() || t < 0.0 {
-            return bad(format!("temperature must be a finite number >= 0, got {t}"));
+            return bad("temperature", format!("temperature must be a finite number >= 0, got {t}"));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return bad(format!("top_p must be in (0, 1], got {}", self.top_p));
+            return bad("top_p", format!("top_p must be in (0, 1], got {}", self.top_p));
         }
         if !(self.min_p >= 0.0 && self.min_p <= 1.0) {
-            return bad(format!("min_p must be in [0, 1], got {}", self.min_p));
+            return bad("min_p", format!("min_p must be in [0, 1], got {}", self.min_p));
         }
         let r = self.repetition_penalty;
         if !(r.is_finite() && r > 0.0 && r <= 10.0) {
-            return bad(format!("repetition_penalty must be in (0, 10], got {r}"));
+            return bad("repetition_penalty", format!("repetition_penalty must be in (0, 10], got {r}"));
         }
         for (name, v) in [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)] {
             if !(-2.0..=2.0).contains(&v) {
-                return bad(format!("{name} must be in [-2, 2], got {v}"));
+                return bad(name, format!("{name} must be in [-2, 2], got {v}"));
             }
         }
+        if self.max_new_tokens == 0 || self.max_new_tokens > MAX_NEW_TOKENS_LIMIT {
+            let m = format!("max_new_tokens must be between 1 and {MAX_NEW_TOKENS_LIMIT}, got {}", self.max_new_tokens);
+            return bad("max_new_tokens", m);
+        }
         if self.n == 0 || self.n > MAX_N {
-            return bad(format!("n must be between 1 and {MAX_N}, got {}", self.n));
+            return bad("n", format!("n must be between 1 and {MAX_N}, got {}", self.n));
         }
         if self.top_logprobs > MAX_TOP_LOGPROBS {
-            return bad(format!("top_logprobs must be at most {MAX_TOP_LOGPROBS}, got {}", self.top_logprobs));
+            return bad(
+                "top_logprobs",
+                format!("top_logprobs must be at most {MAX_TOP_LOGPROBS}, got {}", self.top_logprobs),
+            );
         }
         if self.stop.len() > MAX_STOP {
-            return bad(format!("at most {MAX_STOP} stop strings, got {}", self.stop.len()));
+            return bad("stop", format!("at most {MAX_STOP} stop strings, got {}", self.stop.len()));
         }
         if self.stop.iter().any(|s| s.is_empty()) {
-            return bad("stop strings must not be empty".into());
+            return bad("stop", "stop strings must not be empty".into());
         }
         Ok(())
     }
@@ -455,6 +464,27 @@ mod tests {
 
     fn params(t: f32) -> SamplingParams {
         SamplingParams { temperature: t, ..Default::default() }
+    }
+
+    #[test]
+    fn each_rule_names_its_parameter_as_data() {
+        let d = SamplingParams::default;
+        let cases: Vec<(&str, SamplingParams)> = vec![
+            ("temperature", SamplingParams { temperature: -1.0, ..d() }),
+            ("top_p", SamplingParams { top_p: 0.0, ..d() }),
+            ("min_p", SamplingParams { min_p: 2.0, ..d() }),
+            ("repetition_penalty", SamplingParams { repetition_penalty: 0.0, ..d() }),
+            ("presence_penalty", SamplingParams { presence_penalty: 3.0, ..d() }),
+            ("frequency_penalty", SamplingParams { frequency_penalty: -3.0, ..d() }),
+            ("max_new_tokens", SamplingParams { max_new_tokens: 0, ..d() }),
+            ("n", SamplingParams { n: 0, ..d() }),
+            ("top_logprobs", SamplingParams { top_logprobs: MAX_TOP_LOGPROBS + 1, ..d() }),
+            ("stop", SamplingParams { stop: vec![String::new()], ..d() }),
+        ];
+        for (param, p) in cases {
+            assert_eq!(p.validate().unwrap_err().param(), Some(param), "{param}");
+        }
+        assert!(d().validate().is_ok());
     }
 
     #[test]

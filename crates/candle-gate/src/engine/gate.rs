@@ -44,10 +44,9 @@ impl GateMode {
 impl FromStr for GateMode {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
-        GateMode::ALL
-            .into_iter()
-            .find(|g| g.name() == s)
-            .ok_or_else(|| Error::BadInput(format!("unknown gate mode {s:?}; expected off, gated, always or shadow")))
+        GateMode::ALL.into_iter().find(|g| g.name() == s).ok_or_else(|| {
+            Error::invalid("gate", format!("unknown gate mode {s:?}; expected off, gated, always or shadow"))
+        })
     }
 }
 
@@ -69,9 +68,9 @@ pub struct GateConfig {
 /// (`calibrate --gate`: recheck_shift 0.025 vs batch_shift 0.047); calibrate it for your lane.
 pub const DEEP_TAU_FRACTION: f32 = 0.5;
 
-fn check_threshold(name: &str, v: f32) -> Result<()> {
+fn check_threshold(name: &'static str, v: f32) -> Result<()> {
     if !v.is_finite() || v < 0.0 {
-        return Err(Error::BadInput(format!("{name} must be a finite number >= 0, got {v}")));
+        return Err(Error::invalid(name, format!("{name} must be a finite number >= 0, got {v}")));
     }
     Ok(())
 }
@@ -112,9 +111,10 @@ impl GateConfig {
         }
         let how = "run `candle-gate calibrate --gate --model M --mode MODE` or pass tau=";
         if profiles.is_empty() {
-            return Err(Error::BadInput(format!(
-                "gate='gated' needs tau= or a profile with a gate calibration; {how}"
-            )));
+            return Err(Error::invalid(
+                "tau",
+                format!("gate='gated' needs tau= or a profile with a gate calibration; {how}"),
+            ));
         }
         let Some((lane_mode, sha)) = lane else {
             return Err(Error::BadInput("gate='gated' without tau= needs the model to find its calibration".into()));

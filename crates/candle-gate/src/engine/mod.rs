@@ -34,7 +34,7 @@ pub use request::{
 };
 
 /// Upper bound on `max_new_tokens` accepted at submit: a bigger value is a bug, not a plan.
-pub const MAX_NEW_TOKENS_LIMIT: usize = 1 << 20;
+pub use crate::sampling::MAX_NEW_TOKENS_LIMIT;
 
 pub struct Engine {
     model: Arc<Model>,
@@ -61,16 +61,19 @@ pub struct Engine {
 impl Engine {
     pub fn new(model: Arc<Model>, policy: Arc<Policy>, cfg: EngineConfig) -> Result<Self> {
         if cfg.max_num_seqs == 0 {
-            return Err(Error::BadInput("max_num_seqs must be at least 1".into()));
+            return Err(Error::invalid("max_num_seqs", "max_num_seqs must be at least 1"));
         }
         if cfg.prefill_chunk == 0 || cfg.max_tokens_per_step < cfg.prefill_chunk {
-            return Err(Error::BadInput(format!(
-                "need 1 <= prefill_chunk ({}) <= max_tokens_per_step ({})",
-                cfg.prefill_chunk, cfg.max_tokens_per_step
-            )));
+            return Err(Error::invalid(
+                "prefill_chunk",
+                format!(
+                    "need 1 <= prefill_chunk ({}) <= max_tokens_per_step ({})",
+                    cfg.prefill_chunk, cfg.max_tokens_per_step
+                ),
+            ));
         }
         let pool = match cfg.threads {
-            Some(0) => return Err(Error::BadInput("threads must be at least 1".into())),
+            Some(0) => return Err(Error::invalid("threads", "threads must be at least 1")),
             Some(n) => {
                 Some(rayon::ThreadPoolBuilder::new().num_threads(n).build().map_err(|e| Error::Engine(e.to_string()))?)
             }
@@ -127,7 +130,7 @@ impl Engine {
     /// here, so a bad request never reaches a step that other requests share.
     pub fn submit(&mut self, req: Request) -> Result<RequestId> {
         if self.shut_down {
-            return Err(Error::Engine("the engine has been shut down".into()));
+            return Err(Error::ShutDown);
         }
         self.validate(&req)?;
         let id = self.next_id;
@@ -145,41 +148,38 @@ impl Engine {
         let ctx = self.model.llama.cfg.context_length;
         let vocab = self.model.llama.cfg.vocab as u32;
         if req.prompt_tokens.is_empty() {
-            return Err(Error::BadInput("empty prompt".into()));
+            return Err(Error::invalid("prompt", "empty prompt"));
         }
         if let Some(t) = req.prompt_tokens.iter().find(|&&t| t >= vocab) {
-            return Err(Error::BadInput(format!("prompt token id {t} is outside the vocabulary of {vocab}")));
+            return Err(Error::invalid("prompt", format!("prompt token id {t} is outside the vocabulary of {vocab}")));
         }
         let p = &req.params;
         p.validate()?;
-        if p.max_new_tokens == 0 || p.max_new_tokens > MAX_NEW_TOKENS_LIMIT {
-            return Err(Error::BadInput(format!(
-                "max_new_tokens must be between 1 and {MAX_NEW_TOKENS_LIMIT}, got {}",
-                p.max_new_tokens
-            )));
-        }
         if p.n > self.cfg.max_num_seqs {
-            return Err(Error::BadInput(format!(
-                "n = {} choices cannot run at once with max_num_seqs = {}",
-                p.n, self.cfg.max_num_seqs
-            )));
+            return Err(Error::invalid(
+                "n",
+                format!("n = {} choices cannot run at once with max_num_seqs = {}", p.n, self.cfg.max_num_seqs),
+            ));
         }
         if req.prompt_tokens.len() >= ctx {
-            return Err(Error::BadInput(format!(
-                "the prompt has {} tokens but the context holds {ctx} (including at least one new token)",
-                req.prompt_tokens.len()
-            )));
+            return Err(Error::invalid(
+                "prompt",
+                format!(
+                    "the prompt has {} tokens but the context holds {ctx} (including at least one new token)",
+                    req.prompt_tokens.len()
+                ),
+            ));
         }
         if let Some(f) = &req.forced_tokens {
             if let Some(t) = f.iter().find(|&&t| t >= vocab) {
-                return Err(Error::BadInput(format!("forced token id {t} is outside the vocabulary")));
+                return Err(Error::invalid("forced_tokens", format!("forced token id {t} is outside the vocabulary")));
             }
         }
         // Alone in the engine it must be able to finish: then preemption can always make room.
         let reserve = (req.prompt_tokens.len() + p.max_new_tokens).min(ctx);
         let blocks = reserve.div_ceil(KV_BLOCK) * p.n;
         if blocks > self.cfg.kv_budget_blocks() {
-            return Err(Error::BadInput(format!(
+            return Err(Error::invalid("max_new_tokens", format!(
                 "the request needs {} tokens of KV cache ((prompt + max_new_tokens) x n, in blocks of {KV_BLOCK}) but the whole budget is {}",
                 blocks * KV_BLOCK,
                 self.cfg.kv_budget_blocks() * KV_BLOCK
@@ -207,7 +207,7 @@ impl Engine {
         if self.finished.contains_key(&id) {
             return Ok(());
         }
-        Err(Error::BadInput(format!("unknown request id {id}")))
+        Err(Error::invalid("request_id", format!("unknown request id {id}")))
     }
 
     pub fn shutdown(&mut self) {
