@@ -117,11 +117,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return server.serve(a)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="candle-gate", description=__doc__)
-    ap.add_argument("--version", action="version", version=f"candle-gate {_native.__version__} (CPU kernels: {_native.kernel_tier()})")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-
+def _add_generate(sub) -> None:
     g = sub.add_parser("generate", help="generation for one prompt (greedy unless --temperature)")
     g.add_argument("prompt")
     _common(g)
@@ -135,11 +131,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.set_defaults(func=cmd_generate)
 
+
+def _add_fetch(sub) -> None:
     f = sub.add_parser("fetch", help="download known models into the cache")
     f.add_argument("--model", action="append", default=None,
                    help=f"a known model name, or `all` (repeatable; default {DEFAULT_MODEL})")
     f.set_defaults(func=cmd_fetch)
 
+
+def _add_calibrate(sub) -> None:
     c = sub.add_parser("calibrate", help="measure kernel crossovers (--kernels) and the gate's tau (--gate)")
     _common(c)
     c.add_argument("--kernels", action="store_true")
@@ -153,16 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--safety", type=float, default=2.0, help="tau = safety x the largest measured margin movement")
     c.set_defaults(func=cmd_calibrate)
 
-    p = sub.add_parser("probe", help="measure flip rates across batch compositions")
-    _common(p)
-    _gate_args(p)
-    p.add_argument("--prompts", default=None, help="JSON list of prompts (strings or chats) or a text file, one per line")
-    p.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--json", dest="json_out", default=None, help="write the report here")
-    p.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")
-    p.add_argument("--compositions", default=None, help="comma-separated subset of composition names")
-    _sampling_args(p)
+
+def _endpoint_args(p: argparse.ArgumentParser) -> None:
+    """``probe --endpoint URL`` and the flags that only it takes (docs/ENDPOINT_PROBE.md)."""
     ep = p.add_argument_group("endpoint probe (docs/ENDPOINT_PROBE.md): probe an OpenAI-compatible server")
     ep.add_argument("--endpoint", default=None, metavar="URL",
                     help="probe this OpenAI-compatible server (http://host:port/v1) instead of the in-process engine")
@@ -181,8 +174,24 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the answer: the regex's first group (else the whole match)")
     ans.add_argument("--json-field", default=None, metavar="PATH",
                      help="the answer: this dotted path (a.b.0) in the completion parsed as JSON")
+
+
+def _add_probe(sub) -> None:
+    p = sub.add_parser("probe", help="measure flip rates across batch compositions")
+    _common(p)
+    _gate_args(p)
+    p.add_argument("--prompts", default=None, help="JSON list of prompts (strings or chats) or a text file, one per line")
+    p.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--json", dest="json_out", default=None, help="write the report here")
+    p.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")
+    p.add_argument("--compositions", default=None, help="comma-separated subset of composition names")
+    _sampling_args(p)
+    _endpoint_args(p)
     p.set_defaults(func=cmd_probe)
 
+
+def _add_bench(sub) -> None:
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
     t = bsub.add_parser("throughput", help="aggregate decode tok/s at several concurrencies")
@@ -208,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
     sb.add_argument("--json", action="store_true")
     _sampling_args(sb)
     sb.set_defaults(func=cmd_bench)
+
+
+def _add_serve(sub) -> None:
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (docs/SERVER.md)")
     _common(s)
     _gate_args(s)
@@ -236,6 +248,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="info")
     s.add_argument("--access-log", action="store_true")
     s.set_defaults(func=cmd_serve)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``candle-gate`` parser: one ``_add_<command>`` per subcommand, in the order of ``--help``."""
+    ap = argparse.ArgumentParser(prog="candle-gate", description=__doc__)
+    ap.add_argument("--version", action="version", version=f"candle-gate {_native.__version__} (CPU kernels: {_native.kernel_tier()})")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for add in (_add_generate, _add_fetch, _add_calibrate, _add_probe, _add_bench, _add_serve):
+        add(sub)
     return ap
 
 
