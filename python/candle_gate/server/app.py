@@ -1,0 +1,248 @@
+"""The FastAPI app (``create_app``) and ``candle-gate serve`` (``serve``).
+
+The routes are thin: auth and readiness are FastAPI dependencies (:func:`require_key`,
+:func:`require_ready`, in that order, before the body is read), the work is the serving
+objects' (``serving_completion.py``, ``serving_chat.py``, ``serving_tokenization.py``), the state
+is ``app.state.server`` (``state.py``). Every error leaves through one exception handler in
+OpenAI's shape (``errors.py``) and is counted by status (``metrics.py``). The lifespan loads the
+model in a thread (``/health`` says ``loading`` meanwhile) and, at shutdown, cancels what is left
+and stops the engine thread.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import signal
+import threading
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Callable, Dict, Optional, Union
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .. import _native
+from .errors import APIError, error_body, request_validation_message
+from .metrics import MEDIA_TYPE
+from .openapi import error_responses, openapi_document, request_body, sse_content
+from .protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, CompletionChunk,
+                       CompletionRequest, CompletionResponse, DetokenizeRequest, DetokenizeResponse, HealthResponse,
+                       ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
+from .serving_chat import OpenAIServingChat
+from .serving_completion import OpenAIServingCompletion
+from .serving_tokenization import OpenAIServingTokenization
+from .settings import Settings
+from .state import ServerState
+
+#: loads the model and attaches it to the state (in a thread the lifespan starts)
+Loader = Callable[[ServerState, asyncio.AbstractEventLoop], None]
+
+
+# ---------------------------------------------------------------------------------------------
+# Dependencies
+
+def server_state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+def require_key(request: Request) -> None:
+    """With ``--api-key``: ``Authorization: Bearer KEY`` (compared in constant time), else 401."""
+    key = server_state(request).settings.api_key
+    if not key:
+        return
+    h = request.headers.get("authorization", "")
+    given = h[7:].strip() if h[:7].lower() == "bearer " else ""
+    if not hmac.compare_digest(given.encode(), key.encode()):
+        raise APIError(401, "invalid API key", code="invalid_api_key")
+
+
+def require_ready(request: Request) -> None:
+    """503 while the model loads (or failed to) and once the server is draining."""
+    server_state(request).check_ready()
+
+
+_GUARDED = [Depends(require_key), Depends(require_ready)]
+router = APIRouter()
+
+
+# ---------------------------------------------------------------------------------------------
+# Routes
+
+@router.get("/health", responses={200: {"model": HealthResponse, "description": "ready"},
+                                  503: {"model": HealthResponse, "description": "loading, failed to load, or draining"}})
+async def health(request: Request):
+    st = server_state(request)
+    if st.draining:
+        return JSONResponse({"status": "draining"}, status_code=503)
+    if not st.ready:
+        return JSONResponse({"status": "loading" if st.load_error is None else "error",
+                             "error": st.load_error}, status_code=503)
+    return {"status": "ok", "model": st.model_name}
+
+
+@router.get("/v1/models", dependencies=_GUARDED,
+            responses={200: {"model": ModelList, "description": "the served model"}, **error_responses(401, 503)})
+async def models(request: Request):
+    st = server_state(request)
+    return {"object": "list", "data": [{
+        "id": st.model_name, "object": "model", "created": st.created, "owned_by": "candle-gate",
+        "root": st.model.path, "max_model_len": st.max_model_len}]}
+
+
+@router.get("/v1/models/{name:path}", dependencies=_GUARDED,
+            responses={200: {"model": ModelCard, "description": "the served model"}, **error_responses(401, 404, 503)})
+async def model_info(name: str, request: Request):
+    st = server_state(request)
+    st.check_model(name)
+    return {"id": st.model_name, "object": "model", "created": st.created, "owned_by": "candle-gate"}
+
+
+@router.get("/metrics", response_class=PlainTextResponse,
+            responses={200: {"description": "Prometheus text format 0.0.4",
+                             "content": {"text/plain": {"schema": {"type": "string"}}}}})
+async def metrics(request: Request):
+    return PlainTextResponse(server_state(request).metrics.exposition(), media_type=MEDIA_TYPE)
+
+
+@router.post("/reset_prefix_cache", dependencies=_GUARDED,
+             responses={200: {"description": "the prefix cache was emptied"}, **error_responses(401, 503)})
+async def reset_prefix_cache(request: Request):
+    """Forgets every cached prefix (vLLM's endpoint of the same name)."""
+    await asyncio.get_running_loop().run_in_executor(None, server_state(request).worker.reset_prefix_cache)
+    return {"status": "ok"}
+
+
+@router.post("/tokenize", dependencies=_GUARDED, openapi_extra=request_body(TokenizeRequest),
+             responses={200: {"model": TokenizeResponse, "description": "the token ids"},
+                        **error_responses(400, 401, 404, 413, 503)})
+async def tokenize(request: Request):
+    return await request.app.state.serving_tokenization.tokenize(request)
+
+
+@router.post("/detokenize", dependencies=_GUARDED, openapi_extra=request_body(DetokenizeRequest),
+             responses={200: {"model": DetokenizeResponse, "description": "the text"},
+                        **error_responses(400, 401, 404, 413, 503)})
+async def detokenize(request: Request):
+    return await request.app.state.serving_tokenization.detokenize(request)
+
+
+@router.post("/v1/completions", dependencies=_GUARDED, openapi_extra=request_body(CompletionRequest),
+             responses={200: {"model": CompletionResponse, "content": sse_content(CompletionChunk),
+                              "description": "the completion (JSON), or with `stream` its chunks (SSE)"},
+                        **error_responses(400, 401, 404, 413, 429, 500, 503)})
+async def completions(request: Request):
+    return await request.app.state.serving_completion.create(request)
+
+
+@router.post("/v1/chat/completions", dependencies=_GUARDED, openapi_extra=request_body(ChatCompletionRequest),
+             responses={200: {"model": ChatCompletionResponse, "content": sse_content(ChatCompletionChunk),
+                              "description": "the chat completion (JSON), or with `stream` its chunks (SSE)"},
+                        **error_responses(400, 401, 404, 413, 429, 500, 503)})
+async def chat_completions(request: Request):
+    return await request.app.state.serving_chat.create(request)
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors: all in OpenAI's shape, counted by status
+
+def error_response(request: Request, e: APIError) -> JSONResponse:
+    if e.status >= 400:
+        server_state(request).metrics.refused(e.status)
+    return JSONResponse(error_body(e.status, e.message, e.param, e.code), status_code=e.status, headers=e.headers)
+
+
+async def on_api_error(request: Request, e: APIError) -> JSONResponse:
+    return error_response(request, e)
+
+
+async def on_validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+    """FastAPI's own validation (path and query parameters): a 400, not a 422."""
+    return error_response(request, APIError(400, request_validation_message(list(e.errors()))))
+
+
+async def on_http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+    """Starlette's 404 (an unknown path), 405 (a method a path does not take), ..."""
+    return error_response(request, APIError(e.status_code, str(e.detail)))
+
+
+async def on_internal_error(request: Request, e: Exception) -> JSONResponse:
+    return error_response(request, APIError(500, f"internal error: {type(e).__name__}: {e}"))
+
+
+# ---------------------------------------------------------------------------------------------
+# The app
+
+@asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    st: ServerState = app.state.server
+    loop = asyncio.get_running_loop()
+    threading.Thread(target=app.state.load, args=(st, loop), name="candle-gate-load", daemon=True).start()
+    yield
+    # Shutdown: uvicorn has waited for the connections (up to --drain-timeout); whatever is still
+    # running is cancelled, then the engine thread stops.
+    st.draining = True
+    if st.worker is not None:
+        st.worker.shutdown()
+
+
+def create_app(settings: Settings, load: Optional[Loader] = None) -> FastAPI:
+    """The app serving ``settings.model``; ``load`` (default :meth:`ServerState.load`) is how the
+    model and the engine thread come to the state (a test passes a fake)."""
+    st = ServerState(settings)
+    app = FastAPI(title="candle-gate", version=_native.__version__, lifespan=lifespan,
+                  description="An OpenAI-compatible server over one candle-gate engine (docs/SERVER.md).")
+    app.state.server = st
+    app.state.load = load or ServerState.load
+    app.state.serving_completion = OpenAIServingCompletion(st)
+    app.state.serving_chat = OpenAIServingChat(st)
+    app.state.serving_tokenization = OpenAIServingTokenization(st)
+    app.include_router(router)
+    app.add_exception_handler(APIError, on_api_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, on_validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, on_http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, on_internal_error)
+
+    def openapi() -> Dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        doc = openapi_document(app, bool(settings.api_key), st.model_name)
+        if st.ready:  # (before, the served name is not known yet)
+            app.openapi_schema = doc
+        return doc
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    return app
+
+
+# ---------------------------------------------------------------------------------------------
+# Running it
+
+def serve(settings: Union[Settings, argparse.Namespace]) -> int:
+    """``candle-gate serve``: the app under uvicorn until SIGTERM or Ctrl-C (docs/SERVER.md,
+    "Cancellation and shutdown"); 0 once drained."""
+    import uvicorn
+
+    if not isinstance(settings, Settings):
+        settings = Settings.from_args(settings)
+    app = create_app(settings)
+    st: ServerState = app.state.server
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            # Stop admitting at once (503), let uvicorn drain the connections (up to
+            # --drain-timeout), and exit 0 afterwards: uvicorn would re-raise the signal at the
+            # end, so it is not recorded as captured.
+            st.draining = True
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True
+            else:
+                self.should_exit = True
+
+    s = settings
+    print(f"candle-gate serve: loading {s.model} on http://{s.host}:{s.port}", flush=True)
+    config = uvicorn.Config(app, host=s.host, port=s.port, log_level=s.log_level,
+                            timeout_graceful_shutdown=s.drain_timeout, access_log=s.access_log)
+    Server(config).run()
+    return 0

@@ -1,0 +1,107 @@
+"""Errors in OpenAI's shape: :class:`APIError`, its JSON body, and where the messages come from.
+
+Two sources name the offending request field: pydantic, when a body does not validate
+(:func:`validation_message`), and the engine, when a value passes the schema but not Rust's
+checks (:func:`engine_error`). The engine's exceptions carry the parameter as data
+(``_native.InvalidParameter.param``, Rust's spelling); no message text is ever parsed.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+from pydantic import ValidationError
+
+from .. import _native
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_error",
+               503: "service_unavailable"}
+
+
+class APIError(Exception):
+    """A refusal: the handlers raise it, the app's exception handler sends :func:`error_body`."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
+                 headers: Optional[Dict[str, str]] = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+
+
+def error_body(status: int, message: str, param: Optional[str] = None, code: Optional[str] = None) -> Dict[str, Any]:
+    """OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "error"), "param": param, "code": code}}
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine's exceptions
+
+#: Rust's name for a parameter -> the field of the request that carries it, per endpoint, where
+#: they differ (the others are spelled alike: ``temperature``, ``top_p``, ``n``, ``stop``, ...).
+REQUEST_FIELDS: Dict[str, Dict[str, str]] = {
+    "completion": {"max_new_tokens": "max_tokens", "top_logprobs": "logprobs"},
+    "chat": {"max_new_tokens": "max_tokens", "prompt": "messages"},
+}
+
+# (``InvalidParameter`` is a ValueError. getattr: a native module built before these classes
+# existed raises plain ValueError and CandleGateError, with no ``param``.)
+_SHUT_DOWN: Any = getattr(_native, "EngineShutDown", ())
+#: what the engine raises for a request it refuses (anything else is a server fault: 500)
+ENGINE_REFUSALS = (ValueError, TypeError, OverflowError, _native.CandleGateError)
+
+
+def engine_error(e: BaseException, endpoint: str = "completion", fallback: Optional[str] = None) -> APIError:
+    """The APIError for an exception the engine raised on a request of ``endpoint`` ("completion"
+    or "chat"), from its class and its ``param`` (the message is passed on, never read): shut
+    down is 503 ``shutting_down``; an invalid parameter, or any other refusal, is 400 naming the
+    request's field for the engine's ``param``, else ``fallback`` (the field being processed,
+    where the caller knows it: the prompt while tokenizing it)."""
+    if isinstance(e, _SHUT_DOWN):
+        return APIError(503, str(e), code="shutting_down")
+    if isinstance(e, ENGINE_REFUSALS):
+        param = getattr(e, "param", None)
+        return APIError(400, str(e), fallback if param is None else request_field(param, endpoint))
+    return APIError(500, f"internal error: {type(e).__name__}: {e}")
+
+
+def request_field(param: Optional[str], endpoint: str = "completion") -> Optional[str]:
+    """The request's name for the engine's parameter ``param`` (None stays None)."""
+    if param is None:
+        return None
+    return REQUEST_FIELDS.get(endpoint, {}).get(param, param)
+
+
+# ---------------------------------------------------------------------------------------------
+# pydantic's validation errors
+
+_UNION_TAGS = {"str", "int", "float", "bool", "none"}
+
+
+def _clean_loc(loc: Tuple[Any, ...]) -> str:
+    """A field's path without pydantic's union member tags (``constrained-str``, ``list[int]``)."""
+    return ".".join(str(x) for x in loc
+                    if not (isinstance(x, str) and (x in _UNION_TAGS or "[" in x or "-" in x)))
+
+
+def validation_message(e: ValidationError) -> Tuple[str, Optional[str]]:
+    """The message and the field (``param``) for a body that does not validate."""
+    errs = e.errors()
+    err = errs[0]
+    if err.get("type") == "json_invalid":
+        return f"the request body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}", None
+    if not err.get("loc"):
+        return str(err.get("msg")), None
+    # A union reports each alternative: say them all (the first element names the field).
+    param = str(err["loc"][0])
+    parts: List[str] = []
+    for x in errs:
+        if x.get("loc") and x["loc"][0] == err["loc"][0]:
+            m = f"{_clean_loc(x['loc'])}: {x.get('msg')}"
+            if m not in parts:
+                parts.append(m)
+    return "; or ".join(parts[:4]), param
+
+
+def request_validation_message(errs: List[Dict[str, Any]]) -> str:
+    """FastAPI's own validation errors (path and query parameters) as one message."""
+    first = errs[0] if errs else {}
+    return f"{'.'.join(map(str, first.get('loc', ())))}: {first.get('msg', 'invalid request')}"

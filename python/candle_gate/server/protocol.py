@@ -1,0 +1,327 @@
+"""The wire: OpenAI's request and response shapes as pydantic models, and reading a body into one.
+
+The requests are parsed strictly (``"0.5"`` is not a number) and their fields carry the engine's
+own bounds, so that the OpenAPI document says what the server accepts and a value out of range is
+refused naming the field. The responses are documentation: the serving code builds plain dicts in
+these shapes (``serving_completion.py``, ``serving_chat.py``) and schemathesis checks them against
+these models (tests/test_server_schema.py).
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Dict, List, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
+
+from .errors import APIError, validation_message
+
+# ---------------------------------------------------------------------------------------------
+# Requests (strict: a string is not a number; unknown fields are ignored)
+
+_U64 = 2 ** 64 - 1
+_I64 = 2 ** 63 - 1
+#: the engine's limit on max_new_tokens (it stops at the end of the context anyway)
+_MAX_NEW_TOKENS = 1 << 20
+_StopStr = Annotated[str, StringConstraints(min_length=1)]
+StopT = Union[_StopStr, Annotated[List[_StopStr], Field(max_length=16)], None]
+
+# The bounds below are the engine's own (SamplingParams checks them too): declared here so that
+# the OpenAPI document describes what the server accepts, and refused with the field's name.
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    include_usage: Optional[bool] = None
+
+
+class _Req(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: Optional[str] = None
+    max_tokens: Optional[Annotated[int, Field(ge=1, le=_MAX_NEW_TOKENS)]] = None
+    stop: StopT = None
+    #: default 1.0 when omitted, as OpenAI; 0 is greedy
+    temperature: Optional[Annotated[float, Field(ge=0, allow_inf_nan=False)]] = None
+    top_p: Optional[Annotated[float, Field(gt=0, le=1)]] = None
+    top_k: Optional[Annotated[int, Field(ge=0, le=_I64)]] = None
+    min_p: Optional[Annotated[float, Field(ge=0, le=1)]] = None
+    seed: Optional[Annotated[int, Field(ge=0, le=_U64)]] = None
+    n: Optional[Annotated[int, Field(ge=1, le=64)]] = None
+    presence_penalty: Optional[Annotated[float, Field(ge=-2, le=2)]] = None
+    frequency_penalty: Optional[Annotated[float, Field(ge=-2, le=2)]] = None
+    repetition_penalty: Optional[Annotated[float, Field(gt=0, le=10)]] = None
+    user: Optional[str] = None
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    #: extension: per choice ``margins`` and ``rechecked`` lists
+    return_margins: Optional[bool] = False
+
+
+_TokenIds = Annotated[List[Annotated[int, Field(ge=0, le=_I64)]], Field(min_length=1)]
+
+
+class CompletionRequest(_Req):
+    #: a string, a list of token ids, or a list of one string
+    prompt: Union[Annotated[str, StringConstraints(min_length=1)], _TokenIds,
+                  Annotated[List[Annotated[str, StringConstraints(min_length=1)]], Field(min_length=1, max_length=1)]]
+    #: the number of alternatives per token (0: only the chosen token's logprob)
+    logprobs: Optional[Annotated[int, Field(ge=0, le=20)]] = None
+    echo: Optional[bool] = False
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """A message as the chat template receives it: other keys (``name``, ...) are passed through;
+    ``content`` may be null only with ``tool_calls`` (and then the model's template decides)."""
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra={"anyOf": [
+        {"properties": {"content": {"type": ["string", "array"]}}},
+        {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array"}}}]})
+    role: str
+    content: Union[str, List[ContentPart], None]
+    tool_calls: Optional[List[Dict[str, Any]]] = None
+
+    @model_validator(mode="after")
+    def _content_or_tool_calls(self) -> "ChatMessage":
+        if self.content is None and self.tool_calls is None:
+            raise ValueError("content may be null only with tool_calls")
+        return self
+
+
+class ChatCompletionRequest(_Req):
+    messages: Annotated[List[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Optional[Annotated[int, Field(ge=1, le=_MAX_NEW_TOKENS)]] = None
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[Annotated[int, Field(ge=0, le=20)]] = None
+    tools: Optional[List[Dict[str, Any]]] = None
+
+
+class TokenizeRequest(BaseModel):
+    """``prompt`` (a string) or ``messages``."""
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[List[ChatMessage]] = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: Optional[str] = None
+    tokens: List[Annotated[int, Field(ge=0, le=_I64)]]
+
+
+# ---------------------------------------------------------------------------------------------
+# Responses (the OpenAPI document's: the serving code builds plain dicts in these shapes)
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: Optional[str]
+    code: Optional[str]
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error object."""
+    error: ErrorDetail
+
+
+class PromptTokensDetails(BaseModel):
+    #: prompt tokens whose K/V came from the prefix cache
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: Optional[PromptTokensDetails] = None
+
+
+_Finish = Literal["stop", "length", "cancelled", "error"]
+
+
+class _ChoiceExt(BaseModel):
+    index: int
+    finish_reason: _Finish
+    #: extension: the engine's output fingerprint of the choice (32 hex)
+    fingerprint: str
+    #: extension: the seed the choice's draws were keyed by
+    seed: int
+    #: extension, with ``return_margins``: the gate's per-step margin (null where not finite)
+    margins: Optional[List[Optional[float]]] = None
+    #: extension, with ``return_margins``: 1 where the step was rechecked
+    rechecked: Optional[List[int]] = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: List[str]
+    token_logprobs: List[float]
+    top_logprobs: List[Dict[str, float]]
+    text_offset: List[int]
+
+
+class CompletionChoice(_ChoiceExt):
+    text: str
+    logprobs: Optional[CompletionLogprobs]
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: List[CompletionChoice]
+    usage: Usage
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: List[int]
+
+
+class ChatLogprob(TopLogprob):
+    top_logprobs: List[TopLogprob]
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: List[ChatLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(_ChoiceExt):
+    message: AssistantMessage
+    logprobs: Optional[ChatChoiceLogprobs]
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: List[ChatChoice]
+    usage: Usage
+
+
+class _StreamExt(BaseModel):
+    index: int
+    #: set on a choice's finish chunk, with the extensions below
+    finish_reason: Optional[_Finish]
+    fingerprint: Optional[str] = None
+    seed: Optional[int] = None
+    margins: Optional[List[Optional[float]]] = None
+    rechecked: Optional[List[int]] = None
+
+
+class CompletionStreamChoice(_StreamExt):
+    text: str
+    logprobs: Optional[CompletionLogprobs]
+
+
+class CompletionChunk(BaseModel):
+    """One streamed event's data (``stream: true``)."""
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    system_fingerprint: str
+    #: empty in the last chunk of ``stream_options.include_usage``
+    choices: List[CompletionStreamChoice]
+    #: with ``stream_options.include_usage``: null, and the usage in the last chunk
+    usage: Optional[Usage] = None
+
+
+class ChatDelta(BaseModel):
+    role: Optional[Literal["assistant"]] = None
+    content: Optional[str] = None
+
+
+class ChatStreamChoice(_StreamExt):
+    delta: ChatDelta
+    logprobs: Optional[ChatChoiceLogprobs]
+
+
+class ChatCompletionChunk(BaseModel):
+    """One streamed event's data (``stream: true``)."""
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: List[ChatStreamChoice]
+    usage: Optional[Usage] = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    #: the GGUF path (in the list)
+    root: Optional[str] = None
+    #: the context the server allows (prompt + new tokens)
+    max_model_len: Optional[int] = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: List[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    tokens: List[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok", "loading", "error", "draining"]
+    model: Optional[str] = None
+    error: Optional[str] = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading a request
+
+#: The largest request body read. A whole context of token ids as JSON is far below it; a body
+#: above it is refused (413) without being read into memory.
+MAX_BODY_BYTES = 8 << 20
+
+
+async def read_body(request: Any) -> bytes:
+    """The body, refused with 413 as soon as it is known to pass :data:`MAX_BODY_BYTES` (from its
+    ``Content-Length``, or, chunked, from the bytes read so far)."""
+    too_big = f"the request body is larger than {MAX_BODY_BYTES} bytes"
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise APIError(413, too_big)
+    parts, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise APIError(413, too_big)
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def parse(cls: type, raw: bytes) -> Any:
+    """``raw`` as a ``cls``, or a 400 naming the first field that is wrong."""
+    if not raw.strip():
+        raise APIError(400, "the request body is empty; expected a JSON object")
+    try:
+        return cls.model_validate_json(raw)
+    except ValidationError as e:
+        msg, param = validation_message(e)
+        raise APIError(400, msg, param) from None
