@@ -5,7 +5,7 @@
     python benches/endpoint_probe_qwen.py --prompts 2 --repeats 2 --max-tokens 4 --concurrency 1,2   # smoke
 
 One after the other, each on loopback with 2 threads (started and stopped with the helpers of
-benches/serve_load.py), and probed by ``candle_gate.endpoint_probe.probe_endpoint`` with the same
+benches/serve_load.py), and probed by ``candle_gate.probe.endpoint.probe_endpoint`` with the same
 settings (chat completions at temperature 0 with top-2 logprobs; every prompt ``--repeats`` times
 alone, in a burst and interleaved at each ``--concurrency``; docs/ENDPOINT_PROBE.md):
 
@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from serve_load import free_port, server_command, start, stop  # noqa: E402
 
 import candle_gate  # noqa: E402
-from candle_gate import endpoint_probe as ep  # noqa: E402
+from candle_gate.probe import endpoint as ep  # noqa: E402
 from candle_gate.bench import parse_concurrency  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))

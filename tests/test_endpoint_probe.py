@@ -1,13 +1,13 @@
-"""The endpoint probe (``candle-gate probe --endpoint``, ``candle_gate.endpoint_probe``): against
+"""The endpoint probe (``candle-gate probe --endpoint``, ``candle_gate.probe.endpoint``): against
 real ``candle-gate serve`` subprocesses on loopback (invariant and split_k_f16), non-streaming and
 streaming, with string, chat and token-id prompts; the scoring on constructed completions; and
-the retry loop against a small stub server (faults only)."""
+the retry loop against a small stub server (faults only; the waits it chooses are recorded, not
+slept)."""
 import json
 import os
 import subprocess
 import sys
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -18,7 +18,8 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 import candle_gate  # noqa: E402
-from candle_gate import endpoint_probe as ep  # noqa: E402
+from candle_gate.probe import endpoint as ep  # noqa: E402
+from candle_gate.probe import endpoint_client  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_gate import CHATS  # noqa: E402
@@ -102,7 +103,7 @@ def test_streamed_completions_logprobs_and_fingerprint_equal_the_non_streamed(in
                [{"role": "user", "content": "Write the word cat in Japanese, Greek and Russian."}]]
     got = {}
     for stream in (False, True):
-        sender = ep._Sender(client, M, 24, 0.0, None, 3, FAST, "", stream=stream)
+        sender = ep.Sender(client, M, 24, 0.0, None, 3, FAST, "", stream=stream)
         got[stream] = [sender.send(p) for p in prompts]
     for p, a, b in zip(prompts, got[False], got[True]):
         assert a["ok"] and b["ok"], (a, b)
@@ -241,6 +242,25 @@ def test_token_id_prompts_are_loaded_and_checked(tmp_path):
             ep.probe_endpoint("http://127.0.0.1:9/v1", "m", bad)
 
 
+def test_the_endpoint_probe_shares_the_probe_package_helpers():
+    """One probe package: the endpoint probe reads prompts, compares outputs and writes its files
+    with candle_gate.probe.common, as the in-process probe does; the old module name is the same
+    module's API (cli.cmd_probe imports it)."""
+    import numpy as np
+
+    import candle_gate.endpoint_probe as old
+    import candle_gate.probe as probe
+    from candle_gate.probe import common, endpoint_report
+    assert old.probe_endpoint is ep.probe_endpoint and old.main is ep.main
+    assert ep.check_prompts is probe.check_prompts is common.check_prompts
+    assert ep.cli_prompts is common.cli_prompts and probe.load_prompts is common.load_prompts
+    assert endpoint_report.first_difference is probe.report.first_difference is common.first_difference
+    assert ep.write_outputs is probe.write_outputs
+    fd = common.first_difference
+    assert fd(["A", " B"], ["A", " D"]) == 1 and fd("abc", "abcdef") == 3 and fd("abc", "abc") is None
+    assert fd(np.array([1, 2, 3]), np.array([1, 2, 4])) == 2 and fd(np.array([1, 2]), np.array([1, 2])) is None
+
+
 def test_cli_usage_errors_exit_2(tmp_path, capsys):
     prompts = tmp_path / "p.txt"
     prompts.write_text("hello\n")
@@ -324,7 +344,6 @@ class _Stub:
     def __init__(self, reject_logprobs=False):
         self.seen = {}
         self.keys = set()
-        self.times = {}
         stub = self
 
         class H(BaseHTTPRequestHandler):
@@ -382,7 +401,6 @@ class _Stub:
                 chat = "messages" in body
                 p = body["messages"][-1]["content"] if chat else body["prompt"]
                 n = stub.seen[p] = stub.seen.get(p, 0) + 1
-                stub.times.setdefault(p, []).append(time.monotonic())
                 err = {"error": {"message": "boom", "type": "x", "param": None, "code": None}}
                 if reject_logprobs and body.get("logprobs"):
                     return self._send(400, {"error": {"message": "logprobs are not supported", "type":
@@ -425,7 +443,16 @@ def stub():
     s.close()
 
 
-def test_faults_are_retried_and_persistent_errors_are_reported(stub, monkeypatch, capsys):
+@pytest.fixture
+def waits(monkeypatch):
+    """The retry loop's waits in seconds, in order, recorded instead of slept: the claims about
+    Retry-After and the backoff are about what the loop waits, not how long a run took."""
+    w = []
+    monkeypatch.setattr(endpoint_client, "_sleep", w.append)
+    return w
+
+
+def test_faults_are_retried_and_persistent_errors_are_reported(stub, waits, monkeypatch, capsys):
     key = "sk-stub-secret-4411"
     monkeypatch.setenv("CG_STUB_KEY", key)
     prompts = ["rate", "drop", "err", "dead", [{"role": "user", "content": "ok"}]]
@@ -435,14 +462,16 @@ def test_faults_are_retried_and_persistent_errors_are_reported(stub, monkeypatch
     for i in (0, 1, 2, 4):
         assert by[i]["n"] == 1 and by[i]["errors"] == 0, by[i]
         assert by[i]["majority"].startswith("answer to")
-    assert stub.seen["rate"] == 2 and stub.times["rate"][1] - stub.times["rate"][0] >= 0.95
-    assert stub.seen["drop"] == 2 and stub.seen["err"] == 2
+    assert stub.seen["rate"] == 2 and stub.seen["drop"] == 2 and stub.seen["err"] == 2
     dead = by[3]
     assert dead["n"] == 0 and dead["errors"] == 1 and dead["distinct"] == 0 and dead["majority"] is None
     assert dead["error_list"][0]["status"] == 500 and dead["error_list"][0]["attempts"] == 4
     assert stub.seen["dead"] == 4
     assert r["completions"] == 4 and r["errors"] == 1 and r["all_identical"] is False
     assert r["retries"] == {"429": 1, "transport": 1, "5xx": 4}
+    # The 429's Retry-After: 1 (under FAST's cap of 5), then FAST's backoff 0.05 * 2**k (capped at
+    # 0.2): once each for the dropped connection and the 500, three times for the dead prompt.
+    assert waits == pytest.approx([1.0, 0.05, 0.05, 0.05, 0.1, 0.2])
     assert stub.keys == {f"Bearer {key}"}
     text = ep.format_report(r)
     print(text)
@@ -451,7 +480,7 @@ def test_faults_are_retried_and_persistent_errors_are_reported(stub, monkeypatch
     assert "error: prompt 3" in text
 
 
-def test_streaming_faults_are_retried(stub):
+def test_streaming_faults_are_retried(stub, waits):
     prompts = ["sdrop", "serr", [{"role": "user", "content": "scut"}], "rate", "drop",
                [{"role": "user", "content": "sdrop chat"}], "fine words here"]
     r = ep.probe_endpoint(stub.url, "m", prompts, repeats=1, concurrency=1, orders="alone", max_tokens=4,
@@ -462,17 +491,21 @@ def test_streaming_faults_are_retried(stub):
         assert e["majority"] == f"answer to {name}" and e["fingerprints"] == ["fp_stub"], e
     assert stub.seen["sdrop"] == stub.seen["sdrop chat"] == stub.seen["serr"] == stub.seen["scut"] == 2
     assert r["retries"] == {"transport": 4, "stream_error": 1, "429": 1}
+    assert len(waits) == 6
     # A stream that always fails is an error of its prompt, never a (partial) completion.
     r = ep.probe_endpoint(stub.url, "m", ["dead"], repeats=1, concurrency=1, orders="alone", retry=FAST,
                           stream=True)
     assert r["completions"] == 0 and r["prompts"][0]["errors"] == 1 and r["prompts"][0]["error_list"][0]["status"] == 500
 
 
-def test_retry_after_is_bounded(stub):
+def test_retry_after_is_bounded(stub, waits):
+    """The stub's Retry-After: 1 is waited only up to max_retry_after (0.1): the one wait is the
+    cap, neither the header's second nor the backoff (0.01); then the retry gets the completion."""
     policy = ep.RetryPolicy(max_retries=1, backoff=0.01, max_retry_after=0.1)
-    t = time.monotonic()
     r = ep.probe_endpoint(stub.url, "m", ["rate"], repeats=1, concurrency=1, orders="alone", retry=policy)
-    assert r["completions"] == 1 and time.monotonic() - t < 0.9
+    assert stub.seen["rate"] == 2 and r["retries"] == {"429": 1}
+    assert r["completions"] == 1 and r["errors"] == 0
+    assert waits == [0.1]
 
 
 def test_logprobs_rejected_falls_back_without():

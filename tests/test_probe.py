@@ -1,5 +1,6 @@
 """Probe, bench and calibrate on the default model (small sizes: the file runs in about a minute
 on 2 cores)."""
+import io
 import json
 import os
 import subprocess
@@ -82,6 +83,7 @@ def test_cli_json_has_exactly_the_documented_keys(tmp_path):
                 "--compositions", "batch2,staggered", "--json", str(out), "--plot", str(png))
     assert r.returncode == 0, r.stderr
     assert "batch2" in r.stdout and "staggered" in r.stdout  # the table
+    assert "|" not in r.stderr  # no progress bar on a pipe
     try:
         import matplotlib  # noqa: F401
         assert png.stat().st_size > 0 and png_size(png) == probe.PLOT_SIZE
@@ -152,6 +154,23 @@ def test_default_prompt_sets_are_disjoint_and_run_probe_is_exported():
     # candle_gate.probe is the package (runner, report); its entry point is exported
     assert callable(candle_gate.run_probe) and candle_gate.run_probe is probe.run_probe
     assert probe.Runner is probe.runner.Runner and probe.plot_report is probe.report.plot_report
+
+
+def test_progress_bar_only_on_a_terminal_and_never_when_quiet(monkeypatch):
+    """The probes' and calibrate's progress (tqdm, on stderr): drawn on a terminal, nothing on a
+    pipe or when the caller asks for quiet."""
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    for stream, enabled, shown in ((Tty(), True, True), (Tty(), False, False), (io.StringIO(), True, False)):
+        monkeypatch.setattr(sys, "stderr", stream)
+        with probe.progress_bar(3, label="probe", enabled=enabled) as bar:
+            bar.set_postfix_str("baseline (batch 1)")
+            bar.update(3)
+        out = stream.getvalue()
+        assert ("3/3" in out and "probe" in out and "baseline (batch 1)" in out) is shown, (enabled, out)
+        assert bool(out) is shown
 
 
 def png_size(path):
@@ -236,7 +255,7 @@ def test_calibrate_gate_merges_into_an_existing_profile(model, tmp_path):
     assert prof["dtypes"]["q4_1"]["row_split_max"] == 4 and entry["tau"] == g["tau"]
     # the engine reads tau back from the profile, and says from where
     e = candle_gate.Engine(model, mode="split_k_f16", gate="gated", profile=str(out))
-    assert "gated" in e._native.gate
+    assert "gated" in e.gate
     assert (e.tau, e.deep_tau) == (pytest.approx(g["tau"]), pytest.approx(g["deep_tau"]))
     assert e.gate_source == f"{out} ({g['model']}/split_k_f16)"
     # one calibration per mode and model: a recalibration replaces it, another mode is added

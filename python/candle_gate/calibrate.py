@@ -41,7 +41,7 @@ import numpy as np
 from . import _native
 from .engine import DEFAULT_MAX_NEW_TOKENS, MODES, Model, Result, user_profile_path
 from .models import resolve
-from .probe import Progress, Runner, check_prompts, load_prompts
+from .probe import Runner, check_prompts, load_prompts, progress_bar
 
 # Disjoint from probe.DEFAULT_PROMPTS.
 CALIBRATION_PROMPTS: List[Any] = [
@@ -126,6 +126,29 @@ def _max(x: np.ndarray) -> float:
     return float(x.max()) if len(x) else 0.0
 
 
+def _shadow_runs(runner: Runner, progress: bool):
+    """The prompts alone, then teacher-forced under each of :data:`GATE_COMPOSITIONS` (shadow
+    runs): the baseline's results, the three movements' arrays (one per run) and the largest
+    movements per composition."""
+    by_comp: Dict[str, Dict[str, float]] = {}
+    with progress_bar(1 + len(GATE_COMPOSITIONS), label="calibrate", enabled=progress) as bar:
+        bar.set_postfix_str("alone (batch 1)")
+        base = runner.baseline()
+        bar.update()
+        forced_tokens = [r.token_ids for r in base]
+        batch, ref, recheck = [], [reference_shifts(base)], []
+        for name in GATE_COMPOSITIONS:
+            bar.set_postfix_str(f"{name} (teacher-forced)")
+            comp = runner.run(name, forced=forced_tokens)
+            b, r, c = batch_shifts(base, comp), reference_shifts(comp), recheck_shifts(base, comp)
+            by_comp[name] = {"batch_shift": _max(b), "reference_shift": _max(r), "recheck_shift": _max(c)}
+            batch.append(b)
+            ref.append(r)
+            recheck.append(c)
+            bar.update()
+    return base, batch, ref, recheck, by_comp
+
+
 def calibrate_gate(model: Union[None, str, Model] = None, mode: str = "split_k_f16",
                    prompts: Optional[Sequence[Any]] = None, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                    safety: float = 2.0, quick: bool = False, profile: Optional[str] = None,
@@ -149,24 +172,7 @@ def calibrate_gate(model: Union[None, str, Model] = None, mode: str = "split_k_f
         model = Model.load(model, mode=mode, profile=profile)
 
     runner = Runner(model, prompts, max_new_tokens, mode, "shadow", 0.0, profile)
-    prog = Progress(1 + len(GATE_COMPOSITIONS), enabled=progress, label="calibrate")
-    prog.start("alone (batch 1)")
-    base = runner.baseline()
-    prog.advance()
-    forced_tokens = [r.token_ids for r in base]
-    by_comp: Dict[str, Dict[str, float]] = {}
-    batch, ref, recheck = [], [reference_shifts(base)], []
-    for name in GATE_COMPOSITIONS:
-        prog.start(f"{name} (teacher-forced)")
-        comp = runner.run(name, forced=forced_tokens)
-        b, r, c = batch_shifts(base, comp), reference_shifts(comp), recheck_shifts(base, comp)
-        by_comp[name] = {"batch_shift": _max(b), "reference_shift": _max(r), "recheck_shift": _max(c)}
-        batch.append(b)
-        ref.append(r)
-        recheck.append(c)
-        prog.advance()
-    prog.finish()
-
+    base, batch, ref, recheck, by_comp = _shadow_runs(runner, progress)
     batch_a, ref_a, recheck_a = (np.concatenate(x) for x in (batch, ref, recheck))
     m = max(_max(batch_a), _max(ref_a))
     return {

@@ -1,11 +1,20 @@
-"""Probe: does the batch change greedy decoding, and where?
+"""The probes: does the batch (or the load) change what a model decodes, and where?
 
-Runs a prompt set alone (the baseline: batch 1, one request per engine) and under other batch
-compositions, then compares every composition with the baseline and with each other
-(docs/DESIGN.md §2 "Probe", §5 "Measuring"). :mod:`.runner` runs the compositions (listed
-there, ``COMPOSITIONS``) and loads the prompts; :mod:`.report` scores the runs and writes the
-table, the JSON report and the PNG. :func:`run_probe` (also ``candle_gate.run_probe``) does
-both and returns the report (``candle-gate probe --json``):
+Two probes share this package:
+
+- the in-process probe (this module, ``candle-gate probe``): :mod:`.runner` runs the prompts
+  under batch compositions it builds itself (``COMPOSITIONS``), :mod:`.report` scores the runs
+  and writes the table, the JSON report and the PNG;
+- the endpoint probe (:mod:`.endpoint`, ``candle-gate probe --endpoint URL``, docs/ENDPOINT_PROBE.md):
+  :mod:`.endpoint_client` sends the requests to an OpenAI-compatible server, :mod:`.endpoint_report`
+  scores the completions and writes the table and the PNG;
+- :mod:`.common`: what both use (the prompts, the first difference of two outputs, the progress
+  bar, writing the JSON and the PNG).
+
+The in-process probe runs a prompt set alone (the baseline: batch 1, one request per engine)
+and under other batch compositions, then compares every composition with the baseline and with
+each other (docs/DESIGN.md §2 "Probe", §5 "Measuring"). :func:`run_probe` (also
+``candle_gate.run_probe``) does both and returns the report (``candle-gate probe --json``):
 
 Per composition:
 
@@ -33,25 +42,25 @@ counter the engine reports (``deep_rechecks``) and the ``deep_tau`` in use.
 """
 from __future__ import annotations
 
-import sys
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 from ..engine import Model, resolve_gate
+from .common import (check_prompts, cli_prompts, first_difference, is_chat, load_prompts, progress_bar,
+                     prompt_kind, write_json, write_outputs)
 from .report import (COMPOSITION_KEYS, EXTRA_KEYS, GATE_KEYS, PLOT_SIZE, REPORT_KEYS, compare,
-                     counts, first_difference, format_report, plot_report, summarize,
-                     summary_line, write_json)
+                     counts, format_report, plot_report, summarize, summary_line)
 from .runner import (COMPOSITIONS, DEFAULT_PROMPTS, FILLER_TOKENS, MAX_TOKENS_PER_STEP,
-                     MIXED_PREFILL_EVERY, PREFILL_CHUNK, STAGGER_EVERY, Progress, Runner, Runs,
-                     check_prompts, load_prompts, parse_compositions)
+                     MIXED_PREFILL_EVERY, PREFILL_CHUNK, STAGGER_EVERY, Runner, Runs,
+                     parse_compositions)
 
 __all__ = [
-    "run_probe", "measure", "main",
+    "run_probe", "measure", "main", "sampling_args",
     "COMPOSITIONS", "DEFAULT_PROMPTS", "FILLER_TOKENS", "MAX_TOKENS_PER_STEP", "MIXED_PREFILL_EVERY",
-    "PREFILL_CHUNK", "STAGGER_EVERY", "Progress", "Runner", "Runs", "check_prompts",
-    "load_prompts", "parse_compositions", "resolve_gate",
+    "PREFILL_CHUNK", "STAGGER_EVERY", "Runner", "Runs", "parse_compositions", "resolve_gate",
     "REPORT_KEYS", "EXTRA_KEYS", "COMPOSITION_KEYS", "GATE_KEYS", "PLOT_SIZE", "compare",
-    "counts", "first_difference", "format_report", "plot_report", "summarize", "summary_line",
-    "write_json",
+    "counts", "format_report", "plot_report", "summarize", "summary_line",
+    "check_prompts", "cli_prompts", "first_difference", "is_chat", "load_prompts", "progress_bar",
+    "prompt_kind", "write_json", "write_outputs",
 ]
 
 
@@ -109,27 +118,12 @@ def sampling_args(args) -> Dict[str, Any]:
 
 
 def main(args) -> int:
-    """``candle-gate probe``."""
-    prompts = load_prompts(args.prompts) if getattr(args, "prompts", None) else None
-    k = getattr(args, "num_prompts", None)
-    if k is not None:
-        if k <= 0:
-            raise ValueError(f"--num-prompts must be positive, got {k}")
-        prompts = (DEFAULT_PROMPTS if prompts is None else prompts)[:k]
+    """``candle-gate probe`` (without ``--endpoint``: that is :func:`.endpoint.main`)."""
+    prompts = cli_prompts(args, default=DEFAULT_PROMPTS)
     report, runs = measure(model=args.model, prompts=prompts, max_new_tokens=args.max_new_tokens,
                            mode=args.mode, gate=args.gate, tau=args.tau, profile=args.profile,
                            compositions=args.compositions, progress=True, deep_tau=args.deep_tau,
                            sampling=sampling_args(args))
     print(format_report(report))
-    if getattr(args, "json_out", None):
-        write_json(report, args.json_out)
-        print(f"probe: report written to {args.json_out}", file=sys.stderr)
-    if getattr(args, "plot", None):
-        try:
-            plot_report(report, args.plot, margins=runs.baseline_margins)
-        except ImportError:
-            print(f"probe: --plot needs matplotlib (pip install 'candle-gate[plot]'); "
-                  f"no plot written to {args.plot}", file=sys.stderr)
-        else:
-            print(f"probe: plot written to {args.plot}", file=sys.stderr)
+    write_outputs(args, report, lambda path: plot_report(report, path, margins=runs.baseline_margins))
     return 0

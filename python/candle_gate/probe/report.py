@@ -1,16 +1,21 @@
-"""Reporting the probe: scoring the runs against the baseline (the report dict, written as JSON),
-the terminal table and the PNG. The keys are described in :mod:`candle_gate.probe`."""
+"""Reporting the probe: scoring the runs against the baseline (the report dict, written as JSON
+by :func:`.common.write_json`), the terminal table and the PNG. The keys are described in
+:mod:`candle_gate.probe`."""
 from __future__ import annotations
 
-import json
 import math
 import os
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ..engine import Result
+from .common import first_difference, write_json
 from .runner import Runner, Runs
+
+__all__ = ["REPORT_KEYS", "EXTRA_KEYS", "COMPOSITION_KEYS", "GATE_KEYS", "PLOT_SIZE", "compare", "counts",
+           "first_difference", "format_report", "plot_report", "summarize", "summary_line", "write_json"]
 
 REPORT_KEYS = ("model", "mode", "prompts", "max_new_tokens", "sampling", "compositions", "gate")
 EXTRA_KEYS = ("scored_steps", "distinct_outputs", "identical_sequences_share",
@@ -26,16 +31,6 @@ PLOT_SIZE = (int(PLOT_INCHES[0] * PLOT_DPI), int(PLOT_INCHES[1] * PLOT_DPI))
 
 
 # ----------------------------------------------------------------------------- scoring
-
-
-def first_difference(a: np.ndarray, b: np.ndarray) -> Optional[int]:
-    """The first position where two token sequences differ (the shorter length when one is a
-    prefix of the other), or None when they are equal."""
-    m = min(len(a), len(b))
-    d = np.nonzero(np.asarray(a[:m]) != np.asarray(b[:m]))[0]
-    if len(d):
-        return int(d[0])
-    return None if len(a) == len(b) else m
 
 
 def compare(name: str, base: Sequence[Result], free: Sequence[Result],
@@ -184,57 +179,44 @@ def _thresholds(r: Dict[str, Any]) -> List[Tuple[str, float, str]]:
     return out
 
 
-def plot_report(r: Dict[str, Any], path: str, margins: Optional[Sequence[float]] = None) -> None:
-    """Writes a PNG of report ``r`` (:data:`PLOT_SIZE` pixels) to ``path``:
+@dataclass
+class _MarginAxis:
+    """The plot's shared margin axis (log x): the flipped steps and first divergences as
+    (composition index, baseline margin), the baseline margins, and the axis limits."""
+    flips: List[Tuple[int, float]]
+    divs: List[Tuple[int, float]]
+    base: Optional[np.ndarray]
+    lo: float
+    hi: float
 
-    1. the histogram of ``margins`` (the baseline's top1-top2 margin at every step, log x), with
-       the gate's tau and deep_tau marked and a line of counts ("0 flips in N steps, ...");
-    2. on the same margin axis, one row per composition: its flipped steps (teacher-forced) and
-       first divergences (free-running) at their baseline margins;
-    3. counts per composition: steps, steps whose logits are not bitwise equal, flipped steps,
-       diverged sequences.
+    def clip(self, v: float) -> float:
+        """Exact ties (margin 0) and anything off the axis are drawn at its edge."""
+        return min(max(v, self.lo), self.hi)
 
-    Without ``margins`` (a report read back from JSON) the histogram is left out with a note.
-    Raises ImportError without matplotlib."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
+def _margin_axis(r: Dict[str, Any], margins: Optional[Sequence[float]]) -> _MarginAxis:
     comps = r["compositions"]
-    names = [c["name"] for c in comps]
-    cs = counts(r)
     fm = r.get("flip_margins") or {}
-    flip_pts = [(i, float(m)) for i, c in enumerate(comps) for m in fm.get(c["name"], [])]
-    div_pts = [(i, float(m)) for i, c in enumerate(comps)
-               for m in c["margins_at_divergence"] if m is not None]
+    flips = [(i, float(m)) for i, c in enumerate(comps) for m in fm.get(c["name"], [])]
+    divs = [(i, float(m)) for i, c in enumerate(comps) for m in c["margins_at_divergence"] if m is not None]
     base = None if margins is None else np.asarray(margins, dtype=np.float64)
-
-    # Log x: exact ties (margin 0) are drawn at the left edge.
-    marks = [v for _, v, _ in _thresholds(r)]
-    values = [v for _, v in flip_pts + div_pts] + marks
+    values = [v for _, v in flips + divs] + [v for _, v, _ in _thresholds(r)]
     if base is not None:
         values += base.tolist()
     pos = [v for v in values if v > 0 and math.isfinite(v)]
     lo, hi = (min(pos) / 2, max(pos) * 2) if pos else (1e-3, 10.0)
     if hi / lo < 100:
         lo, hi = math.sqrt(lo * hi) / 10, math.sqrt(lo * hi) * 10
-    clip = lambda v: min(max(v, lo), hi)
+    return _MarginAxis(flips, divs, base, lo, hi)
 
-    gate = r.get("gate")
-    gate_desc = "gate off" if not gate else f"gate {gate['mode']}"
-    fig = plt.figure(figsize=PLOT_INCHES, dpi=PLOT_DPI, constrained_layout=True)
-    fig.suptitle(f"probe: {os.path.basename(str(r['model']))}, mode {r['mode']}, {gate_desc}\n"
-                 f"{r['prompts']} prompts x up to {r['max_new_tokens']} new tokens, "
-                 f"each alone (baseline) vs {len(comps)} batch composition{'' if len(comps) == 1 else 's'}")
-    gs = fig.add_gridspec(3, 1, height_ratios=[3.0, max(1.2, 0.3 * len(comps) + 0.6), 2.6])
-    ax_h = fig.add_subplot(gs[0])
-    ax_s = fig.add_subplot(gs[1], sharex=ax_h)
-    ax_b = fig.add_subplot(gs[2])
 
-    # (1) the margin distribution
+def _plot_margins(ax_h: Any, ax_s: Any, r: Dict[str, Any], m: _MarginAxis) -> None:
+    """Panel 1: the baseline margins' histogram, the gate's thresholds (also on panel 2), the
+    flips and divergences on the x axis, and the counts line."""
+    base, clip = m.base, m.clip
     if base is not None and len(base):
         ties = int(np.count_nonzero(base <= 0))
-        bins = np.geomspace(lo, hi, 50)
+        bins = np.geomspace(m.lo, m.hi, 50)
         ax_h.hist([clip(v) for v in base], bins=bins, color="tab:gray", alpha=0.7,
                   label=f"baseline margins ({len(base)} steps"
                         + (f", {ties} exact tie{'' if ties == 1 else 's'} at the left edge)" if ties else ")"))
@@ -246,14 +228,14 @@ def plot_report(r: Dict[str, Any], path: str, margins: Optional[Sequence[float]]
         for ax in (ax_h, ax_s):
             ax.axvline(v, color="black", linestyle=style, linewidth=1,
                        label=label if ax is ax_h else None)
-    if flip_pts:
-        ax_h.plot([clip(v) for _, v in flip_pts], [0] * len(flip_pts), "x", color="tab:red",
+    if m.flips:
+        ax_h.plot([clip(v) for _, v in m.flips], [0] * len(m.flips), "x", color="tab:red",
                   markersize=8, clip_on=False, label="flipped step (teacher-forced)")
-    if div_pts:
-        ax_h.plot([clip(v) for _, v in div_pts], [0] * len(div_pts), "o", mfc="none",
+    if m.divs:
+        ax_h.plot([clip(v) for _, v in m.divs], [0] * len(m.divs), "o", mfc="none",
                   color="tab:blue", markersize=8, clip_on=False, label="first divergence (free-running)")
     ax_h.set_xscale("log")
-    ax_h.set_xlim(lo, hi)
+    ax_h.set_xlim(m.lo, m.hi)
     if base is not None and len(base):
         ax_h.set_ylim(0, ax_h.get_ylim()[1] * 1.7)  # room for the counts line and the legend
         ax_h.yaxis.get_major_locator().set_params(integer=True)
@@ -267,14 +249,16 @@ def plot_report(r: Dict[str, Any], path: str, margins: Optional[Sequence[float]]
     if ax_h.get_legend_handles_labels()[0]:
         ax_h.legend(loc="upper right", bbox_to_anchor=(1.0, 0.9), ncol=2, fontsize="small")
 
-    # (2) flips and divergences per composition, at their margins
-    if flip_pts:
-        ax_s.plot([clip(v) for _, v in flip_pts], [i - 0.12 for i, _ in flip_pts], "x",
+
+def _plot_points(ax_s: Any, r: Dict[str, Any], names: List[str], m: _MarginAxis) -> None:
+    """Panel 2: per composition, its flipped steps and first divergences at their margins."""
+    if m.flips:
+        ax_s.plot([m.clip(v) for _, v in m.flips], [i - 0.12 for i, _ in m.flips], "x",
                   color="tab:red", markersize=7)
-    if div_pts:
-        ax_s.plot([clip(v) for _, v in div_pts], [i + 0.12 for i, _ in div_pts], "o", mfc="none",
+    if m.divs:
+        ax_s.plot([m.clip(v) for _, v in m.divs], [i + 0.12 for i, _ in m.divs], "o", mfc="none",
                   color="tab:blue", markersize=7)
-    if not (flip_pts or div_pts):
+    if not (m.flips or m.divs):
         ax_s.text(0.5, 0.5, f"{summary_line(r).split(', ')[0]}: no flipped steps and no divergences",
                   transform=ax_s.transAxes, ha="center", va="center", color="tab:gray")
     ax_s.set_yticks(range(len(names)))
@@ -283,7 +267,11 @@ def plot_report(r: Dict[str, Any], path: str, margins: Optional[Sequence[float]]
     ax_s.grid(axis="y", color="0.9")
     ax_s.set_xlabel("baseline margin (log); x = flipped step, o = first divergence")
 
-    # (3) counts per composition
+
+def _plot_counts(ax_b: Any, r: Dict[str, Any], names: List[str]) -> None:
+    """Panel 3: steps, steps whose logits are not bitwise equal, flipped steps and diverged
+    sequences, per composition (symlog bars)."""
+    cs = counts(r)
     series = (("steps", "steps", "tab:gray"), ("bit_mismatches", "steps, logits not bitwise equal", "tab:orange"),
               ("flips", "flipped steps", "tab:red"), ("diverged", f"diverged sequences (of {r['prompts']})", "tab:blue"))
     width = 0.8 / len(series)
@@ -304,13 +292,38 @@ def plot_report(r: Dict[str, Any], path: str, margins: Optional[Sequence[float]]
     ax_b.legend(loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=len(series), fontsize="small",
                 frameon=False, borderaxespad=0.2)
 
+
+def plot_report(r: Dict[str, Any], path: str, margins: Optional[Sequence[float]] = None) -> None:
+    """Writes a PNG of report ``r`` (:data:`PLOT_SIZE` pixels) to ``path``:
+
+    1. the histogram of ``margins`` (the baseline's top1-top2 margin at every step, log x), with
+       the gate's tau and deep_tau marked and a line of counts ("0 flips in N steps, ...");
+    2. on the same margin axis, one row per composition: its flipped steps (teacher-forced) and
+       first divergences (free-running) at their baseline margins;
+    3. counts per composition: steps, steps whose logits are not bitwise equal, flipped steps,
+       diverged sequences.
+
+    Without ``margins`` (a report read back from JSON) the histogram is left out with a note.
+    Raises ImportError without matplotlib."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    comps = r["compositions"]
+    names = [c["name"] for c in comps]
+    axis = _margin_axis(r, margins)
+    gate = r.get("gate")
+    gate_desc = "gate off" if not gate else f"gate {gate['mode']}"
+    fig = plt.figure(figsize=PLOT_INCHES, dpi=PLOT_DPI, constrained_layout=True)
+    fig.suptitle(f"probe: {os.path.basename(str(r['model']))}, mode {r['mode']}, {gate_desc}\n"
+                 f"{r['prompts']} prompts x up to {r['max_new_tokens']} new tokens, "
+                 f"each alone (baseline) vs {len(comps)} batch composition{'' if len(comps) == 1 else 's'}")
+    gs = fig.add_gridspec(3, 1, height_ratios=[3.0, max(1.2, 0.3 * len(comps) + 0.6), 2.6])
+    ax_h = fig.add_subplot(gs[0])
+    ax_s = fig.add_subplot(gs[1], sharex=ax_h)
+    ax_b = fig.add_subplot(gs[2])
+    _plot_margins(ax_h, ax_s, r, axis)
+    _plot_points(ax_s, r, names, axis)
+    _plot_counts(ax_b, r, names)
     fig.savefig(path, dpi=PLOT_DPI)
     plt.close(fig)
-
-
-def write_json(obj: Any, path: str) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)

@@ -16,21 +16,19 @@ Compositions (``COMPOSITIONS``):
 Every engine here uses prefill_chunk 128 and 256 tokens per step, the baseline included, so
 that a composition differs from the baseline only in what shares the steps. :meth:`Runner.run_all`
 runs the baseline and every composition twice (free-running, and teacher-forced to the
-baseline's tokens) and returns the results (:class:`Runs`); :mod:`.report` scores them.
+baseline's tokens) and returns the results (:class:`Runs`); :mod:`.report` scores them. The
+prompts are checked and loaded by :mod:`.common` (shared with the endpoint probe).
 """
 from __future__ import annotations
 
 import itertools
-import json
-import sys
-import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
-from .. import _native
 from ..engine import Engine, Model, Result, SamplingParams
+from .common import progress_bar
 
 COMPOSITIONS = ("batch2", "batch3", "batch4", "batch5", "batch8", "batch16", "staggered",
                 "mixed_prefill", "reversed", "threads1", "threads2")
@@ -83,67 +81,7 @@ _FILLER_TEXT = (
 )
 
 
-# ----------------------------------------------------------------------------- prompts
-
-
-def check_prompts(prompts: Any) -> List[Any]:
-    """A non-empty list of prompts: strings, chats (lists of message dicts) or token-id lists."""
-    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
-        raise ValueError(f"prompts must be a list, got {type(prompts).__name__}")
-    if not prompts:
-        raise ValueError("the prompt list is empty")
-    out = []
-    for i, p in enumerate(prompts):
-        if isinstance(p, str):
-            if not p.strip():
-                raise ValueError(f"prompt {i} is empty")
-        elif isinstance(p, list) and p and all(isinstance(m, dict) for m in p):
-            try:
-                _native.check_chat(json.dumps(p, ensure_ascii=False))
-            except TypeError as e:
-                raise ValueError(f"prompt {i}: {e}") from None
-        elif isinstance(p, (list, tuple)) and p and all(
-                isinstance(t, (int, np.integer)) and not isinstance(t, bool) and t >= 0 for t in p):
-            p = [int(t) for t in p]
-        else:
-            raise ValueError(f"prompt {i} must be a non-empty string, a chat (list of "
-                             f"{{'role', 'content'}} dicts) or a list of token ids, got {p!r:.80}")
-        out.append(p)
-    return out
-
-
-def load_prompts(path: str) -> List[Any]:
-    """A JSON list of prompts (strings or chats), or a text file with one prompt per line.
-    A file whose first non-blank character is ``[`` or ``{``, or whose name ends in ``.json``,
-    is read as JSON. Raises ValueError with the reason for anything else."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except FileNotFoundError:
-        raise ValueError(f"prompts file {path!r} does not exist") from None
-    except UnicodeDecodeError as e:
-        raise ValueError(f"prompts file {path!r} is not UTF-8 text: {e}") from None
-    except OSError as e:
-        raise ValueError(f"cannot read prompts file {path!r}: {e}") from None
-    stripped = text.lstrip()
-    if not stripped:
-        raise ValueError(f"prompts file {path!r} holds no prompts")
-    if str(path).endswith(".json") or stripped.startswith(("[", "{")):
-        try:
-            data = json.loads(text)
-        except ValueError as e:
-            raise ValueError(f"prompts file {path!r} is not valid JSON: {e}") from None
-        if not isinstance(data, list):
-            raise ValueError(f"prompts file {path!r} must hold a JSON list of prompts "
-                             f"(strings or lists of chat messages), got a {type(data).__name__}")
-    else:
-        data = [line for line in text.splitlines() if line.strip()]
-    if not data:
-        raise ValueError(f"prompts file {path!r} holds no prompts")
-    try:
-        return check_prompts(data)
-    except ValueError as e:
-        raise ValueError(f"prompts file {path!r}: {e}") from None
+# ----------------------------------------------------------------------------- compositions
 
 
 def parse_compositions(names: Union[None, str, Sequence[str]]) -> List[str]:
@@ -161,38 +99,6 @@ def parse_compositions(names: Union[None, str, Sequence[str]]) -> List[str]:
 
 
 # ----------------------------------------------------------------------------- running
-
-
-class Progress:
-    """A small progress indicator on stderr (a bar on a terminal, one line per phase otherwise)."""
-
-    def __init__(self, total: int, enabled: bool = True, label: str = "probe"):
-        self.total, self.done, self.enabled, self.label = total, 0, enabled, label
-        self.tty = enabled and hasattr(sys.stderr, "isatty") and sys.stderr.isatty()
-        self.t0 = time.time()
-
-    def start(self, what: str) -> None:
-        if not self.enabled:
-            return
-        n = 24
-        fill = n * self.done // max(self.total, 1)
-        msg = (f"{self.label} [{'#' * fill}{'.' * (n - fill)}] {self.done}/{self.total} "
-               f"{time.time() - self.t0:5.0f}s {what}")
-        if self.tty:
-            sys.stderr.write("\r\x1b[K" + msg)
-        else:
-            sys.stderr.write(msg + "\n")
-        sys.stderr.flush()
-
-    def advance(self) -> None:
-        self.done += 1
-
-    def finish(self) -> None:
-        if not self.enabled:
-            return
-        msg = f"{self.label}: {self.done}/{self.total} done in {time.time() - self.t0:.1f}s"
-        sys.stderr.write(("\r\x1b[K" if self.tty else "") + msg + "\n")
-        sys.stderr.flush()
 
 
 @dataclass
@@ -293,21 +199,20 @@ class Runner:
 
     def run_all(self, names: Sequence[str], progress: bool = True) -> Runs:
         """The baseline, then each of ``names`` free-running and teacher-forced to the baseline's
-        tokens, with a progress indicator on stderr."""
-        prog = Progress(1 + 2 * len(names), enabled=progress)
-        prog.start("baseline (batch 1)")
-        base = self.baseline()
-        prog.advance()
-        forced_tokens = [r.token_ids for r in base]
-        runs = Runs(list(names), base, {}, {})
-        for name in names:
-            prog.start(name)
-            runs.free[name] = self.run(name)
-            prog.advance()
-            prog.start(f"{name} (teacher-forced)")
-            runs.forced[name] = self.run(name, forced=forced_tokens)
-            prog.advance()
-        prog.finish()
+        tokens, with a progress bar on stderr (:func:`.common.progress_bar`)."""
+        with progress_bar(1 + 2 * len(names), enabled=progress) as bar:
+            bar.set_postfix_str("baseline (batch 1)")
+            base = self.baseline()
+            bar.update()
+            forced_tokens = [r.token_ids for r in base]
+            runs = Runs(list(names), base, {}, {})
+            for name in names:
+                bar.set_postfix_str(name)
+                runs.free[name] = self.run(name)
+                bar.update()
+                bar.set_postfix_str(f"{name} (teacher-forced)")
+                runs.forced[name] = self.run(name, forced=forced_tokens)
+                bar.update()
         return runs
 
     def run(self, name: str, forced: Optional[Sequence[np.ndarray]] = None) -> List[Result]:
