@@ -1,3 +1,4 @@
+import re
 import socket
 import subprocess
 import sys
@@ -18,6 +19,27 @@ def model():
 
 
 # --- `candle-gate serve` as a subprocess (tests/test_server.py, tests/test_server_schema.py) -----
+
+#: How long a wait for a server's state may last before the test calls the server hung. A guard
+#: against hanging, never a claim about speed: the tests wait for states and events (a count in
+#: /metrics, a streamed chunk), which on a loaded 2-core machine can take seconds.
+HANG_S = 300
+
+
+def wait_until(cond, what: str, timeout: float = HANG_S) -> None:
+    """Polls ``cond()`` until it holds; fails (``what``) only if it never does within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"hung after {timeout} s: {what}")
+        time.sleep(0.05)
+
+
+def _series(s: str):
+    """``name{a="x",b="y"}`` as ``("name", {"a": "x", "b": "y"})``."""
+    name, _, labels = s.partition("{")
+    return name, dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', labels))
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -61,12 +83,18 @@ class Server:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=120)
 
     def metric(self, name: str) -> float:
+        """The value of the first series of ``name`` (``name{label="v",...}``: of the first series
+        with those labels, in any order, among others) in /metrics."""
         import httpx
+        want, labels = _series(name)
         text = httpx.get(self.url + "/metrics", timeout=30).text
         for line in text.splitlines():
-            if line.startswith(name + "{") or line.startswith(name + " ") or (
-                    name.endswith("}") and line.startswith(name)):
-                return float(line.rsplit(" ", 1)[1])
+            if not line or line.startswith("#"):
+                continue
+            series, value = line.rsplit(" ", 1)
+            got, got_labels = _series(series)
+            if got == want and labels.items() <= got_labels.items():
+                return float(value)
         raise KeyError(name)
 
     def stop(self):

@@ -23,7 +23,7 @@ from schemathesis.checks import (  # noqa: E402
     content_type_conformance, ignored_auth, negative_data_rejection, not_a_server_error,
     response_headers_conformance, response_schema_conformance, status_code_conformance)
 
-from conftest import Server  # noqa: E402
+from conftest import Server, wait_until  # noqa: E402
 
 KEY = "sk-schema-1c9e"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -114,8 +114,6 @@ def test_every_operation_was_called_for_real(schema_server):
     for gen in ("POST /v1/completions", "POST /v1/chat/completions"):
         assert STATUSES[(gen, 400)] >= 1, gen  # invalid bodies were generated and refused
     assert httpx.get(schema_server.url + "/health", timeout=10).status_code == 200
-    deadline = time.time() + 10
-    while schema_server.metric("candle_gate:num_requests_running") or \
-            schema_server.metric("candle_gate:kv_cache_used_blocks"):
-        assert time.time() < deadline, "requests are still running after the run"
-        time.sleep(0.1)
+    wait_until(lambda: not (schema_server.metric("candle_gate:num_requests_running")
+                            or schema_server.metric("candle_gate:kv_cache_used_blocks")),
+               "requests are still running after the run")
