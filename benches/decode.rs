@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::{Device, Tensor};
+use candle_gate::decoder::{argmax_margin, SeqRows};
 use candle_gate::kernels::{set_pool, Pool};
-use candle_gate::llama::{argmax_margin, SeqRows};
 use candle_gate::*;
 use candle_transformers::models::quantized_llama::ModelWeights;
 
@@ -16,14 +16,14 @@ const DECODE: usize = 64;
 const ROUNDS: usize = 3;
 
 fn ours(m: &Model, p: &Policy, prompt: &[u32]) -> (f64, f64) {
-    let mut cache = m.llama.new_cache();
+    let mut cache = m.decoder.new_cache();
     let t = Instant::now();
-    let l = m.llama.forward(p, &mut [SeqRows { cache: &mut cache, tokens: prompt, want_logits: true }]).unwrap();
+    let l = m.decoder.forward(p, &mut [SeqRows { cache: &mut cache, tokens: prompt, want_logits: true }]).unwrap();
     let prefill = prompt.len() as f64 / t.elapsed().as_secs_f64();
     let mut tok = argmax_margin(l[0].as_ref().unwrap()).0;
     let t = Instant::now();
     for _ in 0..DECODE {
-        let l = m.llama.forward(p, &mut [SeqRows { cache: &mut cache, tokens: &[tok], want_logits: true }]).unwrap();
+        let l = m.decoder.forward(p, &mut [SeqRows { cache: &mut cache, tokens: &[tok], want_logits: true }]).unwrap();
         tok = argmax_margin(l[0].as_ref().unwrap()).0;
     }
     (prefill, DECODE as f64 / t.elapsed().as_secs_f64())
@@ -92,7 +92,7 @@ fn main() {
         println!("{:<36} {:>12.1} {:>12.1} {:>13.2}x {:>13.2}x", label, a, b, a / best_theirs.0, b / best_theirs.1);
     }
     let bw = bandwidth_gbs();
-    let bytes = models[0].llama.bytes_per_decode_token() as f64;
+    let bytes = models[0].decoder.bytes_per_decode_token() as f64;
     let limit = bw * 1e9 / bytes;
     println!(
         "\ndecode reads {:.1} MB/token; measured read bandwidth {bw:.1} GB/s -> bandwidth limit {limit:.0} tok/s",

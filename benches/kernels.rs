@@ -81,7 +81,7 @@ fn vec_dot_baseline(w: &QTensor, x: &[f32], m: usize, k: usize, n: usize) -> Opt
 }
 
 fn main() {
-    // On a pool worker, as `Llama::forward` runs: called from outside, each parallel kernel
+    // On a pool worker, as `Decoder::forward` runs: called from outside, each parallel kernel
     // would park this thread and add a wake-up to every call.
     rayon::scope(|_| run());
 }

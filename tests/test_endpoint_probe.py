@@ -244,14 +244,11 @@ def test_token_id_prompts_are_loaded_and_checked(tmp_path):
 
 def test_the_endpoint_probe_shares_the_probe_package_helpers():
     """One probe package: the endpoint probe reads prompts, compares outputs and writes its files
-    with candle_gate.probe.common, as the in-process probe does; the old module name is the same
-    module's API (cli.cmd_probe imports it)."""
+    with candle_gate.probe.common, as the in-process probe does."""
     import numpy as np
 
-    import candle_gate.endpoint_probe as old
     import candle_gate.probe as probe
     from candle_gate.probe import common, endpoint_report
-    assert old.probe_endpoint is ep.probe_endpoint and old.main is ep.main
     assert ep.check_prompts is probe.check_prompts is common.check_prompts
     assert ep.cli_prompts is common.cli_prompts and probe.load_prompts is common.load_prompts
     assert endpoint_report.first_difference is probe.report.first_difference is common.first_difference

@@ -92,8 +92,8 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
 
 def cmd_probe(a: argparse.Namespace) -> int:
     if getattr(a, "endpoint", None):
-        from . import endpoint_probe
-        return endpoint_probe.main(a)
+        from .probe import endpoint
+        return endpoint.main(a)
     given = [f for f in ("repeats", "concurrency", "max_tokens", "api_key_env", "extract", "json_field",
                          "top_logprobs", "orders", "stream") if getattr(a, f, None) is not None]
     if given:

@@ -129,7 +129,7 @@ impl Model {
     }
     #[getter]
     fn config<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let c = &self.inner.llama.cfg;
+        let c = &self.inner.decoder.cfg;
         let d = PyDict::new(py);
         d.set_item("arch", c.arch.name())?;
         d.set_item("n_layer", c.n_layer)?;
@@ -140,11 +140,11 @@ impl Model {
         d.set_item("vocab", c.vocab)?;
         d.set_item("context_length", c.context_length)?;
         d.set_item("rope_base", c.rope_base)?;
-        d.set_item("weight_bytes", self.inner.llama.weight_bytes)?;
-        d.set_item("bytes_per_decode_token", self.inner.llama.bytes_per_decode_token())?;
+        d.set_item("weight_bytes", self.inner.decoder.weight_bytes)?;
+        d.set_item("bytes_per_decode_token", self.inner.decoder.bytes_per_decode_token())?;
         // K/V bytes one cached position adds to each decode step's reads (K and V, every layer).
-        d.set_item("kv_bytes_per_token_f16", c.kv_bytes_per_token(candle_gate::llama::KvDtype::F16))?;
-        d.set_item("kv_bytes_per_token_f32", c.kv_bytes_per_token(candle_gate::llama::KvDtype::F32))?;
+        d.set_item("kv_bytes_per_token_f16", c.kv_bytes_per_token(candle_gate::decoder::KvDtype::F16))?;
+        d.set_item("kv_bytes_per_token_f32", c.kv_bytes_per_token(candle_gate::decoder::KvDtype::F32))?;
         Ok(d)
     }
 
@@ -208,7 +208,7 @@ impl Model {
     ) -> PyResult<Bound<'py, PyArray1<f32>>> {
         let y = guarded("Model.logits", || {
             let how = reference_weights(weights)?;
-            let l = &self.inner.llama;
+            let l = &self.inner.decoder;
             match lane {
                 "fast" => py.detach(|| l.last_logits(&self.inner.policy, &tokens)).map_err(to_py),
                 "reference" => {
@@ -468,7 +468,7 @@ impl Engine {
             let max_tokens_per_step = given("max_tokens_per_step", max_tokens_per_step, d.max_tokens_per_step)?;
             let prefill_chunk = given("prefill_chunk", prefill_chunk, d.prefill_chunk)?;
             let kv_budget_tokens = given("kv_budget_tokens", kv_budget_tokens, d.kv_budget_tokens)?;
-            let kv_dtype = kv_dtype.map_or(Ok(d.kv_dtype), candle_gate::llama::KvDtype::from_str).map_err(to_py)?;
+            let kv_dtype = kv_dtype.map_or(Ok(d.kv_dtype), candle_gate::decoder::KvDtype::from_str).map_err(to_py)?;
             let enable_prefix_caching = enable_prefix_caching.unwrap_or(d.enable_prefix_caching);
             let threads = threads.map(|t| count("threads", t)).transpose()?;
             let row_split_max = row_split_max.map(|r| count("row_split_max", r)).transpose()?;
@@ -697,7 +697,7 @@ fn calibrate_kernels(py: Python<'_>, model_path: Option<String>, quick: bool, ou
             let mut n = 0usize;
             let p = measure(&spec, |what| {
                 n += 1;
-                if n % 20 == 0 || n == total {
+                if n.is_multiple_of(20) || n == total {
                     eprint!("\rcalibrate: {n}/{total} (~) {what:<60}");
                 }
             })?;

@@ -46,7 +46,7 @@ fn kernel_outputs<'py>(
         if n == 0 || k == 0 {
             return Err(PyValueError::new_err("n and k must be positive"));
         }
-        if k % d.block_size() != 0 {
+        if !k.is_multiple_of(d.block_size()) {
             return Err(PyValueError::new_err(format!(
                 "k={k} is not a multiple of the {dtype} block size {}",
                 d.block_size()

@@ -59,17 +59,18 @@ impl Tier {
 
 const LOG2E: f32 = std::f32::consts::LOG2_E;
 /// ln 2 in two parts (Cody–Waite): `k · LN2_HI` is exact for the `k` here.
-const LN2_HI: f32 = 0.693_359_375;
+const LN2_HI: f32 = 0.693_359_4;
 const LN2_LO: f32 = -2.121_944_4e-4;
 /// Below this, `exp_neg` is 0 (e^-87.33 is the smallest normal f32).
 const EXP_MIN: f32 = -87.33;
 /// Cephes' `expf` polynomial: e^r ≈ 1 + r + r²·P(r) on |r| ≤ ln2/2.
-const EXP_P: [f32; 6] = [1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 5.000_000_1e-1];
+const EXP_P: [f32; 6] = [1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 5e-1];
 
 /// e^x for x ≤ 0 (softmax's arguments), within 2 ulp, 0 below [`EXP_MIN`] (and for -∞ and NaN).
 /// The definition every tier follows: round to nearest even, two fused reductions, Horner with
 /// fused multiply-adds, and the scale 2^k put into the exponent bits.
 #[inline]
+#[allow(clippy::neg_cmp_op_on_partial_ord)] // NaN takes this branch too
 pub fn exp_neg(x: f32) -> f32 {
     if !(x >= EXP_MIN) {
         return 0.0;
@@ -139,7 +140,7 @@ fn widen_block(kv: &LayerKv, kvh: usize, b: usize, kt: Option<&mut Vec<f32>>, v:
 
 fn widen_f16(src: &[u16], dst: &mut [f32], tier: Tier) {
     #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "f16c"))]
-    if tier == Tier::Avx2 && src.len() % 8 == 0 {
+    if tier == Tier::Avx2 && src.len().is_multiple_of(8) {
         // SAFETY: F16C is enabled at compile time; both slices hold src.len() elements.
         unsafe { avx2::widen_f16(src, dst) };
         return;
@@ -184,6 +185,7 @@ impl Partials {
 
 /// The partials of split `split` for every query that reaches into it (others are left as
 /// they were). `qs` all read KV head `kvh` of `kv`.
+#[allow(clippy::too_many_arguments)]
 fn split_partials(
     kv: &LayerKv,
     kvh: usize,
@@ -335,7 +337,7 @@ fn lane_sum(a: [f32; 8]) -> f32 {
 /// fused chain per `d` that goes on from block to block.
 fn weighted_values(p: &[f32], v: &[f32], hd: usize, o: &mut [f32], tier: Tier) {
     #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
-    if tier == Tier::Avx2 && hd % 8 == 0 {
+    if tier == Tier::Avx2 && hd.is_multiple_of(8) {
         // SAFETY: AVX2/FMA are enabled at compile time; v holds p.len() rows of hd.
         unsafe { avx2::weighted_values(p, v, hd, o) };
         return;
@@ -693,7 +695,7 @@ mod avx2 {
 
     /// Eight `d` per register, 64 at a time (eight registers), then the rest eight at a time.
     pub unsafe fn weighted_values(p: &[f32], v: &[f32], hd: usize, o: &mut [f32]) {
-        debug_assert!(v.len() >= p.len() * hd && o.len() == hd && hd % 8 == 0);
+        debug_assert!(v.len() >= p.len() * hd && o.len() == hd && hd.is_multiple_of(8));
         let mut d0 = 0;
         while d0 + 64 <= hd {
             values_pass::<8>(p, v, hd, d0, o);

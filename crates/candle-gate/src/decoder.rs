@@ -16,13 +16,14 @@ use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor};
 
 use crate::attention::{attend_rows, Heads, Tier};
-use crate::dispatch::{Policy, QMatMul};
+use crate::dispatch::{Lane, Policy, QMatMul};
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::ops::{rms_norm, rope_tables, silu_mul};
+use crate::reference::ReferenceWeights;
 use crate::scratch::{sized, Scratch, ScratchPool};
 
-pub use crate::kv_cache::{KvCache, KvDtype, SavedPosition};
+pub use crate::kv_cache::{BlockLayout, KvCache, KvDtype, SavedPosition};
 pub use crate::ops::argmax_margin;
 
 /// The architectures the layer loop runs. They share it; what differs is here and in the
@@ -56,7 +57,7 @@ pub enum RopeStyle {
 }
 
 #[derive(Clone, Debug, PartialEq)]
-pub struct LlamaConfig {
+pub struct DecoderConfig {
     pub arch: Arch,
     pub rope_style: RopeStyle,
     pub n_layer: usize,
@@ -74,7 +75,7 @@ pub struct LlamaConfig {
     pub inv_freq: Vec<f32>,
 }
 
-impl LlamaConfig {
+impl DecoderConfig {
     pub fn kv_dim(&self) -> usize {
         self.n_kv_head * self.head_dim
     }
@@ -84,6 +85,10 @@ impl LlamaConfig {
     }
     pub fn heads(&self) -> Heads {
         Heads { n_head: self.n_head, n_kv_head: self.n_kv_head, head_dim: self.head_dim }
+    }
+    /// How a KV block of this model is laid out when it stores `dtype`.
+    pub fn block_layout(&self, dtype: KvDtype) -> BlockLayout {
+        BlockLayout { n_layer: self.n_layer, n_kv_head: self.n_kv_head, head_dim: self.head_dim, dtype }
     }
 
     /// The hyperparameters from a GGUF file's metadata (and the shape of its embedding), with
@@ -133,7 +138,7 @@ impl LlamaConfig {
                 return Err(Error::Unsupported(format!("qwen2 with rope scaling `{kind}` (YaRN long-context files)")));
             }
         }
-        Ok(LlamaConfig {
+        Ok(DecoderConfig {
             arch: arch_kind,
             rope_style: match arch_kind {
                 Arch::Llama => RopeStyle::Adjacent,
@@ -174,26 +179,6 @@ fn inv_freq(f: &mut GgufFile, key: &dyn Fn(&str) -> String, base: f32, head_dim:
     Ok(inv)
 }
 
-/// What differs between the two lanes that run the layer loop: how a linear layer is computed.
-pub trait Lane: Sync {
-    /// `y = x · Wᵀ` for `m` rows of `x`: `out` becomes `m` rows of `n` (its allocation reused).
-    fn matmul_into(&self, w: &QMatMul, x: &[f32], m: usize, out: &mut Vec<f32>) -> Result<()>;
-
-    /// [`Lane::matmul_into`] into a new vector.
-    fn matmul(&self, w: &QMatMul, x: &[f32], m: usize) -> Result<Vec<f32>> {
-        let mut out = Vec::new();
-        self.matmul_into(w, x, m, &mut out)?;
-        Ok(out)
-    }
-}
-
-/// The fast lane: the policy's kernel for this row count.
-impl Lane for Policy {
-    fn matmul_into(&self, w: &QMatMul, x: &[f32], m: usize, out: &mut Vec<f32>) -> Result<()> {
-        w.forward_rows_into(self, x, m, out)
-    }
-}
-
 /// Where each row of one pass through the layers belongs: the index of its sequence among the
 /// pass's caches, its position there, and its token.
 pub(crate) struct Rows {
@@ -218,7 +203,7 @@ impl Attention {
     fn forward(
         &self,
         lane: &dyn Lane,
-        cfg: &LlamaConfig,
+        cfg: &DecoderConfig,
         li: usize,
         rows: &Rows,
         caches: &mut [&mut KvCache],
@@ -299,8 +284,8 @@ impl Layer {
     }
 }
 
-pub struct Llama {
-    pub cfg: LlamaConfig,
+pub struct Decoder {
+    pub cfg: DecoderConfig,
     pub embed: Arc<QTensor>,
     pub layers: Vec<Layer>,
     pub out_norm: Vec<f32>,
@@ -336,14 +321,14 @@ fn add_rowwise(x: &mut [f32], b: &[f32]) {
     x.chunks_exact_mut(b.len()).for_each(|row| add(row, b));
 }
 
-impl Llama {
+impl Decoder {
     pub fn load(path: &Path, policy: Arc<Policy>) -> Result<Self> {
         let mut f = GgufFile::open(path)?;
         Self::from_gguf(&mut f, policy)
     }
 
     pub fn from_gguf(f: &mut GgufFile, policy: Arc<Policy>) -> Result<Self> {
-        let cfg = LlamaConfig::from_gguf(f)?;
+        let cfg = DecoderConfig::from_gguf(f)?;
         let (h, kv, ffn, vocab) = (cfg.hidden, cfg.kv_dim(), cfg.ffn, cfg.vocab);
         let mut weight_bytes = 0usize;
         let mut lin = |f: &mut GgufFile, name: &str, dims: &[usize]| -> Result<QMatMul> {
@@ -388,7 +373,7 @@ impl Llama {
             weight_bytes += embed.storage_size_in_bytes();
             QMatMul::new(embed.clone(), policy.clone())?
         };
-        Ok(Llama { cfg, embed, layers, out_norm, lm_head, weight_bytes, scratch: ScratchPool::default() })
+        Ok(Decoder { cfg, embed, layers, out_norm, lm_head, weight_bytes, scratch: ScratchPool::default() })
     }
 
     /// Fast-lane logits of the last of `tokens`, prefilled from an empty cache in one call.
@@ -403,12 +388,18 @@ impl Llama {
         self.new_cache_with(KvDtype::F16)
     }
     pub fn new_cache_with(&self, dtype: KvDtype) -> KvCache {
-        KvCache::new(&self.cfg, dtype)
+        KvCache::new(self.cfg.block_layout(dtype))
     }
 
     /// Bytes of weights one decode step reads (every linear layer plus one embedding row).
     pub fn bytes_per_decode_token(&self) -> usize {
         self.weight_bytes + self.embed.storage_size_in_bytes() / self.cfg.vocab
+    }
+
+    /// Bytes an FP32 copy of every linear layer would take (the reference lane's dense weights).
+    pub fn dense_f32_bytes(&self) -> usize {
+        let linears = self.layers.iter().flat_map(|l| l.linears()).chain([&self.lm_head]);
+        linears.map(|w| w.dims().0 * w.dims().1 * 4).sum()
     }
 
     pub fn embed_rows(&self, tokens: &[u32]) -> Result<Vec<f32>> {
@@ -480,7 +471,7 @@ impl Llama {
         self.forward_traced(policy, batch, None)
     }
 
-    /// [`Llama::forward`], also recording the residual stream (every row of the step) after
+    /// [`Decoder::forward`], also recording the residual stream (every row of the step) after
     /// each layer into `trace`, so that a bit difference can be traced to the first layer
     /// whose output it shows in. On an error every cache is left as it was before the call.
     pub fn forward_traced(
@@ -492,7 +483,7 @@ impl Llama {
         self.forward_in(policy, batch, trace)
     }
 
-    /// [`Llama::forward_traced`] in any lane.
+    /// [`Decoder::forward_traced`] in any lane.
     pub fn forward_in(
         &self,
         lane: &dyn Lane,
@@ -557,5 +548,76 @@ impl Llama {
         }
         let mut per_row = logits.chunks_exact(cfg.vocab);
         Ok(batch.iter().map(|s| s.want_logits.then(|| per_row.next().unwrap().to_vec())).collect())
+    }
+}
+
+/// The layer loop in the reference lane (exact FP32, [`ReferenceWeights`]): what the gate's
+/// rechecks and the exact caches run.
+impl Decoder {
+    /// Appends `token` at the next position computed entirely in the reference lane.
+    pub fn reference_append(&self, cache: &mut KvCache, token: u32, how: ReferenceWeights) -> Result<Vec<f32>> {
+        self.reference_extend(cache, &[token], how)
+    }
+
+    /// Appends `tokens` computed entirely in the reference lane, all positions in one pass over
+    /// the weights; returns the logits after the last. Bitwise the same as appending them one
+    /// at a time.
+    pub fn reference_extend(&self, cache: &mut KvCache, tokens: &[u32], how: ReferenceWeights) -> Result<Vec<f32>> {
+        self.reference_extend_traced(cache, tokens, how, None)
+    }
+
+    /// [`Decoder::reference_extend`], recording the residual stream after each layer into
+    /// `trace` (as [`Decoder::forward_traced`] does). On an error the cache is left as it was.
+    pub fn reference_extend_traced(
+        &self,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        how: ReferenceWeights,
+        trace: Option<&mut Vec<Vec<f32>>>,
+    ) -> Result<Vec<f32>> {
+        if tokens.is_empty() {
+            return Err(Error::BadInput("reference lane: no tokens".into()));
+        }
+        let first = cache.len();
+        cache.extend(tokens.len())?;
+        let out = self.reference_rows(cache, first, tokens, how, trace);
+        if out.is_err() {
+            cache.truncate(first);
+        }
+        out
+    }
+
+    /// Reference-lane logits after the last of `tokens`, from an empty cache (for checks): the
+    /// exact lane keeps its K/V in f32.
+    pub fn reference_logits(&self, tokens: &[u32], how: ReferenceWeights) -> Result<Vec<f32>> {
+        self.reference_extend(&mut self.new_cache_with(KvDtype::F32), tokens, how)
+    }
+
+    /// Recomputes position `cache.len() - 1`'s step in the reference lane: the cache must
+    /// already hold that position (written by the fast lane); its K/V are replaced in every
+    /// layer, and the reference logits are returned.
+    pub fn reference_step(&self, cache: &mut KvCache, token: u32, how: ReferenceWeights) -> Result<Vec<f32>> {
+        if cache.is_empty() {
+            return Err(Error::BadInput("reference step on an empty cache".into()));
+        }
+        let pos = cache.len() - 1;
+        self.reference_rows(cache, pos, &[token], how, None)
+    }
+
+    /// Positions `first..first + tokens.len()` (already in the cache) recomputed in the
+    /// reference lane, K/V written in every layer; the logits of the last. Each row's
+    /// arithmetic depends only on its token, its position and the cache before it.
+    pub(crate) fn reference_rows(
+        &self,
+        cache: &mut KvCache,
+        first: usize,
+        tokens: &[u32],
+        how: ReferenceWeights,
+        trace: Option<&mut Vec<Vec<f32>>>,
+    ) -> Result<Vec<f32>> {
+        let m = tokens.len();
+        debug_assert!(first + m <= cache.len());
+        let rows = Rows { seq: vec![0; m], pos: (first..first + m).collect(), tokens: tokens.to_vec() };
+        self.run_layers(&how, &mut [cache], &rows, &[m - 1], trace)
     }
 }

@@ -5,7 +5,7 @@
 //! Each works in f64 with plain multiplies and adds in a fixed order (Rust never contracts
 //! them into FMAs), far more precisely than the f32 result needs, then rounds once.
 
-const LN2_HI: f64 = 6.931_471_803_691_238_2e-1; // ln 2 with trailing zero bits: k * LN2_HI is exact for the k here
+const LN2_HI: f64 = 6.931_471_803_691_238e-1; // ln 2 with trailing zero bits: k * LN2_HI is exact for the k here
 const LN2_LO: f64 = 1.908_214_929_270_587_7e-10; // ln 2 - LN2_HI
 const INV_LN2: f64 = std::f64::consts::LOG2_E;
 
@@ -186,7 +186,7 @@ pub fn sin_cos_f64(t: f64) -> (f64, f64) {
         355_687_428_096_000.0,
         6_402_373_705_728_000.0,
     ];
-    let sign = |j: usize| if j % 2 == 0 { 1.0 } else { -1.0 };
+    let sign = |j: usize| if j.is_multiple_of(2) { 1.0 } else { -1.0 };
     let mut s = 1.0 / FACT[17];
     for j in (0..8).rev() {
         s = s * r2 + sign(j) / FACT[2 * j + 1];

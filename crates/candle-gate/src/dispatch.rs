@@ -407,3 +407,23 @@ impl Module for QMatMul {
 fn round_f16(x: &[f32]) -> Vec<f32> {
     x.iter().map(|v| half::f16::from_f32(*v).to_f32()).collect()
 }
+
+/// What differs between the two lanes that run the layer loop: how a linear layer is computed.
+pub trait Lane: Sync {
+    /// `y = x · Wᵀ` for `m` rows of `x`: `out` becomes `m` rows of `n` (its allocation reused).
+    fn matmul_into(&self, w: &QMatMul, x: &[f32], m: usize, out: &mut Vec<f32>) -> Result<()>;
+
+    /// [`Lane::matmul_into`] into a new vector.
+    fn matmul(&self, w: &QMatMul, x: &[f32], m: usize) -> Result<Vec<f32>> {
+        let mut out = Vec::new();
+        self.matmul_into(w, x, m, &mut out)?;
+        Ok(out)
+    }
+}
+
+/// The fast lane: the policy's kernel for this row count.
+impl Lane for Policy {
+    fn matmul_into(&self, w: &QMatMul, x: &[f32], m: usize, out: &mut Vec<f32>) -> Result<()> {
+        w.forward_rows_into(self, x, m, out)
+    }
+}

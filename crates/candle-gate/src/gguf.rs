@@ -97,7 +97,7 @@ impl GgufFile {
     pub fn get_str(&self, key: &str) -> Result<String> {
         self.get(key)?
             .to_string()
-            .map(|s| s.clone())
+            .cloned()
             .or_else(|_| model_err(&self.path, format!("metadata `{key}` is not a string")))
     }
 

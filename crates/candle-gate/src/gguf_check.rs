@@ -251,7 +251,7 @@ impl<R: Read> Walker<R> {
                 };
                 let n = self.len(&|| format!("the length of {}", what()))?;
                 // Refuse before walking: `n` elements need at least `n * min` bytes.
-                let need = n.checked_mul(min).unwrap_or(u64::MAX);
+                let need = n.saturating_mul(min);
                 self.need(need, &|| format!("{} of {n} elements", what()))?;
                 self.elements = self.elements.saturating_add(n);
                 if self.elements > MAX_ARRAY_ELEMENTS {
@@ -354,7 +354,7 @@ impl<R: Read> Walker<R> {
             .div_ceil(alignment)
             .checked_mul(alignment)
             .ok_or_else(|| format!("the header end {} aligned to {alignment} overflows", self.pos))?;
-        let data_end = tensor_data_offset.checked_add(data_len).unwrap_or(u64::MAX);
+        let data_end = tensor_data_offset.saturating_add(data_len);
         if data_end > self.size {
             // A truncated download must fail here, by name, rather than deep inside a tensor read.
             return Err(format!("truncated file: its tensors need {data_end} bytes but the file has {}", self.size));

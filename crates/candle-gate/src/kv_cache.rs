@@ -20,7 +20,6 @@ use std::sync::{Arc, Mutex};
 use half::f16;
 
 use crate::error::{Error, Result};
-use crate::llama::LlamaConfig;
 use crate::prefix_cache::{chain_hash, HashFn, Hit, PrefixIndex};
 
 /// Positions per block.
@@ -71,9 +70,6 @@ pub struct BlockLayout {
 }
 
 impl BlockLayout {
-    pub fn new(cfg: &LlamaConfig, dtype: KvDtype) -> Self {
-        BlockLayout { n_layer: cfg.n_layer, n_kv_head: cfg.n_kv_head, head_dim: cfg.head_dim, dtype }
-    }
     fn kv_dim(&self) -> usize {
         self.n_kv_head * self.head_dim
     }
@@ -347,8 +343,8 @@ impl std::fmt::Debug for KvCache {
 
 impl KvCache {
     /// An empty cache in its own growing pool.
-    pub fn new(cfg: &LlamaConfig, dtype: KvDtype) -> Self {
-        Self::in_pool(KvPool::unbounded(BlockLayout::new(cfg, dtype)))
+    pub fn new(layout: BlockLayout) -> Self {
+        Self::in_pool(KvPool::unbounded(layout))
     }
     pub fn in_pool(pool: Arc<KvPool>) -> Self {
         KvCache { pool, blocks: Vec::new(), len: 0 }
@@ -390,7 +386,8 @@ impl KvCache {
     /// shared partial last block.
     pub fn blocks_to_extend(&self, n: usize) -> usize {
         let new = (self.len + n).div_ceil(KV_BLOCK).saturating_sub(self.blocks.len());
-        let copy = n > 0 && self.len % KV_BLOCK != 0 && self.pool.refs(self.blocks[self.len / KV_BLOCK].0) > 1;
+        let copy =
+            n > 0 && !self.len.is_multiple_of(KV_BLOCK) && self.pool.refs(self.blocks[self.len / KV_BLOCK].0) > 1;
         new + copy as usize
     }
 
@@ -415,7 +412,7 @@ impl KvCache {
                 }
             }
         }
-        if n > 0 && self.len % KV_BLOCK != 0 {
+        if n > 0 && !self.len.is_multiple_of(KV_BLOCK) {
             if let Err(e) = self.make_exclusive(self.len / KV_BLOCK) {
                 for _ in 0..added {
                     let (id, _) = self.blocks.pop().unwrap();

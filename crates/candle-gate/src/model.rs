@@ -5,14 +5,14 @@ use std::sync::{Arc, OnceLock};
 
 use sha2::{Digest, Sha256};
 
+use crate::decoder::Decoder;
 use crate::dispatch::Policy;
 use crate::error::Result;
 use crate::gguf::GgufFile;
-use crate::llama::Llama;
 use crate::tokenizer::GgufTokenizer;
 
 pub struct Model {
-    pub llama: Llama,
+    pub decoder: Decoder,
     pub tokenizer: GgufTokenizer,
     pub path: PathBuf,
     pub policy: Arc<Policy>,
@@ -23,8 +23,8 @@ impl Model {
     pub fn load(path: &Path, policy: Arc<Policy>) -> Result<Self> {
         let mut f = GgufFile::open(path)?;
         let tokenizer = GgufTokenizer::from_gguf(&f)?;
-        let llama = Llama::from_gguf(&mut f, policy.clone())?;
-        Ok(Model { llama, tokenizer, path: path.to_path_buf(), policy, sha256: OnceLock::new() })
+        let decoder = Decoder::from_gguf(&mut f, policy.clone())?;
+        Ok(Model { decoder, tokenizer, path: path.to_path_buf(), policy, sha256: OnceLock::new() })
     }
 
     /// sha256 of the model file, computed once on first use.

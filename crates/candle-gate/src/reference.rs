@@ -6,10 +6,9 @@
 use candle_core::{Storage, Tensor};
 use rayon::prelude::*;
 
-use crate::dispatch::QMatMul;
+use crate::dispatch::{Lane, QMatMul};
 use crate::error::{Error, Result};
 use crate::kernels::cpu::dequantize_rows;
-use crate::llama::{KvCache, Lane, Llama, Rows};
 use crate::ops::{dot, dot4};
 
 /// Output rows dequantized at a time when no dense copy is kept: 64 rows of k=4096 is 1 MiB.
@@ -25,15 +24,10 @@ pub enum ReferenceWeights {
 
 impl ReferenceWeights {
     /// Dense when the FP32 copy fits the budget, else blockwise.
-    pub fn for_budget(model: &Llama, max_dense_bytes: usize) -> Self {
-        let params: usize = model
-            .layers
-            .iter()
-            .flat_map(|l| l.linears())
-            .chain([&model.lm_head])
-            .map(|w| w.dims().0 * w.dims().1)
-            .sum();
-        if params * 4 <= max_dense_bytes {
+    /// `dense_bytes`: what the FP32 copy of every linear layer takes
+    /// ([`crate::decoder::Decoder::dense_f32_bytes`]).
+    pub fn for_budget(dense_bytes: usize, max_dense_bytes: usize) -> Self {
+        if dense_bytes <= max_dense_bytes {
             ReferenceWeights::Dense
         } else {
             ReferenceWeights::Blockwise
@@ -116,74 +110,5 @@ impl Lane for ReferenceWeights {
     fn matmul_into(&self, w: &QMatMul, x: &[f32], m: usize, out: &mut Vec<f32>) -> Result<()> {
         *out = matmul_rows(w, *self, x, m)?;
         Ok(())
-    }
-}
-
-impl Llama {
-    /// Appends `token` at the next position computed entirely in the reference lane.
-    pub fn reference_append(&self, cache: &mut KvCache, token: u32, how: ReferenceWeights) -> Result<Vec<f32>> {
-        self.reference_extend(cache, &[token], how)
-    }
-
-    /// Appends `tokens` computed entirely in the reference lane, all positions in one pass over
-    /// the weights; returns the logits after the last. Bitwise the same as appending them one
-    /// at a time.
-    pub fn reference_extend(&self, cache: &mut KvCache, tokens: &[u32], how: ReferenceWeights) -> Result<Vec<f32>> {
-        self.reference_extend_traced(cache, tokens, how, None)
-    }
-
-    /// [`Llama::reference_extend`], recording the residual stream after each layer into
-    /// `trace` (as [`Llama::forward_traced`] does). On an error the cache is left as it was.
-    pub fn reference_extend_traced(
-        &self,
-        cache: &mut KvCache,
-        tokens: &[u32],
-        how: ReferenceWeights,
-        trace: Option<&mut Vec<Vec<f32>>>,
-    ) -> Result<Vec<f32>> {
-        if tokens.is_empty() {
-            return Err(Error::BadInput("reference lane: no tokens".into()));
-        }
-        let first = cache.len();
-        cache.extend(tokens.len())?;
-        let out = self.reference_rows(cache, first, tokens, how, trace);
-        if out.is_err() {
-            cache.truncate(first);
-        }
-        out
-    }
-
-    /// Reference-lane logits after the last of `tokens`, from an empty cache (for checks): the
-    /// exact lane keeps its K/V in f32.
-    pub fn reference_logits(&self, tokens: &[u32], how: ReferenceWeights) -> Result<Vec<f32>> {
-        self.reference_extend(&mut self.new_cache_with(crate::kv_cache::KvDtype::F32), tokens, how)
-    }
-
-    /// Recomputes position `cache.len() - 1`'s step in the reference lane: the cache must
-    /// already hold that position (written by the fast lane); its K/V are replaced in every
-    /// layer, and the reference logits are returned.
-    pub fn reference_step(&self, cache: &mut KvCache, token: u32, how: ReferenceWeights) -> Result<Vec<f32>> {
-        if cache.is_empty() {
-            return Err(Error::BadInput("reference step on an empty cache".into()));
-        }
-        let pos = cache.len() - 1;
-        self.reference_rows(cache, pos, &[token], how, None)
-    }
-
-    /// Positions `first..first + tokens.len()` (already in the cache) recomputed in the
-    /// reference lane, K/V written in every layer; the logits of the last. Each row's
-    /// arithmetic depends only on its token, its position and the cache before it.
-    pub(crate) fn reference_rows(
-        &self,
-        cache: &mut KvCache,
-        first: usize,
-        tokens: &[u32],
-        how: ReferenceWeights,
-        trace: Option<&mut Vec<Vec<f32>>>,
-    ) -> Result<Vec<f32>> {
-        let m = tokens.len();
-        debug_assert!(first + m <= cache.len());
-        let rows = Rows { seq: vec![0; m], pos: (first..first + m).collect(), tokens: tokens.to_vec() };
-        self.run_layers(&how, &mut [cache], &rows, &[m - 1], trace)
     }
 }

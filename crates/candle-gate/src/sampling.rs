@@ -141,6 +141,10 @@ impl SamplingParams {
     }
 }
 
+/// Top-p's survivors: tokens in probability order with the mass before each, how many are
+/// kept, and each token's rank in that order (`u32::MAX`: none).
+type TopPOrder = (Vec<(u32, f64)>, usize, Vec<u32>);
+
 /// Where a draw sits: everything the randomness of one decision depends on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DrawKey {
@@ -257,7 +261,7 @@ struct Filtered {
     top_k_edge: Option<(f32, f32)>,
     /// top-p: tokens in probability order (of the top-k survivors) with the mass fraction
     /// before each, the number kept, and each token's rank in that order (u32::MAX: none).
-    top_p_order: Option<(Vec<(u32, f64)>, usize, Vec<u32>)>,
+    top_p_order: Option<TopPOrder>,
     l_max: f64,
     /// min-p: the threshold on `(l - l_max) / T`.
     min_p_edge: Option<f64>,

@@ -12,7 +12,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use candle_gate::llama::{argmax_margin, SeqRows};
+use candle_gate::decoder::{argmax_margin, SeqRows};
 use candle_gate::reference::ReferenceWeights;
 use candle_gate::*;
 use serde::{Deserialize, Serialize};
@@ -58,12 +58,12 @@ fn step_of(logits: &[f32], trace: &[Vec<f32>]) -> Step {
 
 /// Greedy decoding in the fast lane: the prompt in one forward, then one token per forward.
 fn fast_lane(m: &Model, p: &Policy, prompt: &[u32]) -> Vec<Step> {
-    let mut cache = m.llama.new_cache();
+    let mut cache = m.decoder.new_cache();
     let mut feed = prompt.to_vec();
     (0..STEPS)
         .map(|_| {
             let mut trace = vec![];
-            let out = m.llama.forward_traced(
+            let out = m.decoder.forward_traced(
                 p,
                 &mut [SeqRows { cache: &mut cache, tokens: &feed, want_logits: true }],
                 Some(&mut trace),
@@ -77,13 +77,15 @@ fn fast_lane(m: &Model, p: &Policy, prompt: &[u32]) -> Vec<Step> {
 
 /// Greedy decoding in the reference lane, the same way (its own cache is f32: the exact lane).
 fn reference_lane(m: &Model, prompt: &[u32]) -> Vec<Step> {
-    let mut cache = m.llama.new_cache_with(candle_gate::llama::KvDtype::F32);
+    let mut cache = m.decoder.new_cache_with(candle_gate::decoder::KvDtype::F32);
     let mut feed = prompt.to_vec();
     (0..STEPS)
         .map(|_| {
             let mut trace = vec![];
-            let logits =
-                m.llama.reference_extend_traced(&mut cache, &feed, ReferenceWeights::Dense, Some(&mut trace)).unwrap();
+            let logits = m
+                .decoder
+                .reference_extend_traced(&mut cache, &feed, ReferenceWeights::Dense, Some(&mut trace))
+                .unwrap();
             let step = step_of(&logits, &trace);
             feed = vec![step.token];
             step

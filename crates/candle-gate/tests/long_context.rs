@@ -6,8 +6,8 @@
 
 use std::sync::Arc;
 
-use candle_gate::kv_cache::{BlockLayout, KvCache, KvDtype, KvPool};
-use candle_gate::llama::{argmax_margin, SeqRows};
+use candle_gate::decoder::{argmax_margin, SeqRows};
+use candle_gate::kv_cache::{KvCache, KvDtype, KvPool};
 use candle_gate::ops::hash_bits;
 use candle_gate::*;
 
@@ -55,7 +55,7 @@ struct Plan {
 fn run(m: &Model, p: &Policy, prompt: &[u32], checkpoints: &[usize], decode: usize, plan: &Plan) -> Vec<(usize, u64)> {
     let pool = rayon::ThreadPoolBuilder::new().num_threads(plan.threads).build().unwrap();
     pool.install(|| {
-        let lay = BlockLayout::new(&m.llama.cfg, plan.dtype);
+        let lay = m.decoder.cfg.block_layout(plan.dtype);
         let kv = KvPool::unbounded(lay);
         let mut cache = if plan.scatter {
             // Blocks taken and given back in another order leave the free list shuffled.
@@ -83,7 +83,7 @@ fn run(m: &Model, p: &Policy, prompt: &[u32], checkpoints: &[usize], decode: usi
             // The sequence under test sits in the middle of the step.
             let mid = batch.len() / 2;
             batch.insert(mid, SeqRows { cache, tokens, want_logits: true });
-            let mut r = m.llama.forward(p, &mut batch).unwrap();
+            let mut r = m.decoder.forward(p, &mut batch).unwrap();
             r.remove(mid).unwrap()
         };
         let mut logits = vec![];
@@ -160,8 +160,8 @@ fn kv_dtype_changes_bits_and_each_is_reproducible() {
     let (m, p) = model(registry::DEFAULT_MODEL);
     let prompt = text_tokens(&m, 40, 3);
     let at = |dtype| {
-        let mut c = m.llama.new_cache_with(dtype);
-        let r = m.llama.forward(&p, &mut [SeqRows { cache: &mut c, tokens: &prompt, want_logits: true }]).unwrap();
+        let mut c = m.decoder.new_cache_with(dtype);
+        let r = m.decoder.forward(&p, &mut [SeqRows { cache: &mut c, tokens: &prompt, want_logits: true }]).unwrap();
         hash_bits(r[0].as_ref().unwrap())
     };
     assert_eq!(at(KvDtype::F16), at(KvDtype::F16));

@@ -3,8 +3,8 @@
 
 use std::sync::Arc;
 
+use candle_gate::decoder::{KvCache, SeqRows};
 use candle_gate::engine::{Choice, FinishReason, InjectedFault};
-use candle_gate::llama::{KvCache, SeqRows};
 use candle_gate::*;
 
 fn model(mode: Mode) -> (Model, Arc<Policy>) {
@@ -31,12 +31,12 @@ struct Script {
 
 /// Runs every script alone (each `feeds` entry one call), recording the logits after each call.
 fn run_alone(m: &Model, p: &Policy, s: &Script) -> Vec<Vec<u32>> {
-    let mut cache = m.llama.new_cache();
+    let mut cache = m.decoder.new_cache();
     let mut at = 0;
     let mut out = vec![];
     for &n in &s.feeds {
         let r = m
-            .llama
+            .decoder
             .forward(p, &mut [SeqRows { cache: &mut cache, tokens: &s.tokens[at..at + n], want_logits: true }])
             .unwrap();
         out.push(bits(r[0].as_ref().unwrap()));
@@ -47,7 +47,7 @@ fn run_alone(m: &Model, p: &Policy, s: &Script) -> Vec<Vec<u32>> {
 
 /// Runs all scripts together: call i feeds every script its i-th entry in one forward.
 fn run_together(m: &Model, p: &Policy, scripts: &[Script]) -> Vec<Vec<Vec<u32>>> {
-    let mut caches: Vec<KvCache> = scripts.iter().map(|_| m.llama.new_cache()).collect();
+    let mut caches: Vec<KvCache> = scripts.iter().map(|_| m.decoder.new_cache()).collect();
     let mut at = vec![0; scripts.len()];
     let mut out = vec![vec![]; scripts.len()];
     let calls = scripts.iter().map(|s| s.feeds.len()).max().unwrap();
@@ -61,7 +61,7 @@ fn run_together(m: &Model, p: &Policy, scripts: &[Script]) -> Vec<Vec<Vec<u32>>>
                 at[i] += n;
             }
         }
-        let r = m.llama.forward(p, &mut batch).unwrap();
+        let r = m.decoder.forward(p, &mut batch).unwrap();
         for (i, l) in who.into_iter().zip(r) {
             out[i].push(bits(&l.unwrap()));
         }
@@ -143,7 +143,7 @@ fn native_cpu_path_is_also_exact_for_q4_1() {
     // runs on every host. That premise is checked here, not assumed.
     let (m, p) = model(Mode::Native);
     use candle_core::quantized::GgmlDType as D;
-    for w in m.llama.layers.iter().flat_map(|l| l.linears()).chain([&m.llama.lm_head]) {
+    for w in m.decoder.layers.iter().flat_map(|l| l.linears()).chain([&m.decoder.lm_head]) {
         let (d, k) = (w.weight().dtype(), w.dims().1);
         assert!(
             !(matches!(d, D::Q4K | D::Q6K | D::Q8_0) && k % 256 == 0),
@@ -237,10 +237,10 @@ fn seeded_sampling_does_not_depend_on_batch_in_invariant_mode() {
 #[test]
 fn bad_forward_input_is_an_error_not_a_panic() {
     let (m, p) = model(Mode::Invariant);
-    let mut c = m.llama.new_cache();
-    let e = m.llama.forward(&p, &mut [SeqRows { cache: &mut c, tokens: &[999_999], want_logits: true }]).unwrap_err();
+    let mut c = m.decoder.new_cache();
+    let e = m.decoder.forward(&p, &mut [SeqRows { cache: &mut c, tokens: &[999_999], want_logits: true }]).unwrap_err();
     assert!(e.to_string().contains("outside the vocabulary"), "{e}");
-    let e = m.llama.forward(&p, &mut [SeqRows { cache: &mut c, tokens: &[], want_logits: true }]).unwrap_err();
+    let e = m.decoder.forward(&p, &mut [SeqRows { cache: &mut c, tokens: &[], want_logits: true }]).unwrap_err();
     assert!(e.to_string().contains("no tokens"), "{e}");
 }
 
@@ -254,28 +254,28 @@ fn reference_lane_rows_are_independent_of_how_many_share_a_pass() {
     let (m, _) = model(Mode::Invariant);
     let toks = m.tokenizer.encode("Water boils at 100 degrees Celsius because").unwrap();
     assert!(toks.len() >= 6);
-    let mut one = m.llama.new_cache();
+    let mut one = m.decoder.new_cache();
     let mut per_position = vec![];
     for &t in &toks {
-        per_position.push(bits(&m.llama.reference_append(&mut one, t, Dense).unwrap()));
+        per_position.push(bits(&m.decoder.reference_append(&mut one, t, Dense).unwrap()));
     }
     for how in [Dense, Blockwise] {
         // first half one at a time, the rest in one pass
-        let mut c = m.llama.new_cache();
+        let mut c = m.decoder.new_cache();
         let half = toks.len() / 2;
         for &t in &toks[..half] {
-            m.llama.reference_append(&mut c, t, how).unwrap();
+            m.decoder.reference_append(&mut c, t, how).unwrap();
         }
-        let last = m.llama.reference_extend(&mut c, &toks[half..], how).unwrap();
+        let last = m.decoder.reference_extend(&mut c, &toks[half..], how).unwrap();
         assert_eq!(bits(&last), *per_position.last().unwrap(), "{how:?}");
-        for l in 0..m.llama.cfg.n_layer {
+        for l in 0..m.decoder.cfg.n_layer {
             assert_eq!(bits(&c.layer(l, false)), bits(&one.layer(l, false)), "{how:?} layer {l} K");
             assert_eq!(bits(&c.layer(l, true)), bits(&one.layer(l, true)), "{how:?} layer {l} V");
         }
         // a recheck of position 3 over the reference lane's own prefix
         let mut c4 = c.clone();
         c4.truncate(4);
-        assert_eq!(bits(&m.llama.reference_step(&mut c4, toks[3], how).unwrap()), per_position[3]);
+        assert_eq!(bits(&m.decoder.reference_step(&mut c4, toks[3], how).unwrap()), per_position[3]);
     }
 }
 

@@ -22,15 +22,15 @@ fn logits_match_candle_transformers() {
         let input = Tensor::new(ids, &Device::Cpu).unwrap().unsqueeze(0).unwrap();
         let want: Vec<f32> = theirs.forward(&input, 0).unwrap().flatten_all().unwrap().to_vec1().unwrap();
         // Candle's model keeps f32 K/V: compare with f32 storage (f16 is one more rounding).
-        let mut cache = model.llama.new_cache_with(llama::KvDtype::F32);
+        let mut cache = model.decoder.new_cache_with(decoder::KvDtype::F32);
         let out = model
-            .llama
-            .forward(&policy, &mut [llama::SeqRows { cache: &mut cache, tokens: ids, want_logits: true }])
+            .decoder
+            .forward(&policy, &mut [decoder::SeqRows { cache: &mut cache, tokens: ids, want_logits: true }])
             .unwrap();
         let got = out[0].clone().unwrap();
         let scale = want.iter().fold(0f32, |a, &b| a.max(b.abs()));
         let max_diff = got.iter().zip(&want).fold(0f32, |a, (x, y)| a.max((x - y).abs()));
-        let am = |v: &[f32]| llama::argmax_margin(v).0;
+        let am = |v: &[f32]| decoder::argmax_margin(v).0;
         eprintln!("{n} tokens: max |diff| = {max_diff} (scale {scale})");
         if n < 5 {
             // Short prompts take the same matmul kernels on both sides, so they agree to float

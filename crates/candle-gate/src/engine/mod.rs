@@ -5,12 +5,14 @@
 //! schedule → run → gate → output. Requests join and leave at step boundaries; each step packs
 //! every running sequence's decode row plus whole prefill chunks under a token budget.
 
+mod config;
 mod gate;
 mod output;
 mod request;
 mod runner;
 mod scheduler;
 mod sequence;
+mod text;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -26,12 +28,10 @@ use crate::reference::ReferenceWeights;
 use gate::Gate;
 use runner::Runner;
 use scheduler::Scheduler;
-use sequence::Sequence;
+use sequence::{SeqId, Sequence};
 
-pub use gate::{GateConfig, GateMode, DEEP_TAU_FRACTION};
-pub use request::{
-    CacheStats, Choice, EngineConfig, Event, FinishReason, GateStats, InjectedFault, Output, Request, RequestId,
-};
+pub use config::{EngineConfig, GateConfig, GateMode, InjectedFault, DEEP_TAU_FRACTION};
+pub use request::{CacheStats, Choice, Event, FinishReason, GateStats, Output, Request, RequestId};
 
 /// Upper bound on `max_new_tokens` accepted at submit: a bigger value is a bug, not a plan.
 pub use crate::sampling::MAX_NEW_TOKENS_LIMIT;
@@ -49,6 +49,7 @@ pub struct Engine {
     pending: HashMap<RequestId, Pending>,
     events: Vec<Event>,
     next_id: RequestId,
+    next_seq: u64,
     steps_run: u64,
     stats: GateStats,
     cache_stats: CacheStats,
@@ -81,7 +82,7 @@ impl Engine {
         };
         let gate = Gate {
             cfg: cfg.gate,
-            reference: ReferenceWeights::for_budget(&model.llama, cfg.reference_dense_max_bytes),
+            reference: ReferenceWeights::for_budget(model.decoder.dense_f32_bytes(), cfg.reference_dense_max_bytes),
             record_logit_hashes: cfg.record_logit_hashes,
         };
         let model_sha = model.sha256()?;
@@ -101,6 +102,7 @@ impl Engine {
             pending: HashMap::new(),
             events: Vec::new(),
             next_id: 1,
+            next_seq: 0,
             steps_run: 0,
             stats: GateStats::default(),
             cache_stats: CacheStats::default(),
@@ -139,14 +141,15 @@ impl Engine {
         let n = req.params.n;
         let pending = Pending { prompt_tokens: req.prompt_tokens.clone(), seed, choices: vec![None; n] };
         self.pending.insert(id, pending);
-        self.scheduler.waiting.push_back(Sequence::new(id, req, seed));
+        self.scheduler.waiting.push_back(Sequence::new(SeqId(self.next_seq), id, req, seed));
+        self.next_seq += 1;
         Ok(id)
     }
 
     /// Checks a request against the model and the budgets.
     fn validate(&self, req: &Request) -> Result<()> {
-        let ctx = self.model.llama.cfg.context_length;
-        let vocab = self.model.llama.cfg.vocab as u32;
+        let ctx = self.model.decoder.cfg.context_length;
+        let vocab = self.model.decoder.cfg.vocab as u32;
         if req.prompt_tokens.is_empty() {
             return Err(Error::invalid("prompt", "empty prompt"));
         }
@@ -190,12 +193,12 @@ impl Engine {
 
     /// Cancels every choice of request `id`; its output keeps what they had generated.
     pub fn cancel(&mut self, id: RequestId) -> Result<()> {
-        if let Some(mut s) = self.scheduler.take_waiting(id) {
+        let waiting = self.scheduler.take_waiting(id);
+        let mut found = !waiting.is_empty();
+        for mut s in waiting {
             s.finish = Some(FinishReason::Cancelled);
             self.retire(s);
-            return Ok(());
         }
-        let mut found = false;
         for s in self.scheduler.running.iter_mut().filter(|s| s.request == id) {
             s.finish.get_or_insert(FinishReason::Cancelled);
             found = true;
@@ -290,17 +293,9 @@ impl Engine {
         let mut deciding: Vec<(usize, usize)> = Vec::with_capacity(logits.len());
         for (k, (i, _)) in logits.iter().enumerate() {
             deciding.push((*i, k));
-            let s = &self.scheduler.running[*i];
-            if s.index == 0 && s.steps.is_empty() && s.req.params.n > 1 {
-                let (parent, n) = (s.id, s.req.params.n);
-                let forks: Vec<Sequence> =
-                    (1..n as u32).map(|index| s.fork(self.next_id + index as u64 - 1, index)).collect();
-                self.next_id += n as u64 - 1;
-                for f in forks {
-                    self.runner.fork(parent, f.id);
-                    deciding.push((self.scheduler.running.len(), k));
-                    self.scheduler.running.push(f);
-                }
+            for j in self.scheduler.fork_choices(*i, &mut self.next_seq) {
+                self.runner.fork(self.scheduler.running[*i].id, self.scheduler.running[j].id);
+                deciding.push((j, k));
             }
         }
         // The sampling itself runs for every sequence at once; the gate's rechecks follow.
@@ -309,14 +304,14 @@ impl Engine {
         let steps_run = self.steps_run;
         for (&(i, k), fast) in deciding.iter().zip(fast) {
             let s = &mut self.scheduler.running[i];
-            let fault = self.cfg.inject_fault == Some(InjectedFault::Gate { step: steps_run, id: s.id });
+            let fault = self.cfg.inject_fault == Some(InjectedFault::Gate { step: steps_run, id: s.request });
             let decided = match fault {
                 true => Err(Error::Engine(format!("injected fault in the gate of step {steps_run}"))),
                 false => self.gate.decide(&model, s, self.runner.cache_mut(s.id), &logits[k].1, fast),
             };
             match decided {
                 Ok(record) => {
-                    self.stats.add(&record);
+                    record.tally(&mut self.stats);
                     s.steps.push(record);
                     output::after_token(&model, s);
                 }

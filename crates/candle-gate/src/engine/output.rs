@@ -1,20 +1,9 @@
 //! The output stage: detokenizing, stop strings, length and context limits, stream events.
 
 use crate::model::Model;
-use crate::tokenizer::StreamDecoder;
 
 use super::sequence::Sequence;
 use super::{Event, FinishReason};
-
-/// A sequence's text so far and how much of it has been streamed.
-#[derive(Default)]
-pub(crate) struct TextState {
-    decoder: StreamDecoder,
-    pub text: String,
-    emitted: usize,
-    /// A token arrived since the last event.
-    new_token: bool,
-}
 
 /// After a step appended a token to `s`: its text grows, and a stop token, stop string, the
 /// length limit or a full context finishes it.
@@ -30,7 +19,7 @@ pub(crate) fn after_token(model: &Model, s: &mut Sequence) {
 /// it, so a new occurrence must end in those bytes: only the tail is searched, which keeps long
 /// outputs linear.
 fn check_stop(model: &Model, s: &mut Sequence, fed: u32, new_bytes: usize) {
-    let ctx = model.llama.cfg.context_length;
+    let ctx = model.decoder.cfg.context_length;
     let text = &mut s.text.text;
     let longest = s.req.params.stop.iter().map(|st| st.len()).max().unwrap_or(0);
     let mut from = text.len().saturating_sub(new_bytes + longest.saturating_sub(1));

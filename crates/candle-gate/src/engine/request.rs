@@ -2,77 +2,9 @@
 
 use serde::Serialize;
 
-use super::gate::GateConfig;
-use super::sequence::StepRecord;
-use crate::kv_cache::{KvDtype, KV_BLOCK};
 use crate::sampling::SamplingParams;
 
 pub type RequestId = u64;
-
-#[derive(Clone, Debug)]
-pub struct EngineConfig {
-    pub max_num_seqs: usize,
-    pub max_tokens_per_step: usize,
-    pub prefill_chunk: usize,
-    /// KV memory budget in tokens (over all sequences): the engine's block pool holds this
-    /// many positions, rounded up to whole blocks, and is allocated once.
-    pub kv_budget_tokens: usize,
-    /// How K/V values are stored (f16 by default; the reference lane's own caches are f32).
-    pub kv_dtype: KvDtype,
-    pub gate: GateConfig,
-    /// FP32 copies of the weights for the reference lane are kept only under this many bytes.
-    pub reference_dense_max_bytes: usize,
-    /// Worker threads for this engine's steps (None: the global pool).
-    pub threads: Option<usize>,
-    /// Keep a hash of every step's logits bits (the probe counts mismatches with them).
-    pub record_logit_hashes: bool,
-    /// Reuse the K/V of whole blocks of a token history another request already computed
-    /// (the prefix cache). Never changes a bit in `invariant` mode (see `docs/DESIGN.md`).
-    pub enable_prefix_caching: bool,
-    /// Every prefix block under one chain hash, for tests that a collision cannot serve wrong
-    /// K/V; `false` in real use.
-    #[doc(hidden)]
-    pub collide_prefix_hashes: bool,
-    /// Fault injection for tests of the engine's failure handling; `None` in real use.
-    #[doc(hidden)]
-    pub inject_fault: Option<InjectedFault>,
-}
-
-/// A failure the engine raises on purpose, to test that a failing step harms nothing else.
-#[doc(hidden)]
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum InjectedFault {
-    /// The forward of the engine's `step`-th step (counting from 1) fails halfway through.
-    Forward { step: u64 },
-    /// The gate fails for request `id` on the engine's `step`-th step.
-    Gate { step: u64, id: RequestId },
-}
-
-impl EngineConfig {
-    /// The pool's size in blocks.
-    pub fn kv_budget_blocks(&self) -> usize {
-        self.kv_budget_tokens.div_ceil(KV_BLOCK)
-    }
-}
-
-impl Default for EngineConfig {
-    fn default() -> Self {
-        EngineConfig {
-            max_num_seqs: 16,
-            max_tokens_per_step: 256,
-            prefill_chunk: 64,
-            kv_budget_tokens: 65536,
-            kv_dtype: KvDtype::F16,
-            gate: GateConfig::off(),
-            reference_dense_max_bytes: 2 << 30,
-            threads: None,
-            record_logit_hashes: false,
-            enable_prefix_caching: true,
-            collide_prefix_hashes: false,
-            inject_fault: None,
-        }
-    }
-}
 
 #[derive(Clone, Debug, Default)]
 pub struct Request {
@@ -146,15 +78,6 @@ pub struct GateStats {
     pub rechecks: u64,
     pub corrections: u64,
     pub deep_rechecks: u64,
-}
-
-impl GateStats {
-    pub(crate) fn add(&mut self, r: &StepRecord) {
-        self.steps += 1;
-        self.rechecks += r.rechecked as u64;
-        self.corrections += (r.rechecked && r.corrected) as u64;
-        self.deep_rechecks += r.deep as u64;
-    }
 }
 
 /// The KV cache's counters since the engine started.

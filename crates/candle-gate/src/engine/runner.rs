@@ -6,21 +6,26 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
+use crate::decoder::SeqRows;
+use crate::dispatch::Lane;
 use crate::dispatch::{Policy, QMatMul};
 use crate::error::{Error, Result};
-use crate::kv_cache::{BlockLayout, KvCache, KvPool, KV_BLOCK};
-use crate::llama::{Lane, SeqRows};
+use crate::kv_cache::{KvCache, KvPool, KV_BLOCK};
 use crate::model::Model;
 use crate::prefix_cache::{chain_hash, colliding_hash};
 use crate::reference::ReferenceWeights;
 
 use super::scheduler::Work;
+use super::sequence::SeqId;
 use super::sequence::Sequence;
-use super::{EngineConfig, RequestId};
+use super::EngineConfig;
+
+/// A step's logits: `(index in running, logits)` for every sequence that decides a token.
+pub(crate) type StepLogits = Vec<(usize, Vec<f32>)>;
 
 pub(crate) struct Runner {
     pool: Arc<KvPool>,
-    slots: HashMap<RequestId, Slot>,
+    slots: HashMap<SeqId, Slot>,
     /// Seeds every chain hash: the model file, the kernel policy and the K/V dtype.
     salt: u64,
     prefix_caching: bool,
@@ -39,7 +44,7 @@ impl Runner {
     /// A runner whose caches share one pool of `cfg.kv_budget_tokens` (in whole blocks);
     /// `salt` names what besides the tokens decides a block's bits.
     pub fn new(model: &Model, cfg: &EngineConfig, salt: u64) -> Self {
-        let layout = BlockLayout::new(&model.llama.cfg, cfg.kv_dtype);
+        let layout = model.decoder.cfg.block_layout(cfg.kv_dtype);
         let hash = if cfg.collide_prefix_hashes { colliding_hash } else { chain_hash };
         Runner {
             pool: KvPool::bounded_with(layout, cfg.kv_budget_blocks(), hash),
@@ -95,21 +100,21 @@ impl Runner {
         self.pool.available_blocks().unwrap_or(usize::MAX)
     }
     /// Blocks `id`'s cache would take to grow by `rows` positions.
-    pub fn blocks_to_extend(&self, id: RequestId, rows: usize) -> usize {
+    pub fn blocks_to_extend(&self, id: SeqId, rows: usize) -> usize {
         self.slots[&id].cache.blocks_to_extend(rows)
     }
 
     /// `from`'s cache shared with `to` (another choice of the same prompt): full blocks stay
     /// shared, the first write to a shared block copies it.
-    pub fn fork(&mut self, from: RequestId, to: RequestId) {
+    pub fn fork(&mut self, from: SeqId, to: SeqId) {
         let slot = self.slots[&from].clone();
         self.slots.insert(to, slot);
     }
     /// Drops `id`'s cache: its blocks go back to the pool, the cached ones stay cached.
-    pub fn close(&mut self, id: RequestId) {
+    pub fn close(&mut self, id: SeqId) {
         self.slots.remove(&id);
     }
-    pub fn cache_mut(&mut self, id: RequestId) -> &mut KvCache {
+    pub fn cache_mut(&mut self, id: SeqId) -> &mut KvCache {
         &mut self.slots.get_mut(&id).expect("a running sequence has a cache").cache
     }
 
@@ -161,7 +166,7 @@ impl Runner {
         running: &mut [Sequence],
         plan: &[(usize, Work)],
         fail_midway: bool,
-    ) -> Result<(usize, Vec<(usize, Vec<f32>)>)> {
+    ) -> Result<(usize, StepLogits)> {
         let tokens: Vec<Vec<u32>> = plan
             .iter()
             .map(|(i, w)| {
@@ -185,9 +190,9 @@ impl Runner {
                 batch.push(SeqRows { cache: &mut slot.cache, tokens, want_logits });
             }
             let rows: usize = batch.iter().map(|b| b.tokens.len()).sum();
-            let faulty = FailAfter { lane: policy, calls_left: AtomicUsize::new(model.llama.layers.len() * 7 / 2) };
+            let faulty = FailAfter { lane: policy, calls_left: AtomicUsize::new(model.decoder.layers.len() * 7 / 2) };
             let lane: &dyn Lane = if fail_midway { &faulty } else { policy };
-            model.llama.forward_in(lane, &mut batch, None).map(|l| (rows, l))
+            model.decoder.forward_in(lane, &mut batch, None).map(|l| (rows, l))
         };
         for ((i, _), slot) in plan.iter().zip(slots) {
             self.slots.insert(running[*i].id, slot);
@@ -202,7 +207,7 @@ impl Runner {
                     s.computed = c.end;
                     if s.repaired_at(c.end - 1) {
                         let cache = &mut self.slots.get_mut(&s.id).unwrap().cache;
-                        if let Err(e) = model.llama.reference_step(cache, s.fed_at(c.end - 1), reference) {
+                        if let Err(e) = model.decoder.reference_step(cache, s.fed_at(c.end - 1), reference) {
                             s.error = Some(e);
                             s.finish = Some(super::FinishReason::Error);
                         }

@@ -9,7 +9,7 @@
 use std::collections::VecDeque;
 use std::ops::Range;
 
-use super::sequence::Sequence;
+use super::sequence::{SeqId, Sequence};
 use super::{EngineConfig, RequestId};
 use crate::kv_cache::KV_BLOCK;
 
@@ -112,7 +112,7 @@ impl Scheduler {
 
     /// Puts the most recently admitted running sequence back at the front of the queue, its
     /// cache gone (the caller drops it): it resumes by recomputing its history. Returns its id.
-    pub fn preempt_latest(&mut self) -> Option<RequestId> {
+    pub fn preempt_latest(&mut self) -> Option<SeqId> {
         let i = (0..self.running.len()).max_by_key(|&i| (self.running[i].admitted_at, i))?;
         let mut s = self.running.remove(i);
         s.computed = 0;
@@ -135,10 +135,32 @@ impl Scheduler {
         done
     }
 
-    /// Takes a sequence that is not running (never admitted, or preempted) out of the queue.
-    pub fn take_waiting(&mut self, id: RequestId) -> Option<Sequence> {
-        let i = self.waiting.iter().position(|s| s.id == id)?;
-        self.waiting.remove(i)
+    /// Takes request `id`'s sequences that are not running (never admitted, or preempted) out
+    /// of the queue.
+    pub fn take_waiting(&mut self, id: RequestId) -> Vec<Sequence> {
+        let (taken, kept): (VecDeque<Sequence>, _) =
+            std::mem::take(&mut self.waiting).into_iter().partition(|s| s.request == id);
+        self.waiting = kept;
+        taken.into()
+    }
+
+    /// A request of `n` choices prefills once, as choice 0 (`running[i]`); after that prefill
+    /// its other choices join the running set, each a fork of it sharing its K/V. Returns
+    /// their indices in `running`; `next_seq` gives their ids.
+    pub fn fork_choices(&mut self, i: usize, next_seq: &mut u64) -> Vec<usize> {
+        let s = &self.running[i];
+        if s.index != 0 || !s.steps.is_empty() || s.req.params.n <= 1 {
+            return Vec::new();
+        }
+        let forks: Vec<Sequence> = (1..s.req.params.n as u32)
+            .map(|index| {
+                *next_seq += 1;
+                s.fork(SeqId(*next_seq - 1), index)
+            })
+            .collect();
+        let first = self.running.len();
+        self.running.extend(forks);
+        (first..self.running.len()).collect()
     }
 }
 
@@ -150,7 +172,7 @@ mod tests {
     use crate::sampling::SamplingParams;
 
     fn seq(id: RequestId, prompt: usize) -> Sequence {
-        Sequence::new(id, Request::new(vec![1; prompt], SamplingParams::greedy(8)), 0)
+        Sequence::new(SeqId(id), id, Request::new(vec![1; prompt], SamplingParams::greedy(8)), 0)
     }
 
     fn record(rechecked: bool) -> StepRecord {
@@ -179,7 +201,7 @@ mod tests {
             admitted.push(s.id);
             sch.admit_front(0);
         }
-        assert_eq!(admitted, [1, 2, 3], "max_num_seqs");
+        assert_eq!(admitted, [1, 2, 3].map(SeqId), "max_num_seqs");
         sch.running[1].computed = 10;
         sch.running[1].steps.push(record(false));
         // 1 decode row, then 64 of the first prompt; the third's 5 no longer fit (69 - 65).
@@ -199,9 +221,9 @@ mod tests {
             s.computed = 43;
             s.steps.extend([record(false), record(true), record(false), record(true)]);
         }
-        assert_eq!(sch.preempt_latest(), Some(2));
+        assert_eq!(sch.preempt_latest(), Some(SeqId(2)));
         let s = &sch.waiting[0];
-        assert_eq!((s.id, s.computed, s.target(), s.clean_prefix()), (2, 0, 43, 40));
+        assert_eq!((s.id, s.computed, s.target(), s.clean_prefix()), (SeqId(2), 0, 43, 40));
         // Steps 1 and 3 were rechecked: positions 40 and 42 were rewritten by the gate.
         assert_eq!(s.next_chunk(64), 0..41);
         let mut s = sch.waiting.pop_front().unwrap();
@@ -225,5 +247,27 @@ mod tests {
         sch.running[0].computed = 0;
         assert!(sch.prefix_in_flight(&seq(3, 40)), "one whole shared block before its last token");
         assert!(!sch.prefix_in_flight(&seq(4, 20)), "less than a block in common");
+    }
+
+    #[test]
+    fn choices_fork_after_the_prefill_and_leave_the_queue_together() {
+        let mut sch = Scheduler::new(&EngineConfig::default());
+        let mut s = seq(1, 10);
+        s.req.params.n = 3;
+        sch.running.push(s);
+        let mut next_seq = 7;
+        assert_eq!(sch.fork_choices(0, &mut next_seq), [1, 2]);
+        let ids: Vec<(SeqId, RequestId, u32)> = sch.running.iter().map(|s| (s.id, s.request, s.index)).collect();
+        assert_eq!(ids, [(SeqId(1), 1, 0), (SeqId(7), 1, 1), (SeqId(8), 1, 2)]);
+        assert_eq!(next_seq, 9);
+        // once choice 0 has a token it is no longer a fork point
+        sch.running[0].steps.push(record(false));
+        assert!(sch.fork_choices(0, &mut next_seq).is_empty());
+        // preempted choices of one request are cancelled together, by request id
+        while sch.preempt_latest().is_some() {}
+        sch.waiting.push_back(seq(2, 10));
+        let taken: Vec<SeqId> = sch.take_waiting(1).iter().map(|s| s.id).collect();
+        assert_eq!(taken.len(), 3);
+        assert_eq!(sch.waiting.iter().map(|s| s.request).collect::<Vec<_>>(), [2]);
     }
 }

@@ -4,7 +4,7 @@
 use crate::error::Error;
 use crate::kv_cache::KvCache;
 
-use super::output::TextState;
+use super::text::TextState;
 use super::{FinishReason, GateStats, Request, RequestId};
 
 /// What one decode step decided for a sequence: the gate's record.
@@ -26,10 +26,23 @@ pub(crate) struct StepRecord {
     pub top_logprobs: Vec<(u32, f32)>,
 }
 
+impl StepRecord {
+    /// Counts this step into the engine's gate counters.
+    pub fn tally(&self, stats: &mut GateStats) {
+        stats.steps += 1;
+        stats.rechecks += self.rechecked as u64;
+        stats.corrections += (self.rechecked && self.corrected) as u64;
+        stats.deep_rechecks += self.deep as u64;
+    }
+}
+
+/// A sequence's id: one per choice of a request, never reused. Not a [`RequestId`]: a request of
+/// `n` choices runs as `n` sequences.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) struct SeqId(pub u64);
+
 pub(crate) struct Sequence {
-    /// The engine's id for this sequence: the request's own for choice 0, a fresh one for the
-    /// other choices.
-    pub id: RequestId,
+    pub id: SeqId,
     /// The request it is a choice of, and which.
     pub request: RequestId,
     pub index: u32,
@@ -60,10 +73,10 @@ pub(crate) struct Sequence {
 }
 
 impl Sequence {
-    pub fn new(id: RequestId, req: Request, seed: u64) -> Self {
+    pub fn new(id: SeqId, request: RequestId, req: Request, seed: u64) -> Self {
         Sequence {
             id,
-            request: id,
+            request,
             index: 0,
             seed,
             req,
@@ -81,7 +94,7 @@ impl Sequence {
 
     /// Choice `index` of the same request, as this one is after its prefill and before its
     /// first token.
-    pub fn fork(&self, id: RequestId, index: u32) -> Sequence {
+    pub fn fork(&self, id: SeqId, index: u32) -> Sequence {
         debug_assert!(!self.in_prefill() && self.steps.is_empty());
         Sequence {
             id,
@@ -181,7 +194,7 @@ impl Sequence {
 
     pub fn gate_stats(&self) -> GateStats {
         let mut g = GateStats::default();
-        self.steps.iter().for_each(|r| g.add(r));
+        self.steps.iter().for_each(|r| r.tally(&mut g));
         g
     }
 }

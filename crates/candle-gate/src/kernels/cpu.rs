@@ -47,7 +47,7 @@ pub const SUPPORTED: [GgmlDType; 13] = [
 
 fn blocks_of<T>(bytes: &[u8]) -> Result<&[T]> {
     let size = std::mem::size_of::<T>();
-    if bytes.len() % size != 0 || (bytes.as_ptr() as usize) % std::mem::align_of::<T>() != 0 {
+    if !bytes.len().is_multiple_of(size) || !(bytes.as_ptr() as usize).is_multiple_of(std::mem::align_of::<T>()) {
         return Err(Error::Unsupported(format!(
             "weight storage of {} bytes is not a whole, aligned array of {size}-byte blocks",
             bytes.len()

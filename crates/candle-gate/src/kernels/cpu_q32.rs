@@ -4,8 +4,8 @@
 //! Candle 0.11 computes both dot products with its generic scalar code. Here the per-block
 //! integer sum is computed with AVX2 — integer arithmetic is exact, so lanes and reduction trees
 //! cannot change it — and the float part is done exactly as Candle does it, block by block in
-//! order (Q4_1: `sumf += sumi as f32 * d_x * d_y + m_x * s_y`; Q5_0: `sumf += sumi as f32 * d_x
-//! * d_y`). Every output element is therefore bitwise equal to Candle's own result, at every
+//! order (Q4_1: `sumf += sumi as f32 * d_x * d_y + m_x * s_y`; Q5_0:
+//! `sumf += sumi as f32 * d_x * d_y`). Every output element is therefore bitwise equal to Candle's own result, at every
 //! row count, while a weight block is unpacked once per tile of rows instead of once per row
 //! and column.
 

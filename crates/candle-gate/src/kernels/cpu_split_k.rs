@@ -65,6 +65,7 @@ pub fn matmul(w: &[f16], x: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
     let op = OutPtr(out.as_mut_ptr());
     let tasks = n.div_ceil(COLS_PER_TASK);
     super::parallel_for(tasks, |t| {
+        #[allow(clippy::redundant_locals)] // captures the whole Send wrapper, not its raw field
         let op = op;
         let c_end = n.min((t + 1) * COLS_PER_TASK);
         for r0 in (0..m).step_by(TILE_ROWS) {

@@ -44,7 +44,7 @@ fn amax(x: &[f32]) -> f32 {
 /// clamped first to [−128, 127] (which saturation does anyway).
 fn round_block(x: &[f32], scale: f32, q: &mut [i8]) {
     #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
-    if x.len() % 32 == 0 {
+    if x.len().is_multiple_of(32) {
         // SAFETY: AVX2 is a compile-time feature of this build; lengths checked.
         unsafe { avx2::round_block(x, scale, q) };
         return;
