@@ -8,7 +8,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import candle_gate
-from conftest import free_port
+from conftest import free_port, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "The capital of France is"
@@ -71,17 +70,15 @@ def test_serve_from_the_wheel(venv):
     proc = subprocess.Popen([str(venv["bin"] / "candle-gate"), "serve", "--model", str(path), "--port", str(port)],
                             cwd=venv["cwd"], env=venv["env"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.time() + 120
-        while True:
+        def healthy() -> bool:
             assert proc.poll() is None, proc.stdout.read()
             try:
                 with urllib.request.urlopen(url + "/health", timeout=2) as h:
-                    if h.status == 200:
-                        break
+                    return h.status == 200
             except (urllib.error.URLError, OSError):
-                pass
-            assert time.time() < deadline, "the server did not become healthy"
-            time.sleep(0.3)
+                return False
+
+        wait_until(healthy, "the wheel's server to answer /health")
         body = json.dumps({"model": Path(path).stem, "prompt": PROMPT, "max_tokens": 8,
                            "temperature": 0}).encode()
         req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})

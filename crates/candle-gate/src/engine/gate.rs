@@ -2,7 +2,6 @@
 //! steps in the reference lane (repairing the K/V of that position), rebuilds the cache in the
 //! reference lane when the recheck is itself a near-tie, and returns one record per step.
 
-use crate::decoder::{KvCache, KvDtype};
 use crate::error::Result;
 use crate::model::Model;
 use crate::ops::hash_bits;
@@ -10,6 +9,7 @@ use crate::reference::ReferenceWeights;
 use crate::sampling::{self, Decision};
 
 use super::config::{GateConfig, GateMode};
+use super::runner::Runner;
 use super::sequence::{Sequence, StepRecord};
 
 pub(crate) struct Gate {
@@ -19,15 +19,15 @@ pub(crate) struct Gate {
 }
 
 impl Gate {
-    /// The step's record for `s`, whose latest position (just written by the fast lane) is the
-    /// last of `cache`. An error leaves that position's K/V undefined: the caller fails the
-    /// sequence, and only it.
+    /// The step's record for `s`, whose latest position was just written by the fast lane.
+    /// The gate decides what to recompute; the runner, which owns the caches, recomputes it.
+    /// An error leaves that position's K/V undefined: the caller fails the sequence, and only it.
     /// `fast` is [`fast_decision`] of `logits` (computed for every sequence in parallel).
     pub fn decide(
         &self,
         model: &Model,
         s: &mut Sequence,
-        cache: &mut KvCache,
+        runner: &mut Runner,
         logits: &[f32],
         fast: Decision,
     ) -> Result<StepRecord> {
@@ -51,14 +51,12 @@ impl Gate {
             logprob: None,
             top_logprobs: Vec::new(),
         };
-        let pos = cache.len() - 1;
-        let fed = s.fed_at(pos);
         let mut deciding: Option<Vec<f32>> = None;
         if rechecked {
-            let mut ref_logits = model.decoder.reference_step(cache, fed, self.reference)?;
+            let mut ref_logits = runner.recheck(model, s, self.reference, false)?;
             let mut reference = choose(&ref_logits);
             if reference.margin < self.cfg.deep_tau {
-                ref_logits = rebuild_in_reference_lane(model, s, cache, self.reference)?;
+                ref_logits = runner.rebuild_in_reference_lane(model, s, self.reference)?;
                 reference = sampling::decide(&s.req.params, key, &s.req.prompt_tokens, &output, &ref_logits);
                 record.deep = true;
             }
@@ -67,12 +65,7 @@ impl Gate {
             record.corrected = reference.token != fast.token;
             deciding = Some(ref_logits);
         } else if self.cfg.mode == GateMode::Shadow {
-            // The fast lane's K/V must stay as they are: save the one position the recheck
-            // overwrites and put it back.
-            let saved = cache.save_position(pos);
-            let ref_logits = model.decoder.reference_step(cache, fed, self.reference);
-            cache.restore_position(saved)?;
-            let reference = choose(&ref_logits?);
+            let reference = choose(&runner.recheck(model, s, self.reference, true)?);
             record.reference_margin = reference.margin;
             record.corrected = reference.token != fast.token;
         }
@@ -90,32 +83,4 @@ impl Gate {
 /// The decision `s`'s next step would take from `logits`, before any recheck.
 pub(crate) fn fast_decision(s: &Sequence, logits: &[f32]) -> Decision {
     sampling::decide(&s.req.params, s.draw_key(), &s.req.prompt_tokens, &s.fed_output(), logits)
-}
-
-/// Recomputes the sequence in the reference lane from `reference_exact` on (the prompt, then
-/// every token fed so far), in its own f32 cache, and returns the logits of the last position;
-/// the sequence's cache takes the rebuilt positions' K/V (in its dtype). Positions before
-/// `reference_exact` already are what this would compute, so the result is bitwise the same as
-/// rebuilding from position 0: greedy decoding in the reference lane alone.
-fn rebuild_in_reference_lane(
-    model: &Model,
-    s: &mut Sequence,
-    cache: &mut KvCache,
-    how: ReferenceWeights,
-) -> Result<Vec<f32>> {
-    let len = cache.len();
-    debug_assert_eq!(len, s.req.prompt_tokens.len() + s.steps.len());
-    // The latest position is always recomputed: it is the one whose logits are wanted.
-    let from = s.reference_exact.min(len - 1).min(s.reference_cache.as_ref().map_or(0, |c| c.len()));
-    let fed: Vec<u32> = (from..len).map(|i| s.fed_at(i)).collect();
-    let exact = s.reference_cache.get_or_insert_with(|| model.decoder.new_cache_with(KvDtype::F32));
-    exact.truncate(from);
-    let last = model.decoder.reference_extend(exact, &fed, how)?;
-    for pos in from..len {
-        for layer in 0..model.decoder.cfg.n_layer {
-            cache.write(layer, pos, &exact.read(layer, pos, false), &exact.read(layer, pos, true))?;
-        }
-    }
-    s.reference_exact = len;
-    Ok(last)
 }

@@ -307,7 +307,7 @@ impl Engine {
             let fault = self.cfg.inject_fault == Some(InjectedFault::Gate { step: steps_run, id: s.request });
             let decided = match fault {
                 true => Err(Error::Engine(format!("injected fault in the gate of step {steps_run}"))),
-                false => self.gate.decide(&model, s, self.runner.cache_mut(s.id), &logits[k].1, fast),
+                false => self.gate.decide(&model, s, &mut self.runner, &logits[k].1, fast),
             };
             match decided {
                 Ok(record) => {

@@ -7,17 +7,15 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use crate::decoder::SeqRows;
-use crate::dispatch::Lane;
-use crate::dispatch::{Policy, QMatMul};
+use crate::dispatch::{Lane, Policy, QMatMul};
 use crate::error::{Error, Result};
-use crate::kv_cache::{KvCache, KvPool, KV_BLOCK};
+use crate::kv_cache::{KvCache, KvDtype, KvPool, KV_BLOCK};
 use crate::model::Model;
 use crate::prefix_cache::{chain_hash, colliding_hash};
 use crate::reference::ReferenceWeights;
 
 use super::scheduler::Work;
-use super::sequence::SeqId;
-use super::sequence::Sequence;
+use super::sequence::{SeqId, Sequence};
 use super::EngineConfig;
 
 /// A step's logits: `(index in running, logits)` for every sequence that decides a token.
@@ -116,6 +114,57 @@ impl Runner {
     }
     pub fn cache_mut(&mut self, id: SeqId) -> &mut KvCache {
         &mut self.slots.get_mut(&id).expect("a running sequence has a cache").cache
+    }
+
+    /// The reference lane's logits for `s`'s latest position (which the fast lane just wrote),
+    /// its K/V replacing the fast lane's; with `keep_fast_kv` (the shadow gate) the fast lane's
+    /// K/V are put back.
+    pub fn recheck(
+        &mut self,
+        model: &Model,
+        s: &Sequence,
+        how: ReferenceWeights,
+        keep_fast_kv: bool,
+    ) -> Result<Vec<f32>> {
+        let cache = self.cache_mut(s.id);
+        let pos = cache.len() - 1;
+        let fed = s.fed_at(pos);
+        if !keep_fast_kv {
+            return model.decoder.reference_step(cache, fed, how);
+        }
+        let saved = cache.save_position(pos);
+        let ref_logits = model.decoder.reference_step(cache, fed, how);
+        cache.restore_position(saved)?;
+        ref_logits
+    }
+
+    /// Recomputes the sequence in the reference lane from `reference_exact` on (the prompt, then
+    /// every token fed so far), in its own f32 cache, and returns the logits of the last position;
+    /// the sequence's cache takes the rebuilt positions' K/V (in its dtype). Positions before
+    /// `reference_exact` already are what this would compute, so the result is bitwise the same as
+    /// rebuilding from position 0: greedy decoding in the reference lane alone.
+    pub fn rebuild_in_reference_lane(
+        &mut self,
+        model: &Model,
+        s: &mut Sequence,
+        how: ReferenceWeights,
+    ) -> Result<Vec<f32>> {
+        let cache = self.cache_mut(s.id);
+        let len = cache.len();
+        debug_assert_eq!(len, s.req.prompt_tokens.len() + s.steps.len());
+        // The latest position is always recomputed: it is the one whose logits are wanted.
+        let from = s.reference_exact.min(len - 1).min(s.reference_cache.as_ref().map_or(0, |c| c.len()));
+        let fed: Vec<u32> = (from..len).map(|i| s.fed_at(i)).collect();
+        let exact = s.reference_cache.get_or_insert_with(|| model.decoder.new_cache_with(KvDtype::F32));
+        exact.truncate(from);
+        let last = model.decoder.reference_extend(exact, &fed, how)?;
+        for pos in from..len {
+            for layer in 0..model.decoder.cfg.n_layer {
+                cache.write(layer, pos, &exact.read(layer, pos, false), &exact.read(layer, pos, true))?;
+            }
+        }
+        s.reference_exact = len;
+        Ok(last)
     }
 
     /// Registers `s`'s whole blocks that hold the fast lane's own K/V (see
