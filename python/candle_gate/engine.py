@@ -67,6 +67,9 @@ class Result:
     #: ``[steps, top_logprobs]``: the most likely tokens per step and their log-probabilities
     top_logprob_ids: np.ndarray = field(repr=False, default_factory=lambda: np.zeros((0, 0), np.uint32))
     top_logprobs: np.ndarray = field(repr=False, default_factory=lambda: np.zeros((0, 0), np.float32))
+    #: drafts proposed for this choice and kept (speculative decoding; 0 without it)
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
     #: every choice of the request, in index order (this one first)
     choices: List["Result"] = field(repr=False, default_factory=list)
 
@@ -209,7 +212,8 @@ class Engine:
                  prefill_chunk: int = _D["prefill_chunk"], kv_budget_tokens: int = _D["kv_budget_tokens"],
                  threads: Optional[int] = None, record_logit_hashes: bool = False,
                  row_split_max: Optional[int] = None, deep_tau: Optional[float] = None,
-                 kv_dtype: str = _D["kv_dtype"], enable_prefix_caching: bool = _D["enable_prefix_caching"]):
+                 kv_dtype: str = _D["kv_dtype"], enable_prefix_caching: bool = _D["enable_prefix_caching"],
+                 speculative: Optional[Dict[str, Any]] = None):
         if not isinstance(model, Model):
             model = Model.load(model)
         self.model = model
@@ -220,7 +224,20 @@ class Engine:
             max_num_seqs=max_num_seqs, max_tokens_per_step=max_tokens_per_step,
             prefill_chunk=prefill_chunk, kv_budget_tokens=kv_budget_tokens, kv_dtype=kv_dtype, threads=threads,
             record_logit_hashes=record_logit_hashes, row_split_max=row_split_max,
-            gate_profiles=gate_profiles(profile), enable_prefix_caching=enable_prefix_caching)
+            gate_profiles=gate_profiles(profile), enable_prefix_caching=enable_prefix_caching,
+            speculative=speculative)
+
+    @property
+    def speculative(self) -> Optional[str]:
+        """The engine's speculative decoding in one line (None: off), e.g.
+        ``"ngram;k=5;lookup=2..4;max_batch=4"``. Speculation changes how many tokens a step
+        emits, never which."""
+        return self._native.speculative
+
+    def spec_stats(self) -> Dict[str, int]:
+        """Drafts proposed (``draft_tokens``) and kept (``accepted_tokens``) since the engine
+        started."""
+        return self._native.spec_stats()
 
     @property
     def kv_block_size(self) -> int:

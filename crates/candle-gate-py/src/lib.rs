@@ -8,7 +8,7 @@ use std::str::FromStr;
 use std::sync::{Arc, Mutex};
 
 use candle_gate::dispatch::Backend;
-use candle_gate::engine::{Choice, Event, Output};
+use candle_gate::engine::{Choice, Event, Output, SpeculativeConfig, SpeculativeMethod};
 use candle_gate::profile::Profile;
 use candle_gate::reference::ReferenceWeights;
 use candle_gate::{Engine as RsEngine, EngineConfig, GateConfig, GateMode, Mode, Model as RsModel, Policy, Request};
@@ -258,6 +258,40 @@ fn gate_dict<'py>(py: Python<'py>, g: &candle_gate::engine::GateStats) -> PyResu
     Ok(d)
 }
 
+/// `speculative=dict(method="ngram", num_speculative_tokens=K, prompt_lookup_max=N,
+/// prompt_lookup_min=N, disable_by_batch_size=N)`: what is not given is
+/// `SpeculativeConfig::new`'s, and the bounds are `SpeculativeConfig::validate`'s.
+fn speculative_config(d: Option<&Bound<'_, PyDict>>) -> PyResult<Option<SpeculativeConfig>> {
+    let Some(d) = d else { return Ok(None) };
+    let Some(method) = d.get_item("method")? else {
+        return Err(invalid("speculative", "speculative needs a method, e.g. dict(method=\"ngram\")".into()));
+    };
+    let method = method.extract::<String>().map_err(|_| invalid("speculative", "method must be a string".into()))?;
+    let mut c = SpeculativeConfig::new(SpeculativeMethod::from_str(&method).map_err(to_py)?);
+    for (k, v) in d.iter() {
+        let key: String = k.extract()?;
+        let field = match key.as_str() {
+            "method" => continue,
+            "num_speculative_tokens" => &mut c.num_speculative_tokens,
+            "prompt_lookup_max" => &mut c.prompt_lookup_max,
+            "prompt_lookup_min" => &mut c.prompt_lookup_min,
+            "disable_by_batch_size" => &mut c.disable_by_batch_size,
+            other => {
+                let expected =
+                    "method, num_speculative_tokens, prompt_lookup_max, prompt_lookup_min, disable_by_batch_size";
+                return Err(invalid(
+                    "speculative",
+                    format!("unknown speculative option {other:?}; expected {expected}"),
+                ));
+            }
+        };
+        let n = v.extract::<i64>().map_err(|_| invalid("speculative", format!("{key} must be an integer")))?;
+        *field = count(&key, n)?;
+    }
+    c.validate().map_err(to_py)?;
+    Ok(Some(c))
+}
+
 fn choice_dict<'py>(py: Python<'py>, c: Choice) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("index", c.index)?;
@@ -276,6 +310,8 @@ fn choice_dict<'py>(py: Python<'py>, c: Choice) -> PyResult<Bound<'py, PyDict>> 
     d.set_item("fingerprint", c.fingerprint)?;
     d.set_item("error", c.error)?;
     d.set_item("gate", gate_dict(py, &c.gate)?)?;
+    d.set_item("draft_tokens", c.draft_tokens)?;
+    d.set_item("accepted_tokens", c.accepted_tokens)?;
     Ok(d)
 }
 
@@ -439,7 +475,7 @@ impl Engine {
     #[pyo3(signature = (model, *, mode = None, profile = None, gate = "off", tau = None, deep_tau = None,
         max_num_seqs = None, max_tokens_per_step = None, prefill_chunk = None, kv_budget_tokens = None,
         kv_dtype = None, threads = None, record_logit_hashes = false, row_split_max = None, gate_profiles = None,
-        enable_prefix_caching = None, collide_prefix_hashes = false))]
+        enable_prefix_caching = None, collide_prefix_hashes = false, speculative = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         model: &Model,
@@ -459,6 +495,7 @@ impl Engine {
         gate_profiles: Option<Vec<String>>,
         enable_prefix_caching: Option<bool>,
         collide_prefix_hashes: bool,
+        speculative: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
         guarded("Engine()", || {
             // What is not given is `EngineConfig::default()`'s (`ENGINE_DEFAULTS`): one owner.
@@ -508,6 +545,7 @@ impl Engine {
                 record_logit_hashes,
                 enable_prefix_caching,
                 collide_prefix_hashes,
+                speculative: speculative_config(speculative)?,
                 ..Default::default()
             };
             let e = RsEngine::new(model.inner.clone(), Arc::new(policy), cfg).map_err(to_py)?;
@@ -582,6 +620,19 @@ impl Engine {
         d.set_item("prefix_hits", c.prefix_hits)?;
         d.set_item("preemptions", c.preemptions)?;
         Ok(d)
+    }
+    /// Drafts proposed and kept since the engine started (speculative decoding).
+    fn spec_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let c = self.with(py, |e| e.spec_stats())?;
+        let d = PyDict::new(py);
+        d.set_item("draft_tokens", c.draft_tokens)?;
+        d.set_item("accepted_tokens", c.accepted_tokens)?;
+        Ok(d)
+    }
+    /// The engine's speculation as given (None: off), e.g. `ngram;k=5;lookup=2..4;max_batch=4`.
+    #[getter]
+    fn speculative(&self, py: Python<'_>) -> PyResult<Option<String>> {
+        self.with(py, |e| e.speculative().map(|s| s.describe()))
     }
     /// Forgets every cached prefix (blocks running sequences hold stay with them).
     fn reset_prefix_cache(&self, py: Python<'_>) -> PyResult<()> {

@@ -298,8 +298,9 @@ pub struct Decoder {
 pub struct SeqRows<'a> {
     pub cache: &'a mut KvCache,
     pub tokens: &'a [u32],
-    /// Whether this sequence needs logits for its last row (decode rows and final prefill chunks).
-    pub want_logits: bool,
+    /// How many of its last rows need logits: 1 for a decode row or a final prefill chunk, the
+    /// whole verification run for a speculating sequence, 0 for other prefill chunks.
+    pub logit_rows: usize,
 }
 
 fn to_f32(t: QTensor) -> Result<Vec<f32>> {
@@ -379,7 +380,7 @@ impl Decoder {
     /// Fast-lane logits of the last of `tokens`, prefilled from an empty cache in one call.
     pub fn last_logits(&self, policy: &Policy, tokens: &[u32]) -> Result<Vec<f32>> {
         let mut cache = self.new_cache();
-        let mut out = self.forward(policy, &mut [SeqRows { cache: &mut cache, tokens, want_logits: true }])?;
+        let mut out = self.forward(policy, &mut [SeqRows { cache: &mut cache, tokens, logit_rows: 1 }])?;
         out.pop().flatten().ok_or_else(|| Error::BadInput("no tokens".into()))
     }
 
@@ -513,9 +514,10 @@ impl Decoder {
             rows.seq.extend(std::iter::repeat_n(i, s.tokens.len()));
             rows.pos.extend(s.cache.len()..end);
             rows.tokens.extend_from_slice(s.tokens);
-            if s.want_logits {
-                logit_rows.push(rows.tokens.len() - 1);
+            if s.logit_rows > s.tokens.len() {
+                return Err(Error::BadInput(format!("sequence {i} wants logits for more rows than it has")));
             }
+            logit_rows.extend(rows.tokens.len() - s.logit_rows..rows.tokens.len());
         }
         if rows.tokens.is_empty() {
             return Ok(Vec::new());
@@ -544,10 +546,17 @@ impl Decoder {
         if logit_rows.len() == 1 {
             // One row's logits leave as they are, without a copy.
             let mut one = Some(logits);
-            return Ok(batch.iter().map(|s| if s.want_logits { one.take() } else { None }).collect());
+            return Ok(batch.iter().map(|s| if s.logit_rows > 0 { one.take() } else { None }).collect());
         }
-        let mut per_row = logits.chunks_exact(cfg.vocab);
-        Ok(batch.iter().map(|s| s.want_logits.then(|| per_row.next().unwrap().to_vec())).collect())
+        let mut from = 0;
+        Ok(batch
+            .iter()
+            .map(|s| {
+                let n = s.logit_rows * cfg.vocab;
+                from += n;
+                (n > 0).then(|| logits[from - n..from].to_vec())
+            })
+            .collect())
     }
 }
 

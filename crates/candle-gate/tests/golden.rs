@@ -65,7 +65,7 @@ fn fast_lane(m: &Model, p: &Policy, prompt: &[u32]) -> Vec<Step> {
             let mut trace = vec![];
             let out = m.decoder.forward_traced(
                 p,
-                &mut [SeqRows { cache: &mut cache, tokens: &feed, want_logits: true }],
+                &mut [SeqRows { cache: &mut cache, tokens: &feed, logit_rows: 1 }],
                 Some(&mut trace),
             );
             let step = step_of(out.unwrap()[0].as_ref().unwrap(), &trace);

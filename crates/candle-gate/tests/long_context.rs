@@ -76,13 +76,13 @@ fn run(m: &Model, p: &Policy, prompt: &[u32], checkpoints: &[usize], decode: usi
                 let n = if *f == 0 { 5 } else { 1 };
                 let n = n.min(o.len() - *f);
                 if n > 0 {
-                    batch.push(SeqRows { cache: c, tokens: &o[*f..*f + n], want_logits: true });
+                    batch.push(SeqRows { cache: c, tokens: &o[*f..*f + n], logit_rows: 1 });
                     *f += n;
                 }
             }
             // The sequence under test sits in the middle of the step.
             let mid = batch.len() / 2;
-            batch.insert(mid, SeqRows { cache, tokens, want_logits: true });
+            batch.insert(mid, SeqRows { cache, tokens, logit_rows: 1 });
             let mut r = m.decoder.forward(p, &mut batch).unwrap();
             r.remove(mid).unwrap()
         };
@@ -161,7 +161,7 @@ fn kv_dtype_changes_bits_and_each_is_reproducible() {
     let prompt = text_tokens(&m, 40, 3);
     let at = |dtype| {
         let mut c = m.decoder.new_cache_with(dtype);
-        let r = m.decoder.forward(&p, &mut [SeqRows { cache: &mut c, tokens: &prompt, want_logits: true }]).unwrap();
+        let r = m.decoder.forward(&p, &mut [SeqRows { cache: &mut c, tokens: &prompt, logit_rows: 1 }]).unwrap();
         hash_bits(r[0].as_ref().unwrap())
     };
     assert_eq!(at(KvDtype::F16), at(KvDtype::F16));

@@ -37,7 +37,7 @@ fn run_alone(m: &Model, p: &Policy, s: &Script) -> Vec<Vec<u32>> {
     for &n in &s.feeds {
         let r = m
             .decoder
-            .forward(p, &mut [SeqRows { cache: &mut cache, tokens: &s.tokens[at..at + n], want_logits: true }])
+            .forward(p, &mut [SeqRows { cache: &mut cache, tokens: &s.tokens[at..at + n], logit_rows: 1 }])
             .unwrap();
         out.push(bits(r[0].as_ref().unwrap()));
         at += n;
@@ -56,7 +56,7 @@ fn run_together(m: &Model, p: &Policy, scripts: &[Script]) -> Vec<Vec<Vec<u32>>>
         let mut who = vec![];
         for (i, (s, cache)) in scripts.iter().zip(caches.iter_mut()).enumerate() {
             if let Some(&n) = s.feeds.get(c) {
-                batch.push(SeqRows { cache, tokens: &s.tokens[at[i]..at[i] + n], want_logits: true });
+                batch.push(SeqRows { cache, tokens: &s.tokens[at[i]..at[i] + n], logit_rows: 1 });
                 who.push(i);
                 at[i] += n;
             }
@@ -238,9 +238,9 @@ fn seeded_sampling_does_not_depend_on_batch_in_invariant_mode() {
 fn bad_forward_input_is_an_error_not_a_panic() {
     let (m, p) = model(Mode::Invariant);
     let mut c = m.decoder.new_cache();
-    let e = m.decoder.forward(&p, &mut [SeqRows { cache: &mut c, tokens: &[999_999], want_logits: true }]).unwrap_err();
+    let e = m.decoder.forward(&p, &mut [SeqRows { cache: &mut c, tokens: &[999_999], logit_rows: 1 }]).unwrap_err();
     assert!(e.to_string().contains("outside the vocabulary"), "{e}");
-    let e = m.decoder.forward(&p, &mut [SeqRows { cache: &mut c, tokens: &[], want_logits: true }]).unwrap_err();
+    let e = m.decoder.forward(&p, &mut [SeqRows { cache: &mut c, tokens: &[], logit_rows: 1 }]).unwrap_err();
     assert!(e.to_string().contains("no tokens"), "{e}");
 }
 

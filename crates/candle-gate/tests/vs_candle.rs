@@ -25,7 +25,7 @@ fn logits_match_candle_transformers() {
         let mut cache = model.decoder.new_cache_with(decoder::KvDtype::F32);
         let out = model
             .decoder
-            .forward(&policy, &mut [decoder::SeqRows { cache: &mut cache, tokens: ids, want_logits: true }])
+            .forward(&policy, &mut [decoder::SeqRows { cache: &mut cache, tokens: ids, logit_rows: 1 }])
             .unwrap();
         let got = out[0].clone().unwrap();
         let scale = want.iter().fold(0f32, |a, &b| a.max(b.abs()));

@@ -9,6 +9,7 @@ use crate::error::{Error, Result};
 use crate::kv_cache::{KvDtype, KV_BLOCK};
 use crate::profile::Profile;
 
+use super::speculative::SpeculativeConfig;
 use super::RequestId;
 
 #[derive(Clone, Debug)]
@@ -35,6 +36,8 @@ pub struct EngineConfig {
     /// K/V; `false` in real use.
     #[doc(hidden)]
     pub collide_prefix_hashes: bool,
+    /// Speculative decoding (`None`: off). It changes how many tokens a step emits, never which.
+    pub speculative: Option<SpeculativeConfig>,
     /// Fault injection for tests of the engine's failure handling; `None` in real use.
     #[doc(hidden)]
     pub inject_fault: Option<InjectedFault>,
@@ -71,6 +74,7 @@ impl Default for EngineConfig {
             record_logit_hashes: false,
             enable_prefix_caching: true,
             collide_prefix_hashes: false,
+            speculative: None,
             inject_fault: None,
         }
     }
@@ -213,6 +217,12 @@ impl GateConfig {
             None => Self::new(mode, tau)?,
         };
         Ok((cfg, source))
+    }
+
+    /// Whether a verification run can keep drafts: not when every step is rechecked (`always`,
+    /// `shadow`), since a recheck ends the run at its row.
+    pub fn can_speculate(&self) -> bool {
+        matches!(self.mode, GateMode::Off | GateMode::Gated)
     }
 
     pub fn off() -> Self {

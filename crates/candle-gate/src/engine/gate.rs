@@ -19,6 +19,15 @@ pub(crate) struct Gate {
 }
 
 impl Gate {
+    /// Whether the step whose fast-lane decision is `fast` is recomputed in the reference lane.
+    pub fn rechecks(&self, fast: &Decision) -> bool {
+        match self.cfg.mode {
+            GateMode::Off | GateMode::Shadow => false,
+            GateMode::Always => true,
+            GateMode::Gated => fast.margin < self.cfg.tau,
+        }
+    }
+
     /// The step's record for `s`, whose latest position was just written by the fast lane.
     /// The gate decides what to recompute; the runner, which owns the caches, recomputes it.
     /// An error leaves that position's K/V undefined: the caller fails the sequence, and only it.
@@ -35,11 +44,7 @@ impl Gate {
         let output = s.fed_output();
         let params = &s.req.params;
         let choose = |lg: &[f32]| -> Decision { sampling::decide(params, key, &s.req.prompt_tokens, &output, lg) };
-        let rechecked = match self.cfg.mode {
-            GateMode::Off | GateMode::Shadow => false,
-            GateMode::Always => true,
-            GateMode::Gated => fast.margin < self.cfg.tau,
-        };
+        let rechecked = self.rechecks(&fast);
         let mut record = StepRecord {
             token: fast.token,
             margin: fast.margin,

@@ -12,6 +12,7 @@ mod request;
 mod runner;
 mod scheduler;
 mod sequence;
+pub mod speculative;
 mod text;
 
 use std::collections::HashMap;
@@ -24,14 +25,17 @@ use crate::error::{Error, Result};
 use crate::kv_cache::KV_BLOCK;
 use crate::model::{fingerprint, Model};
 use crate::reference::ReferenceWeights;
+use crate::sampling::Decision;
 
 use gate::Gate;
 use runner::Runner;
 use scheduler::Scheduler;
+use scheduler::Work;
 use sequence::{SeqId, Sequence};
 
 pub use config::{EngineConfig, GateConfig, GateMode, InjectedFault, DEEP_TAU_FRACTION};
 pub use request::{CacheStats, Choice, Event, FinishReason, GateStats, Output, Request, RequestId};
+pub use speculative::{SpecStats, SpeculativeConfig, SpeculativeMethod};
 
 /// Upper bound on `max_new_tokens` accepted at submit: a bigger value is a bug, not a plan.
 pub use crate::sampling::MAX_NEW_TOKENS_LIMIT;
@@ -53,6 +57,7 @@ pub struct Engine {
     steps_run: u64,
     stats: GateStats,
     cache_stats: CacheStats,
+    spec_stats: SpecStats,
     shut_down: bool,
     model_sha: String,
     /// What this host and build contribute to the bits in the policy's mode (`host::signature`).
@@ -73,6 +78,9 @@ impl Engine {
                 ),
             ));
         }
+        if let Some(spec) = &cfg.speculative {
+            spec.validate()?;
+        }
         let pool = match cfg.threads {
             Some(0) => return Err(Error::invalid("threads", "threads must be at least 1")),
             Some(n) => {
@@ -91,7 +99,7 @@ impl Engine {
         Ok(Engine {
             model_sha,
             host: crate::host::signature(policy.mode),
-            scheduler: Scheduler::new(&cfg),
+            scheduler: Scheduler::new(&cfg, model.decoder.cfg.context_length),
             runner: Runner::new(&model, &cfg, salt),
             gate,
             model,
@@ -106,6 +114,7 @@ impl Engine {
             steps_run: 0,
             stats: GateStats::default(),
             cache_stats: CacheStats::default(),
+            spec_stats: SpecStats::default(),
             shut_down: false,
         })
     }
@@ -246,6 +255,14 @@ impl Engine {
     pub fn cache_stats(&self) -> CacheStats {
         self.cache_stats.clone()
     }
+    /// The engine's speculation, if any.
+    pub fn speculative(&self) -> Option<&SpeculativeConfig> {
+        self.cfg.speculative.as_ref()
+    }
+    /// Drafts proposed and kept since the engine started.
+    pub fn spec_stats(&self) -> SpecStats {
+        self.spec_stats
+    }
     /// Forgets every cached prefix (blocks held by running sequences stay with them).
     pub fn reset_prefix_cache(&mut self) {
         self.runner.reset_prefix_cache();
@@ -298,28 +315,18 @@ impl Engine {
                 deciding.push((j, k));
             }
         }
-        // The sampling itself runs for every sequence at once; the gate's rechecks follow.
+        // The sampling of each sequence's first row runs for every sequence at once; the
+        // gate's rechecks and the rest of each verification run follow.
         let running = &self.scheduler.running;
-        let fast: Vec<_> = deciding.par_iter().map(|&(i, k)| gate::fast_decision(&running[i], &logits[k].1)).collect();
-        let steps_run = self.steps_run;
+        let vocab = model.decoder.cfg.vocab;
+        let fast: Vec<_> =
+            deciding.par_iter().map(|&(i, k)| gate::fast_decision(&running[i], &logits[k].1[..vocab])).collect();
         for (&(i, k), fast) in deciding.iter().zip(fast) {
-            let s = &mut self.scheduler.running[i];
-            let fault = self.cfg.inject_fault == Some(InjectedFault::Gate { step: steps_run, id: s.request });
-            let decided = match fault {
-                true => Err(Error::Engine(format!("injected fault in the gate of step {steps_run}"))),
-                false => self.gate.decide(&model, s, &mut self.runner, &logits[k].1, fast),
+            let drafts = match plan.binary_search_by_key(&i, |p| p.0).map(|p| &plan[p].1) {
+                Ok(Work::Verify(d)) => d.as_slice(),
+                _ => &[],
             };
-            match decided {
-                Ok(record) => {
-                    record.tally(&mut self.stats);
-                    s.steps.push(record);
-                    output::after_token(&model, s);
-                }
-                Err(e) => {
-                    s.error = Some(e);
-                    s.finish = Some(FinishReason::Error);
-                }
-            }
+            self.decide_rows(&model, i, &logits[k].1, fast, drafts);
         }
         for s in self.scheduler.running.iter_mut() {
             output::emit(&mut self.events, s);
@@ -329,6 +336,56 @@ impl Engine {
         }
         self.retire_finished();
         Ok(rows)
+    }
+
+    /// Decides `running[i]`'s tokens from its rows' logits: one row, or a verification run (the
+    /// fed token, then each draft). Row `j`'s decision is the one plain decoding makes there as
+    /// long as every earlier draft equalled the decision before it; so the run goes on while a
+    /// draft equals the decision, the gate did not recheck the row (a recheck rewrites the row's
+    /// K/V, which the rows after it read) and the sequence has not finished. The cache keeps the
+    /// rows up to the last decided one.
+    fn decide_rows(&mut self, model: &Model, i: usize, logits: &[f32], fast: Decision, drafts: &[u32]) {
+        let (vocab, steps_run) = (model.decoder.cfg.vocab, self.steps_run);
+        let first = self.scheduler.running[i].computed - 1 - drafts.len();
+        let mut fast = Some(fast);
+        for j in 0..=drafts.len() {
+            let s = &mut self.scheduler.running[i];
+            let row = &logits[j * vocab..(j + 1) * vocab];
+            let fast = fast.take().unwrap_or_else(|| gate::fast_decision(s, row));
+            let last = j == drafts.len() || self.gate.rechecks(&fast);
+            if last {
+                self.runner.truncate(s, first + j + 1); // the recheck rewrites the cache's last row
+            }
+            let fault = self.cfg.inject_fault == Some(InjectedFault::Gate { step: steps_run, id: s.request });
+            let decided = match fault {
+                true => Err(Error::Engine(format!("injected fault in the gate of step {steps_run}"))),
+                false => self.gate.decide(model, s, &mut self.runner, row, fast),
+            };
+            let kept = match decided {
+                Ok(record) => {
+                    let kept = !last && record.token == drafts[j] && !record.rechecked;
+                    record.tally(&mut self.stats);
+                    s.steps.push(record);
+                    output::after_token(model, s);
+                    kept && s.finish.is_none()
+                }
+                Err(e) => {
+                    s.error = Some(e);
+                    s.finish = Some(FinishReason::Error);
+                    false
+                }
+            };
+            if !kept {
+                self.runner.truncate(s, first + j + 1);
+                break;
+            }
+            s.speculation.accepted_tokens += 1;
+            self.spec_stats.accepted_tokens += 1;
+            output::emit(&mut self.events, s);
+        }
+        let s = &mut self.scheduler.running[i];
+        s.speculation.draft_tokens += drafts.len() as u64;
+        self.spec_stats.draft_tokens += drafts.len() as u64;
     }
 
     /// Admits waiting sequences in order while the sequence limit and the pool allow: a
@@ -372,11 +429,15 @@ impl Engine {
     /// blocks it needs are in the pool.
     fn plan_within_pool(&mut self) -> Vec<(usize, scheduler::Work)> {
         loop {
-            let plan = self.scheduler.plan();
-            let running = &self.scheduler.running;
-            let need: usize = plan.iter().map(|(i, w)| self.runner.blocks_to_extend(running[*i].id, w.rows())).sum();
-            if need <= self.runner.available_blocks() || running.len() <= 1 {
-                return plan;
+            // Drafts only when they fit beside every sequence's next row.
+            for with_drafts in [true, false] {
+                let plan = self.scheduler.plan(with_drafts);
+                let running = &self.scheduler.running;
+                let need: usize =
+                    plan.iter().map(|(i, w)| self.runner.blocks_to_extend(running[*i].id, w.rows())).sum();
+                if need <= self.runner.available_blocks() || (!with_drafts && running.len() <= 1) {
+                    return plan;
+                }
             }
             let id = self.scheduler.preempt_latest().expect("a running sequence");
             self.runner.close(id);
@@ -413,6 +474,8 @@ impl Engine {
             finish_reason: reason,
             fingerprint: fp,
             gate: s.gate_stats(),
+            draft_tokens: s.speculation.draft_tokens,
+            accepted_tokens: s.speculation.accepted_tokens,
             error: s.error.map(|e| e.to_string()),
             text: s.text.text,
         };

@@ -125,6 +125,9 @@ pub struct Choice {
     pub finish_reason: FinishReason,
     pub fingerprint: String,
     pub gate: GateStats,
+    /// Drafts proposed for this choice and kept (speculative decoding; zero without it).
+    pub draft_tokens: u64,
+    pub accepted_tokens: u64,
     /// What failed, when `finish_reason` is `Error`.
     pub error: Option<String>,
 }

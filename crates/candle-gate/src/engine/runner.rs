@@ -112,6 +112,12 @@ impl Runner {
     pub fn close(&mut self, id: SeqId) {
         self.slots.remove(&id);
     }
+    /// Keeps `s`'s first `len` positions: a verification run's rows after its last decided one
+    /// go (their blocks back to the pool).
+    pub fn truncate(&mut self, s: &mut Sequence, len: usize) {
+        self.cache_mut(s.id).truncate(len);
+        s.computed = len;
+    }
     pub fn cache_mut(&mut self, id: SeqId) -> &mut KvCache {
         &mut self.slots.get_mut(&id).expect("a running sequence has a cache").cache
     }
@@ -223,6 +229,7 @@ impl Runner {
                 match w {
                     Work::Decode => vec![s.fed_last()],
                     Work::Prefill(c) => c.clone().map(|p| s.fed_at(p)).collect(),
+                    Work::Verify(d) => std::iter::once(s.fed_last()).chain(d.iter().copied()).collect(),
                 }
             })
             .collect();
@@ -232,11 +239,11 @@ impl Runner {
             let mut batch = Vec::with_capacity(plan.len());
             for (((i, work), tokens), slot) in plan.iter().zip(&tokens).zip(slots.iter_mut()) {
                 let s = &running[*i];
-                let want_logits = match work {
-                    Work::Decode => true,
-                    Work::Prefill(c) => c.end == s.req.prompt_tokens.len() && s.steps.is_empty(),
+                let logit_rows = match work {
+                    Work::Decode | Work::Verify(_) => tokens.len(),
+                    Work::Prefill(c) => (c.end == s.req.prompt_tokens.len() && s.steps.is_empty()) as usize,
                 };
-                batch.push(SeqRows { cache: &mut slot.cache, tokens, want_logits });
+                batch.push(SeqRows { cache: &mut slot.cache, tokens, logit_rows });
             }
             let rows: usize = batch.iter().map(|b| b.tokens.len()).sum();
             let faulty = FailAfter { lane: policy, calls_left: AtomicUsize::new(model.decoder.layers.len() * 7 / 2) };
@@ -251,7 +258,7 @@ impl Runner {
         for ((i, work), lg) in plan.iter().zip(logits) {
             let s = &mut running[*i];
             match work {
-                Work::Decode => s.computed += 1,
+                Work::Decode | Work::Verify(_) => s.computed += work.rows(),
                 Work::Prefill(c) => {
                     s.computed = c.end;
                     if s.repaired_at(c.end - 1) {

@@ -10,6 +10,7 @@ use std::collections::VecDeque;
 use std::ops::Range;
 
 use super::sequence::{SeqId, Sequence};
+use super::speculative::SpeculativeConfig;
 use super::{EngineConfig, RequestId};
 use crate::kv_cache::KV_BLOCK;
 
@@ -20,6 +21,9 @@ pub(crate) enum Work {
     Decode,
     /// Feed these prompt positions; the last chunk also decides the first token.
     Prefill(Range<usize>),
+    /// Feed its latest choice and then these drafts, deciding a token after each row: the
+    /// drafts are kept while each equals the token decided before it.
+    Verify(Vec<u32>),
 }
 
 impl Work {
@@ -28,6 +32,7 @@ impl Work {
         match self {
             Work::Decode => 1,
             Work::Prefill(c) => c.len(),
+            Work::Verify(d) => 1 + d.len(),
         }
     }
 }
@@ -39,11 +44,18 @@ pub(crate) struct Scheduler {
     max_tokens_per_step: usize,
     prefill_chunk: usize,
     admissions: u64,
+    /// Drafts for decoding sequences (None: the engine does not speculate, or its gate
+    /// rechecks every step, which would end every verification run at its first row).
+    speculative: Option<SpeculativeConfig>,
+    context_length: usize,
 }
 
 impl Scheduler {
-    pub fn new(cfg: &EngineConfig) -> Self {
+    pub fn new(cfg: &EngineConfig, context_length: usize) -> Self {
+        let speculative = cfg.speculative.filter(|_| cfg.gate.can_speculate());
         Scheduler {
+            speculative,
+            context_length,
             waiting: VecDeque::new(),
             running: Vec::new(),
             max_num_seqs: cfg.max_num_seqs,
@@ -87,8 +99,9 @@ impl Scheduler {
     }
 
     /// The step's work: one decode row for every decoding sequence, then whole prefill chunks
-    /// in arrival order while the token budget lasts; ordered by position in `running`.
-    pub fn plan(&self) -> Vec<(usize, Work)> {
+    /// in arrival order while the token budget lasts, then (`with_drafts`) drafts for decoding
+    /// sequences from what is left; ordered by position in `running`.
+    pub fn plan(&self, with_drafts: bool) -> Vec<(usize, Work)> {
         let mut budget = self.max_tokens_per_step;
         let mut plan = Vec::new();
         for (i, s) in self.running.iter().enumerate() {
@@ -106,8 +119,35 @@ impl Scheduler {
                 }
             }
         }
+        if with_drafts {
+            self.add_drafts(&mut plan, budget);
+        }
         plan.sort_by_key(|p| p.0);
         plan
+    }
+
+    /// Turns decode work into verification runs while `budget` rows last. Drafts never reach
+    /// past the request's `max_new_tokens` or the context; teacher-forced sequences get none.
+    fn add_drafts(&self, plan: &mut [(usize, Work)], mut budget: usize) {
+        let Some(spec) = &self.speculative else { return };
+        let decoding = plan.iter().filter(|(_, w)| *w == Work::Decode).count();
+        if decoding > spec.disable_by_batch_size {
+            return;
+        }
+        for (i, w) in plan.iter_mut().filter(|(_, w)| *w == Work::Decode) {
+            let s = &self.running[*i];
+            if budget == 0 || s.req.forced_tokens.is_some() {
+                continue;
+            }
+            let left = s.req.params.max_new_tokens.saturating_sub(s.steps.len() + 1);
+            let room = self.context_length.saturating_sub(s.target() + 2);
+            let history: Vec<u32> = s.req.prompt_tokens.iter().copied().chain(s.fed_output()).collect();
+            let drafts = spec.draft(&history, budget.min(left).min(room));
+            if !drafts.is_empty() {
+                budget -= drafts.len();
+                *w = Work::Verify(drafts);
+            }
+        }
     }
 
     /// Puts the most recently admitted running sequence back at the front of the queue, its
@@ -192,7 +232,7 @@ mod tests {
     #[test]
     fn the_plan_puts_decode_rows_first_and_whole_chunks_while_the_budget_lasts() {
         let cfg = EngineConfig { max_tokens_per_step: 69, prefill_chunk: 64, max_num_seqs: 3, ..Default::default() };
-        let mut sch = Scheduler::new(&cfg);
+        let mut sch = Scheduler::new(&cfg, 4096);
         for (id, prompt) in [(1, 100), (2, 10), (3, 5), (4, 5)] {
             sch.waiting.push_back(seq(id, prompt));
         }
@@ -213,7 +253,7 @@ mod tests {
 
     #[test]
     fn preemption_takes_the_latest_admitted_and_it_resumes_through_its_repaired_positions() {
-        let mut sch = Scheduler::new(&EngineConfig::default());
+        let mut sch = Scheduler::new(&EngineConfig::default(), 4096);
         sch.waiting.extend([seq(1, 40), seq(2, 40)]);
         sch.admit_front(0);
         sch.admit_front(0);
@@ -235,7 +275,7 @@ mod tests {
 
     #[test]
     fn a_request_waits_while_a_running_one_prefills_the_blocks_it_shares() {
-        let mut sch = Scheduler::new(&EngineConfig::default());
+        let mut sch = Scheduler::new(&EngineConfig::default(), 4096);
         let mut a = seq(1, 100);
         a.req.prompt_tokens[70] = 9; // a and b share 70 positions: two whole blocks
         sch.waiting.push_back(a);
@@ -251,7 +291,7 @@ mod tests {
 
     #[test]
     fn choices_fork_after_the_prefill_and_leave_the_queue_together() {
-        let mut sch = Scheduler::new(&EngineConfig::default());
+        let mut sch = Scheduler::new(&EngineConfig::default(), 4096);
         let mut s = seq(1, 10);
         s.req.params.n = 3;
         sch.running.push(s);

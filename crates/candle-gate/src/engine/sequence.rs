@@ -4,6 +4,7 @@
 use crate::error::Error;
 use crate::kv_cache::KvCache;
 
+use super::speculative::SpecStats;
 use super::text::TextState;
 use super::{FinishReason, GateStats, Request, RequestId};
 
@@ -70,6 +71,8 @@ pub(crate) struct Sequence {
     pub admitted_at: u64,
     /// Prompt tokens its first admission found in the prefix cache.
     pub cached_tokens: Option<usize>,
+    /// Drafts proposed for it and kept.
+    pub speculation: SpecStats,
 }
 
 impl Sequence {
@@ -89,6 +92,7 @@ impl Sequence {
             error: None,
             admitted_at: 0,
             cached_tokens: None,
+            speculation: SpecStats::default(),
         }
     }
 
@@ -111,6 +115,7 @@ impl Sequence {
             error: None,
             admitted_at: self.admitted_at,
             cached_tokens: self.cached_tokens,
+            speculation: SpecStats::default(),
         }
     }
 

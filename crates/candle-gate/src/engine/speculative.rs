@@ -1,0 +1,184 @@
+//! Speculative decoding. A drafter proposes a sequence's next tokens; the target runs them as
+//! one verification run of rows (the fed token, then each draft), and a draft is kept only while
+//! it equals the token the target itself decides at that position. A row's bits depend only on
+//! its own token history (the invariant kernels, `docs/DESIGN.md` §3), so every decision made on
+//! a verification row is the one plain decoding makes at that position: the output does not
+//! depend on whether, or how far, anything was speculated. Only the speed does.
+//!
+//! The drafter here is prompt lookup (n-gram): the continuation of the most recent earlier
+//! occurrence of the history's longest matching suffix. It needs no second model, and it is a
+//! function of the sequence's own tokens, so acceptance is a function of the request.
+
+use std::str::FromStr;
+
+use crate::error::{Error, Result};
+
+/// How drafts are proposed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SpeculativeMethod {
+    /// Prompt lookup over the sequence's own prompt and output.
+    Ngram,
+}
+
+impl SpeculativeMethod {
+    pub const ALL: [SpeculativeMethod; 1] = [SpeculativeMethod::Ngram];
+    pub fn name(self) -> &'static str {
+        match self {
+            SpeculativeMethod::Ngram => "ngram",
+        }
+    }
+}
+
+impl FromStr for SpeculativeMethod {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        Self::ALL.into_iter().find(|m| m.name() == s).ok_or_else(|| {
+            let names: Vec<&str> = Self::ALL.iter().map(|m| m.name()).collect();
+            Error::invalid(
+                "speculative_method",
+                format!("unknown speculative method {s:?}; expected {}", names.join(", ")),
+            )
+        })
+    }
+}
+
+/// An engine's speculation. None of it changes a bit of any output; it changes how many tokens
+/// a step can emit per sequence.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SpeculativeConfig {
+    pub method: SpeculativeMethod,
+    /// Drafts proposed per sequence and step (at most; fewer near the end of a request, when
+    /// the step's token budget is short, or when nothing matches).
+    pub num_speculative_tokens: usize,
+    /// The longest suffix n-gram looked up.
+    pub prompt_lookup_max: usize,
+    /// The shortest suffix n-gram looked up.
+    pub prompt_lookup_min: usize,
+    /// No drafts in a step with more than this many decoding sequences: there the step is
+    /// already compute-bound and verification rows cost more than they save.
+    pub disable_by_batch_size: usize,
+}
+
+/// Longer matches predict better, but a match must exist; these are vLLM's defaults' range.
+pub const DEFAULT_PROMPT_LOOKUP_MAX: usize = 4;
+pub const DEFAULT_PROMPT_LOOKUP_MIN: usize = 2;
+/// Where verifying drafts stopped paying on the 2-core development machine (benches/speculative.py).
+pub const DEFAULT_DISABLE_BY_BATCH_SIZE: usize = 4;
+/// Drafts per step when not given.
+pub const DEFAULT_NUM_SPECULATIVE_TOKENS: usize = 5;
+/// The most drafts a step may verify per sequence.
+pub const MAX_SPECULATIVE_TOKENS: usize = 16;
+
+impl SpeculativeConfig {
+    /// `method` with every other setting at its default.
+    pub fn new(method: SpeculativeMethod) -> Self {
+        SpeculativeConfig { method, ..Self::ngram(DEFAULT_NUM_SPECULATIVE_TOKENS) }
+    }
+
+    pub fn ngram(num_speculative_tokens: usize) -> Self {
+        SpeculativeConfig {
+            method: SpeculativeMethod::Ngram,
+            num_speculative_tokens,
+            prompt_lookup_max: DEFAULT_PROMPT_LOOKUP_MAX,
+            prompt_lookup_min: DEFAULT_PROMPT_LOOKUP_MIN,
+            disable_by_batch_size: DEFAULT_DISABLE_BY_BATCH_SIZE,
+        }
+    }
+
+    /// The settings in one line, e.g. `ngram;k=5;lookup=2..4;max_batch=4`.
+    pub fn describe(&self) -> String {
+        let (k, lo, hi, b) =
+            (self.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max, self.disable_by_batch_size);
+        format!("{};k={k};lookup={lo}..{hi};max_batch={b}", self.method.name())
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        let k = self.num_speculative_tokens;
+        if k == 0 || k > MAX_SPECULATIVE_TOKENS {
+            let m = format!("num_speculative_tokens must be between 1 and {MAX_SPECULATIVE_TOKENS}, got {k}");
+            return Err(Error::invalid("num_speculative_tokens", m));
+        }
+        let (lo, hi) = (self.prompt_lookup_min, self.prompt_lookup_max);
+        if lo == 0 || hi < lo {
+            let m = format!("need 1 <= prompt_lookup_min ({lo}) <= prompt_lookup_max ({hi})");
+            return Err(Error::invalid("prompt_lookup_min", m));
+        }
+        Ok(())
+    }
+
+    /// Up to `limit` drafts to follow `history` (the prompt, then every token output so far).
+    pub fn draft(&self, history: &[u32], limit: usize) -> Vec<u32> {
+        let k = self.num_speculative_tokens.min(limit);
+        match self.method {
+            SpeculativeMethod::Ngram => ngram_draft(history, k, self.prompt_lookup_max, self.prompt_lookup_min),
+        }
+    }
+}
+
+/// Prompt lookup: for `n` from `max_n` down to `min_n`, the history's last `n` tokens are looked
+/// for earlier in it, latest occurrence first; the first match's next (up to) `k` tokens are
+/// the proposal. Empty when nothing matches.
+pub fn ngram_draft(history: &[u32], k: usize, max_n: usize, min_n: usize) -> Vec<u32> {
+    if k == 0 {
+        return Vec::new();
+    }
+    let len = history.len();
+    for n in (min_n..=max_n.min(len.saturating_sub(1))).rev() {
+        let suffix = &history[len - n..];
+        // `start` is where an earlier occurrence begins; it must end before the suffix does.
+        for start in (0..len - n).rev() {
+            if &history[start..start + n] == suffix {
+                let from = start + n;
+                return history[from..(from + k).min(len)].to_vec();
+            }
+        }
+    }
+    Vec::new()
+}
+
+/// Speculation's counters: drafts proposed and drafts kept.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SpecStats {
+    pub draft_tokens: u64,
+    pub accepted_tokens: u64,
+}
+
+impl SpecStats {
+    pub fn add(&mut self, other: SpecStats) {
+        self.draft_tokens += other.draft_tokens;
+        self.accepted_tokens += other.accepted_tokens;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lookup_takes_the_longest_suffix_and_its_latest_occurrence() {
+        // "1 2 3 4 | 9 2 3 5 | 1 2 3": the 3-gram "1 2 3" occurs at 0; the 2-gram "2 3" also
+        // at 5, but the longer match wins
+        let h = [1, 2, 3, 4, 9, 2, 3, 5, 1, 2, 3];
+        assert_eq!(ngram_draft(&h, 2, 4, 2), [4, 9]);
+        // with only 2-grams looked up, the latest "2 3" (at 5) wins
+        assert_eq!(ngram_draft(&h, 2, 2, 2), [5, 1]);
+        // the proposal stops at the end of the history
+        assert_eq!(ngram_draft(&[7, 8, 7, 8], 5, 2, 2), [7, 8]);
+        assert_eq!(ngram_draft(&[7, 8, 7], 5, 2, 1), [8, 7]);
+        assert!(ngram_draft(&[1, 2, 3], 4, 3, 2).is_empty(), "no earlier occurrence");
+        assert!(ngram_draft(&[5, 5], 0, 2, 1).is_empty());
+        assert!(ngram_draft(&[], 3, 2, 1).is_empty());
+    }
+
+    #[test]
+    fn config_bounds_name_their_parameter() {
+        let mut c = SpeculativeConfig::ngram(0);
+        assert_eq!(c.validate().unwrap_err().param(), Some("num_speculative_tokens"));
+        c.num_speculative_tokens = 3;
+        c.prompt_lookup_min = 5;
+        assert_eq!(c.validate().unwrap_err().param(), Some("prompt_lookup_min"));
+        assert!(SpeculativeConfig::ngram(5).validate().is_ok());
+        assert_eq!("draft".parse::<SpeculativeMethod>().unwrap_err().param(), Some("speculative_method"));
+        assert_eq!(SpeculativeConfig::ngram(8).draft(&[1, 2, 1, 2, 1, 2], 3), [1, 2]);
+    }
+}
