@@ -98,9 +98,10 @@ impl Scheduler {
         self.running.push(s);
     }
 
-    /// The step's work: one decode row for every decoding sequence, then whole prefill chunks
-    /// in arrival order while the token budget lasts, then (`with_drafts`) drafts for decoding
-    /// sequences from what is left; ordered by position in `running`.
+    /// The step's work: one decode row for every decoding sequence, then (`with_drafts`) their
+    /// drafts, then whole prefill chunks in arrival order while the token budget lasts; ordered
+    /// by position in `running`. Drafts come before prefill so that a request's drafts, and so
+    /// its acceptance counts, do not depend on what else is prefilling.
     pub fn plan(&self, with_drafts: bool) -> Vec<(usize, Work)> {
         let mut budget = self.max_tokens_per_step;
         let mut plan = Vec::new();
@@ -109,6 +110,9 @@ impl Scheduler {
                 plan.push((i, Work::Decode));
                 budget -= 1;
             }
+        }
+        if with_drafts {
+            budget -= self.add_drafts(&mut plan, budget);
         }
         for (i, s) in self.running.iter().enumerate() {
             if s.in_prefill() {
@@ -119,35 +123,35 @@ impl Scheduler {
                 }
             }
         }
-        if with_drafts {
-            self.add_drafts(&mut plan, budget);
-        }
         plan.sort_by_key(|p| p.0);
         plan
     }
 
-    /// Turns decode work into verification runs while `budget` rows last. Drafts never reach
-    /// past the request's `max_new_tokens` or the context; teacher-forced sequences get none.
-    fn add_drafts(&self, plan: &mut [(usize, Work)], mut budget: usize) {
-        let Some(spec) = &self.speculative else { return };
+    /// Turns decode work into verification runs while `budget` rows last; returns the rows
+    /// added. Drafts never reach past the request's `max_new_tokens` or the context;
+    /// teacher-forced sequences get none.
+    fn add_drafts(&self, plan: &mut [(usize, Work)], budget: usize) -> usize {
+        let Some(spec) = &self.speculative else { return 0 };
         let decoding = plan.iter().filter(|(_, w)| *w == Work::Decode).count();
         if decoding > spec.disable_by_batch_size {
-            return;
+            return 0;
         }
+        let mut left = budget;
         for (i, w) in plan.iter_mut().filter(|(_, w)| *w == Work::Decode) {
             let s = &self.running[*i];
-            if budget == 0 || s.req.forced_tokens.is_some() {
+            if left == 0 || s.req.forced_tokens.is_some() {
                 continue;
             }
-            let left = s.req.params.max_new_tokens.saturating_sub(s.steps.len() + 1);
+            let to_emit = s.req.params.max_new_tokens.saturating_sub(s.steps.len() + 1);
             let room = self.context_length.saturating_sub(s.target() + 2);
             let history: Vec<u32> = s.req.prompt_tokens.iter().copied().chain(s.fed_output()).collect();
-            let drafts = spec.draft(&history, budget.min(left).min(room));
+            let drafts = spec.draft(&history, left.min(to_emit).min(room));
             if !drafts.is_empty() {
-                budget -= drafts.len();
+                left -= drafts.len();
                 *w = Work::Verify(drafts);
             }
         }
+        budget - left
     }
 
     /// Puts the most recently admitted running sequence back at the front of the queue, its
@@ -208,7 +212,7 @@ impl Scheduler {
 mod tests {
     use super::*;
     use crate::engine::sequence::StepRecord;
-    use crate::engine::Request;
+    use crate::engine::{GateConfig, GateMode, Request};
     use crate::sampling::SamplingParams;
 
     fn seq(id: RequestId, prompt: usize) -> Sequence {
@@ -245,10 +249,10 @@ mod tests {
         sch.running[1].computed = 10;
         sch.running[1].steps.push(record(false));
         // 1 decode row, then 64 of the first prompt; the third's 5 no longer fit (69 - 65).
-        assert_eq!(sch.plan(), vec![(0, Work::Prefill(0..64)), (1, Work::Decode)]);
+        assert_eq!(sch.plan(true), vec![(0, Work::Prefill(0..64)), (1, Work::Decode)]);
         // A cached prefix of 96 positions: the next chunk runs to the next multiple of 64.
         sch.running[0].computed = 96;
-        assert_eq!(sch.plan()[0], (0, Work::Prefill(96..100)));
+        assert_eq!(sch.plan(true)[0], (0, Work::Prefill(96..100)));
     }
 
     #[test]
@@ -309,5 +313,31 @@ mod tests {
         let taken: Vec<SeqId> = sch.take_waiting(1).iter().map(|s| s.id).collect();
         assert_eq!(taken.len(), 3);
         assert_eq!(sch.waiting.iter().map(|s| s.request).collect::<Vec<_>>(), [2]);
+    }
+
+    #[test]
+    fn drafts_fill_what_the_budget_leaves_and_stop_at_the_request_end() {
+        let cfg = EngineConfig { speculative: Some(SpeculativeConfig::ngram(8)), ..EngineConfig::default() };
+        let mut sch = Scheduler::new(&cfg, 4096);
+        // prompt 1 2 3 1 2 3 1 2, output so far: 3 (fed next); the lookup proposes 1 2 3 1 2 ...
+        let mut s =
+            Sequence::new(SeqId(1), 1, Request::new(vec![1, 2, 3, 1, 2, 3, 1, 2], SamplingParams::greedy(6)), 0);
+        s.computed = 8;
+        s.steps.push(StepRecord { token: 3, ..record(false) });
+        sch.running.push(s);
+        assert_eq!(sch.plan(false), [(0, Work::Decode)]);
+        // the latest earlier "3 1 2 3" is followed by the history's last three tokens
+        assert_eq!(sch.plan(true), [(0, Work::Verify(vec![1, 2, 3]))]);
+        // max_new_tokens 3 with one token out: the run may emit 2 more, so 1 draft
+        sch.running[0].req.params.max_new_tokens = 3;
+        assert_eq!(sch.plan(true), [(0, Work::Verify(vec![1]))], "the request's end");
+        sch.running[0].req.params.max_new_tokens = 6;
+        sch.max_tokens_per_step = 3;
+        assert_eq!(sch.plan(true), [(0, Work::Verify(vec![1, 2]))], "the step's token budget");
+        sch.running[0].req.forced_tokens = Some(vec![3, 1, 2]);
+        assert_eq!(sch.plan(true), [(0, Work::Decode)], "teacher forcing");
+        // the gate rechecking every step would end every run at its first row
+        let always = EngineConfig { gate: GateConfig::new(GateMode::Always, 0.0).unwrap(), ..cfg };
+        assert!(Scheduler::new(&always, 4096).speculative.is_none());
     }
 }
