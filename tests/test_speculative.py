@@ -140,3 +140,31 @@ def test_model_generate_takes_speculative_too(model):
     [a] = model.generate(_prompts("code_edits.json", 1), max_new_tokens=24)
     [b] = model.generate(_prompts("code_edits.json", 1), max_new_tokens=24, speculative=dict(method="ngram"))
     assert a.token_ids.tolist() == b.token_ids.tolist() and b.draft_tokens > 0
+
+
+def test_finished_events_carry_the_counts(model):
+    eng = Engine(model, speculative=dict(method="ngram"))
+    rid = eng.submit(_prompts("code_edits.json", 1)[0], max_new_tokens=24)
+    done = [ev for ev in eng.stream() if ev["type"] == "finished"]
+    r = eng.result(rid)
+    assert [(ev["draft_tokens"], ev["accepted_tokens"]) for ev in done] == [(r.draft_tokens, r.accepted_tokens)]
+    assert r.accepted_tokens > 0
+
+
+def test_the_server_speculates_with_the_same_answers_and_counts_drafts():
+    pytest.importorskip("openai")
+    from conftest import Server
+    edit = _prompts("code_edits.json", 1)[0]
+    want = Engine(candle_gate.Model.load(quiet=True)).generate([edit], max_new_tokens=32, logprobs=True)[0]
+    srv = Server("--speculative-method", "ngram", "--num-speculative-tokens", "4")
+    try:
+        r = srv.client().chat.completions.create(model=candle_gate.DEFAULT_MODEL, messages=edit, max_tokens=32,
+                                                 temperature=0, logprobs=True)
+        got = [t.logprob for t in r.choices[0].logprobs.content]
+        assert r.choices[0].message.content == want.text
+        assert np.array_equal(np.asarray(got, np.float32), want.logprobs)
+        drafted = srv.metric("candle_gate:spec_decode_num_draft_tokens_total")
+        accepted = srv.metric("candle_gate:spec_decode_num_accepted_tokens_total")
+        assert 0 < accepted <= drafted
+    finally:
+        srv.stop()

@@ -10,6 +10,7 @@ __version__: str
 DEFAULT_MODEL: str
 MODES: List[str]
 GATES: List[str]
+SPECULATIVE_METHODS: List[str]
 KNOWN_MODELS: List[Dict[str, Any]]
 MAX_N: int
 MAX_TOP_LOGPROBS: int

@@ -7,7 +7,7 @@ import sys
 from typing import List, Optional
 
 from . import _native
-from .engine import DEFAULT_MAX_NEW_TOKENS, ENGINE_DEFAULTS, GATES, MODES
+from .engine import DEFAULT_MAX_NEW_TOKENS, ENGINE_DEFAULTS, GATES, MODES, SPECULATIVE_METHODS, speculative_options
 from .models import DEFAULT_MODEL
 
 
@@ -19,6 +19,18 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def _kv_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", default=ENGINE_DEFAULTS["kv_dtype"], choices=["f16", "f32"], help="how K/V values are stored")
+
+
+def _spec_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculative-method", default=None, choices=SPECULATIVE_METHODS,
+                   help="speculative decoding (ngram: prompt lookup); changes no token, only speed")
+    p.add_argument("--num-speculative-tokens", type=int, default=None, help="drafts per sequence and step (default 5)")
+    p.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
+                   help="no drafts in a step with more decoding sequences than this (default 4)")
+
+
+def _speculative(a: argparse.Namespace):
+    return speculative_options(a.speculative_method, a.num_speculative_tokens, a.speculative_disable_by_batch_size)
 
 
 def _gate_args(p: argparse.ArgumentParser) -> None:
@@ -48,7 +60,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
     # Checked before the model loads: a bad parameter should not wait for a download.
     params = SamplingParams(max_new_tokens=a.max_new_tokens, stop=a.stop, n=a.n, **sampling_args(a))
     model = Model.load(a.model, mode=a.mode, profile=a.profile)
-    eng = Engine(model, gate=a.gate, tau=a.tau, deep_tau=a.deep_tau, profile=a.profile, kv_dtype=a.kv_dtype)
+    eng = Engine(model, gate=a.gate, tau=a.tau, deep_tau=a.deep_tau, profile=a.profile, kv_dtype=a.kv_dtype,
+                 speculative=_speculative(a))
     if eng.gate_source:
         print(f"gate: tau {eng.tau:.4g}, deep_tau {eng.deep_tau:.4g} from {eng.gate_source}", file=sys.stderr)
     rid = eng.submit(a.prompt, chat=a.chat, params=params)
@@ -69,7 +82,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     for c in r.choices[1:]:
         sys.stdout.write(f"--- choice {c.index}\n{c.text}\n")
-    print(f"[{len(r.token_ids)} tokens, finish={r.finish_reason}, seed={r.seed}, fingerprint={r.fingerprint}]",
+    spec = f", drafts {r.accepted_tokens}/{r.draft_tokens} kept" if r.draft_tokens else ""
+    print(f"[{len(r.token_ids)} tokens, finish={r.finish_reason}, seed={r.seed}, fingerprint={r.fingerprint}{spec}]",
           file=sys.stderr)
     return 0
 
@@ -124,6 +138,7 @@ def _add_generate(sub) -> None:
     _gate_args(g)
     _kv_args(g)
     _sampling_args(g)
+    _spec_args(g)
     g.add_argument("--n", type=int, default=1, help="choices from the one prompt")
     g.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
@@ -224,6 +239,7 @@ def _add_serve(sub) -> None:
     _common(s)
     _gate_args(s)
     _kv_args(s)
+    _spec_args(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--max-num-seqs", type=int, default=ENGINE_DEFAULTS["max_num_seqs"], help="sequences in the running batch")

@@ -20,6 +20,7 @@ from .models import resolve
 
 MODES = tuple(_native.MODES)  # the Rust enums own the names
 GATES = tuple(_native.GATES)
+SPECULATIVE_METHODS = tuple(_native.SPECULATIVE_METHODS)
 
 #: How a request decodes: ``max_new_tokens``, ``stop``, ``temperature`` (0: greedy), ``top_k``,
 #: ``top_p``, ``min_p``, ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``,
@@ -92,7 +93,21 @@ class Result:
             "rechecked": int(self.rechecked.sum()),
             "corrected": int(self.corrected.sum()),
             "seed": self.seed,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
         }
+
+
+def speculative_options(method: Optional[str], num_speculative_tokens: Optional[int] = None,
+                        disable_by_batch_size: Optional[int] = None) -> Optional[Dict[str, Any]]:
+    """``Engine(speculative=...)`` from flags (None: off); what is not given is the engine's
+    default. The checks are the Rust engine's."""
+    if method is None:
+        if num_speculative_tokens is not None or disable_by_batch_size is not None:
+            raise _invalid("speculative_method", "the speculative options need a speculative method (ngram)")
+        return None
+    given = {"num_speculative_tokens": num_speculative_tokens, "disable_by_batch_size": disable_by_batch_size}
+    return {"method": method, **{k: v for k, v in given.items() if v is not None}}
 
 
 def _chat_json(chat: Any) -> str:

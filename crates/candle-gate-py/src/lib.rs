@@ -705,11 +705,13 @@ impl Engine {
                         d.set_item("top_logprobs", lps.into_pyarray(py))?;
                     }
                 }
-                Event::Finished { id, index, reason } => {
+                Event::Finished { id, index, reason, speculation } => {
                     d.set_item("type", "finished")?;
                     d.set_item("id", id)?;
                     d.set_item("index", index)?;
                     d.set_item("reason", reason.name())?;
+                    d.set_item("draft_tokens", speculation.draft_tokens)?;
+                    d.set_item("accepted_tokens", speculation.accepted_tokens)?;
                 }
             }
             out.append(d)?;
@@ -878,6 +880,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // Rust owns the names; Python's MODES / GATES are these.
     m.add("MODES", candle_gate::Mode::ALL.map(|x| x.name()).to_vec())?;
     m.add("GATES", candle_gate::GateMode::ALL.map(|x| x.name()).to_vec())?;
+    m.add("SPECULATIVE_METHODS", SpeculativeMethod::ALL.map(|x| x.name()).to_vec())?;
     m.add_function(wrap_pyfunction!(host_signature, m)?)?;
     m.add_function(wrap_pyfunction!(kernel_tier, m)?)?;
     let known = PyList::empty(m.py());

@@ -7,7 +7,7 @@ Two kinds of series (docs/SERVER.md lists them all, every one labelled ``model_n
   latency histograms (time to first token, inter-token latency, end to end);
 - what the engine counts, read at scrape time by :class:`EngineCollector` from the engine
   thread's copies (:class:`EngineCounts`): running and waiting sequences, the KV pool, the prefix
-  cache, preemptions, the margin gate.
+  cache, preemptions, speculative decoding's drafts, the margin gate.
 
 The exposition is prometheus_client's text format 0.0.4 without the ``_created`` series (the
 names are the ones the server has always exposed).
@@ -41,6 +41,7 @@ class EngineCounts:
     kv: Dict[str, int] = field(default_factory=lambda: {
         "used": 0, "cached": 0, "free": 0, "total": 1, "prefix_queries": 0, "prefix_hits": 0, "preemptions": 0})
     gate: Dict[str, int] = field(default_factory=lambda: dict.fromkeys(GATE_COUNTERS, 0))
+    spec: Dict[str, int] = field(default_factory=lambda: {"draft_tokens": 0, "accepted_tokens": 0})
 
 
 class EngineCollector(Collector):
@@ -65,6 +66,10 @@ class EngineCollector(Collector):
                                ("prefix_cache_hits", "prefix_hits", "Prompt tokens found in the prefix cache."),
                                ("num_preemptions", "preemptions", "Requests preempted to free KV blocks.")):
             yield self._one(CounterMetricFamily, name, help_, lbl, kv[k])
+        # vLLM's names: drafts proposed and kept by speculative decoding
+        for k, help_ in (("draft_tokens", "Draft tokens proposed by speculative decoding."),
+                         ("accepted_tokens", "Draft tokens kept: each equalled the token decided before it.")):
+            yield self._one(CounterMetricFamily, f"spec_decode_num_{k}", help_, lbl, int(c.spec.get(k, 0)))
         for k in GATE_COUNTERS:
             yield self._one(CounterMetricFamily, f"gate_{k}", f"The margin gate's {k.replace('_', ' ')}.", lbl,
                             int(c.gate.get(k, 0)))

@@ -31,6 +31,10 @@ class Settings:
     kv_dtype: Optional[str] = None
     enable_prefix_caching: bool = True
     threads: Optional[int] = None
+    #: speculative decoding (None: off); it changes no token, only how many a step emits
+    speculative_method: Optional[str] = None
+    num_speculative_tokens: Optional[int] = None
+    speculative_disable_by_batch_size: Optional[int] = None
     # -- the API ---------------------------------------------------------------------------------
     #: the context a request may use (prompt + new tokens); None: the model's
     max_model_len: Optional[int] = None

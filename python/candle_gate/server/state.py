@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 from .. import _native
-from ..engine import Engine, Model
+from ..engine import Engine, Model, speculative_options
 from .errors import APIError
 from .metrics import EngineCounts, Metrics
 from .settings import Settings
@@ -62,7 +62,9 @@ class ServerState:
             eng = Engine(model, gate=s.gate, tau=s.tau, deep_tau=s.deep_tau, profile=s.profile,
                          max_num_seqs=s.max_num_seqs, threads=s.threads, kv_dtype=s.kv_dtype,
                          prefill_chunk=s.prefill_chunk, max_tokens_per_step=s.max_num_batched_tokens,
-                         kv_budget_tokens=s.kv_budget_tokens, enable_prefix_caching=s.enable_prefix_caching)
+                         kv_budget_tokens=s.kv_budget_tokens, enable_prefix_caching=s.enable_prefix_caching,
+                         speculative=speculative_options(s.speculative_method, s.num_speculative_tokens,
+                                                         s.speculative_disable_by_batch_size))
         except Exception as e:
             self.load_error = str(e)
             print(f"candle-gate serve: error: could not load the model: {e}", file=sys.stderr, flush=True)

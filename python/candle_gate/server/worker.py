@@ -56,6 +56,8 @@ class EngineWorker:
         #: the KV pool and the prefix cache's counters (``Engine.kv_stats``, as of the last step)
         self.kv_stats: Dict[str, int] = eng.kv_stats()
         self.gate_stats: Dict[str, int] = {"steps": 0, "rechecks": 0, "corrections": 0, "deep_rechecks": 0}
+        #: drafts proposed and kept (``Engine.spec_stats``, as of the last step)
+        self.spec_stats: Dict[str, int] = eng.spec_stats()
         self.thread = threading.Thread(target=self._run, name="candle-gate-engine", daemon=True)
 
     # -- the HTTP side's calls ------------------------------------------------------------------
@@ -86,7 +88,7 @@ class EngineWorker:
     def counts(self) -> EngineCounts:
         """The engine's counts as of the last step (what /metrics serves)."""
         return EngineCounts(running=self.num_running, waiting=self.num_waiting + self.submitted_since_refresh,
-                            kv=dict(self.kv_stats), gate=dict(self.gate_stats))
+                            kv=dict(self.kv_stats), gate=dict(self.gate_stats), spec=dict(self.spec_stats))
 
     def reset_prefix_cache(self) -> None:
         """Blocking (the engine's mutex): call it in an executor."""
@@ -163,6 +165,7 @@ class EngineWorker:
             self.submitted_since_refresh = 0
         self.kv_stats = self.eng.kv_stats()
         self.gate_stats = self.eng.gate_stats()
+        self.spec_stats = self.eng.spec_stats()
 
     def _fail_all(self, msg: str) -> None:
         with self.lock:

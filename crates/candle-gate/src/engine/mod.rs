@@ -485,7 +485,8 @@ impl Engine {
         for (index, slot) in p.choices.iter_mut().enumerate() {
             if index == s.index as usize || (unforked && slot.is_none()) {
                 *slot = Some(Choice { index: index as u32, ..choice.clone() });
-                self.events.push(Event::Finished { id: s.request, index: index as u32, reason });
+                let speculation = s.speculation;
+                self.events.push(Event::Finished { id: s.request, index: index as u32, reason, speculation });
             }
         }
         if p.choices.iter().all(Option::is_some) {

@@ -2,6 +2,8 @@
 
 use serde::Serialize;
 
+use super::speculative::SpecStats;
+
 use crate::sampling::SamplingParams;
 
 pub type RequestId = u64;
@@ -57,19 +59,9 @@ impl FinishReason {
 pub enum Event {
     /// Choice `index` of request `id` took a token. `text` is the text that can no longer turn
     /// into a stop string; `logprob`/`top_logprobs` when the request asked for them.
-    Token {
-        id: RequestId,
-        index: u32,
-        token: u32,
-        text: String,
-        logprob: Option<f32>,
-        top_logprobs: Vec<(u32, f32)>,
-    },
-    Finished {
-        id: RequestId,
-        index: u32,
-        reason: FinishReason,
-    },
+    Token { id: RequestId, index: u32, token: u32, text: String, logprob: Option<f32>, top_logprobs: Vec<(u32, f32)> },
+    /// Choice `index` of request `id` ended; `speculation`: its drafts proposed and kept.
+    Finished { id: RequestId, index: u32, reason: FinishReason, speculation: SpecStats },
 }
 
 #[derive(Clone, Debug, Default)]
