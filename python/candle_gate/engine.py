@@ -154,6 +154,11 @@ class Model:
     def config(self) -> Dict[str, Any]:
         return self._native.config
 
+    @property
+    def stop_ids(self) -> List[int]:
+        """The token ids that end a generation (end of text, end of turn)."""
+        return self._native.stop_ids
+
     def sha256(self) -> str:
         return self._native.sha256()
 
