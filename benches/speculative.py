@@ -24,7 +24,19 @@ PROMPTS = Path(__file__).parent / "prompts" / "code_edits.json"
 
 
 def ours(model, chats, streams, max_new, spec):
-    """Decode tok/s over `streams` copies of the prompts run at once, the outputs, the counts."""
+    """Decode tok/s of the prompts, `streams` at a time (one stream: each prompt alone, one after
+    another, as llama.cpp runs them), the outputs, the counts."""
+    if streams == 1:
+        runs = [_ours(model, [c], 1, max_new, spec) for c in chats]
+        secs = sum(r["secs"] for r in runs)
+        tokens = sum(r["decoded"] for r in runs)
+        return {"tok_per_s": tokens / secs if secs > 0 else 0.0, "tokens": [t for r in runs for t in r["tokens"]],
+                "drafted": sum(r["drafted"] for r in runs), "accepted": sum(r["accepted"] for r in runs),
+                "tokens_per_pass": tokens / max(1, sum(r["passes"] for r in runs))}
+    return _ours(model, chats, streams, max_new, spec)
+
+
+def _ours(model, chats, streams, max_new, spec):
     eng = Engine(model, speculative=spec, max_num_seqs=max(16, streams))
     reqs = [chats[i % len(chats)] for i in range(streams)]
     ids = [eng.submit(c, max_new_tokens=max_new) for c in reqs]
@@ -47,7 +59,7 @@ def ours(model, chats, streams, max_new, spec):
         "tok_per_s": tokens / secs if secs > 0 else 0.0,
         "tokens": [r.token_ids.tolist() for r in res],
         "drafted": stats["draft_tokens"], "accepted": stats["accepted_tokens"],
-        "tokens_per_pass": tokens / max(1, decode_steps - 1) if streams == 1 else None,
+        "tokens_per_pass": None, "secs": secs, "decoded": tokens, "passes": max(1, decode_steps - 1),
     }
 
 

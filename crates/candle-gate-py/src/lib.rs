@@ -8,7 +8,8 @@ use std::str::FromStr;
 use std::sync::{Arc, Mutex};
 
 use candle_gate::dispatch::Backend;
-use candle_gate::engine::{Choice, Event, Output, SpeculativeConfig, SpeculativeMethod};
+use candle_gate::engine::options::calibration_lane;
+use candle_gate::engine::{Choice, EngineOptions, Event, Output, SpeculativeConfig, SpeculativeMethod};
 use candle_gate::profile::Profile;
 use candle_gate::reference::ReferenceWeights;
 use candle_gate::{Engine as RsEngine, EngineConfig, GateConfig, GateMode, Mode, Model as RsModel, Policy, Request};
@@ -498,57 +499,34 @@ impl Engine {
         speculative: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
         guarded("Engine()", || {
-            // What is not given is `EngineConfig::default()`'s (`ENGINE_DEFAULTS`): one owner.
+            // What is not given is `EngineConfig::default()`'s (`ENGINE_DEFAULTS`): one owner;
+            // the rules that turn the options into an engine are `EngineOptions::build`'s.
             let d = EngineConfig::default();
             let given = |name: &str, v: Option<i64>, default: usize| v.map_or(Ok(default), |v| count(name, v));
-            let max_num_seqs = given("max_num_seqs", max_num_seqs, d.max_num_seqs)?;
-            let max_tokens_per_step = given("max_tokens_per_step", max_tokens_per_step, d.max_tokens_per_step)?;
-            let prefill_chunk = given("prefill_chunk", prefill_chunk, d.prefill_chunk)?;
-            let kv_budget_tokens = given("kv_budget_tokens", kv_budget_tokens, d.kv_budget_tokens)?;
-            let kv_dtype = kv_dtype.map_or(Ok(d.kv_dtype), candle_gate::decoder::KvDtype::from_str).map_err(to_py)?;
-            let enable_prefix_caching = enable_prefix_caching.unwrap_or(d.enable_prefix_caching);
-            let threads = threads.map(|t| count("threads", t)).transpose()?;
-            let row_split_max = row_split_max.map(|r| count("row_split_max", r)).transpose()?;
-            let mode = mode.unwrap_or(model.inner.policy.mode.name());
-            let loaded = profile.map(|p| Profile::load(&PathBuf::from(p))).transpose().map_err(to_py)?;
-            let mut policy = match &loaded {
-                None => Policy::new(Mode::from_str(mode).map_err(to_py)?),
-                Some(p) => {
-                    p.policy(Backend::Cpu, Mode::from_str(mode).map_err(to_py)?, profile.unwrap()).map_err(to_py)?
-                }
-            };
-            if let Some(r) = row_split_max {
-                if r == 0 {
-                    return Err(PyValueError::new_err("row_split_max must be at least 1"));
-                }
-                policy.default_row_split_max = r;
-                policy.row_split_max.clear();
-            }
-            let gmode = GateMode::from_str(gate).map_err(to_py)?;
-            let (gate, gate_source) = match (&loaded, profile) {
-                (Some(p), Some(path)) => resolve_gate_for(gmode, tau, deep_tau, &[(p, path)], model, mode),
-                _ => {
-                    let paths = gate_profiles.unwrap_or_default();
-                    let loaded = load_profiles(&paths)?;
-                    let list: Vec<(&Profile, &str)> = loaded.iter().zip(&paths).map(|(p, s)| (p, s.as_str())).collect();
-                    resolve_gate_for(gmode, tau, deep_tau, &list, model, mode)
-                }
-            }?;
-            let cfg = EngineConfig {
-                max_num_seqs,
-                max_tokens_per_step,
-                prefill_chunk,
-                kv_budget_tokens,
-                kv_dtype,
-                gate,
-                threads,
+            let config = EngineConfig {
+                max_num_seqs: given("max_num_seqs", max_num_seqs, d.max_num_seqs)?,
+                max_tokens_per_step: given("max_tokens_per_step", max_tokens_per_step, d.max_tokens_per_step)?,
+                prefill_chunk: given("prefill_chunk", prefill_chunk, d.prefill_chunk)?,
+                kv_budget_tokens: given("kv_budget_tokens", kv_budget_tokens, d.kv_budget_tokens)?,
+                kv_dtype: kv_dtype.map_or(Ok(d.kv_dtype), candle_gate::decoder::KvDtype::from_str).map_err(to_py)?,
+                threads: threads.map(|t| count("threads", t)).transpose()?,
                 record_logit_hashes,
-                enable_prefix_caching,
+                enable_prefix_caching: enable_prefix_caching.unwrap_or(d.enable_prefix_caching),
                 collide_prefix_hashes,
                 speculative: speculative_config(speculative)?,
-                ..Default::default()
+                ..d
             };
-            let e = RsEngine::new(model.inner.clone(), Arc::new(policy), cfg).map_err(to_py)?;
+            let options = EngineOptions {
+                mode: mode.map(Mode::from_str).transpose().map_err(to_py)?,
+                profile: profile.map(PathBuf::from),
+                gate: Some(GateMode::from_str(gate).map_err(to_py)?),
+                tau,
+                deep_tau,
+                gate_profiles: gate_profiles.unwrap_or_default().into_iter().map(PathBuf::from).collect(),
+                row_split_max: row_split_max.map(|r| count("row_split_max", r)).transpose()?,
+                config,
+            };
+            let (e, gate_source) = options.build(model.inner.clone()).map_err(to_py)?;
             Ok(Engine { inner: Mutex::new(e), gate_source })
         })
     }
@@ -772,33 +750,6 @@ fn load_profiles(paths: &[String]) -> PyResult<Vec<Profile>> {
     paths.iter().map(|p| Profile::load(&PathBuf::from(p)).map_err(to_py)).collect()
 }
 
-/// The lane a gate calibration is looked up for: `mode` and the model's sha256, computed only
-/// when a gated engine without tau has profiles to look in.
-fn calibration_lane(
-    gmode: GateMode,
-    tau: Option<f32>,
-    profiles: usize,
-    model: &Model,
-    mode: &str,
-) -> PyResult<Option<(Mode, String)>> {
-    if !GateConfig::needs_calibration(gmode, tau) || profiles == 0 {
-        return Ok(None);
-    }
-    Ok(Some((Mode::from_str(mode).map_err(to_py)?, model.inner.sha256().map_err(to_py)?)))
-}
-
-fn resolve_gate_for(
-    gmode: GateMode,
-    tau: Option<f32>,
-    deep_tau: Option<f32>,
-    profiles: &[(&Profile, &str)],
-    model: &Model,
-    mode: &str,
-) -> PyResult<(GateConfig, Option<String>)> {
-    let lane = calibration_lane(gmode, tau, profiles.len(), model, mode)?;
-    GateConfig::resolve(gmode, tau, deep_tau, profiles, lane.as_ref().map(|(m, h)| (*m, h.as_str()))).map_err(to_py)
-}
-
 /// `(tau, deep_tau, source)` an engine over `model` in `mode` would use (deep_tau None: tau ×
 /// the default fraction; source: `"PATH (model/mode)"` of the calibration used), by the
 /// engine's own rule (`GateConfig::resolve_values`). Without a model only the gate's name and
@@ -822,8 +773,8 @@ fn resolve_gate(
         };
         let loaded = load_profiles(&profiles)?;
         let list: Vec<(&Profile, &str)> = loaded.iter().zip(&profiles).map(|(p, s)| (p, s.as_str())).collect();
-        let mode = mode.unwrap_or(model.inner.policy.mode.name());
-        let lane = py.detach(|| calibration_lane(gmode, tau, list.len(), model, mode))?;
+        let mode = mode.map(Mode::from_str).transpose().map_err(to_py)?.unwrap_or(model.inner.policy.mode);
+        let lane = py.detach(|| calibration_lane(gmode, tau, list.len(), &model.inner, mode)).map_err(to_py)?;
         GateConfig::resolve_values(gmode, tau, deep_tau, &list, lane.as_ref().map(|(m, h)| (*m, h.as_str())))
             .map_err(to_py)
     })

@@ -7,6 +7,7 @@
 
 mod config;
 mod gate;
+pub mod options;
 mod output;
 mod request;
 mod runner;
@@ -34,6 +35,7 @@ use scheduler::Work;
 use sequence::{SeqId, Sequence};
 
 pub use config::{EngineConfig, GateConfig, GateMode, InjectedFault, DEEP_TAU_FRACTION};
+pub use options::EngineOptions;
 pub use request::{CacheStats, Choice, Event, FinishReason, GateStats, Output, Request, RequestId};
 pub use speculative::{SpecStats, SpeculativeConfig, SpeculativeMethod};
 
@@ -347,6 +349,7 @@ impl Engine {
     fn decide_rows(&mut self, model: &Model, i: usize, logits: &[f32], fast: Decision, drafts: &[u32]) {
         let (vocab, steps_run) = (model.decoder.cfg.vocab, self.steps_run);
         let first = self.scheduler.running[i].computed - 1 - drafts.len();
+        let steps_before = self.scheduler.running[i].steps.len();
         let mut fast = Some(fast);
         for j in 0..=drafts.len() {
             let s = &mut self.scheduler.running[i];
@@ -384,6 +387,13 @@ impl Engine {
             output::emit(&mut self.events, s);
         }
         let s = &mut self.scheduler.running[i];
+        if !drafts.is_empty() {
+            // A run kept whole asks for twice as many next time; one cut short, for one more
+            // than it kept: verification rows cost compute, and a sequence that is copying its
+            // prompt keeps long runs while one that is not keeps none.
+            let kept = (s.steps.len() - steps_before).saturating_sub(1);
+            s.draft_window = if kept == drafts.len() { 2 * drafts.len() } else { kept + 1 };
+        }
         s.speculation.draft_tokens += drafts.len() as u64;
         self.spec_stats.draft_tokens += drafts.len() as u64;
     }

@@ -145,7 +145,8 @@ impl Scheduler {
             let to_emit = s.req.params.max_new_tokens.saturating_sub(s.steps.len() + 1);
             let room = self.context_length.saturating_sub(s.target() + 2);
             let history: Vec<u32> = s.req.prompt_tokens.iter().copied().chain(s.fed_output()).collect();
-            let drafts = spec.draft(&history, left.min(to_emit).min(room));
+            let window = if s.draft_window == 0 { spec.num_speculative_tokens } else { s.draft_window };
+            let drafts = spec.draft(&history, left.min(to_emit).min(room).min(window));
             if !drafts.is_empty() {
                 left -= drafts.len();
                 *w = Work::Verify(drafts);

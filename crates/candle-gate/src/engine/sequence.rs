@@ -73,6 +73,9 @@ pub(crate) struct Sequence {
     pub cached_tokens: Option<usize>,
     /// Drafts proposed for it and kept.
     pub speculation: SpecStats,
+    /// Drafts its next verification run may take (0: not speculated yet): grows while runs are
+    /// kept whole, falls to what the last run kept. A function of its own history alone.
+    pub draft_window: usize,
 }
 
 impl Sequence {
@@ -93,6 +96,7 @@ impl Sequence {
             admitted_at: 0,
             cached_tokens: None,
             speculation: SpecStats::default(),
+            draft_window: 0,
         }
     }
 
@@ -116,6 +120,7 @@ impl Sequence {
             admitted_at: self.admitted_at,
             cached_tokens: self.cached_tokens,
             speculation: SpecStats::default(),
+            draft_window: 0,
         }
     }
 
