@@ -174,3 +174,12 @@ def test_generate_takes_the_same_sampling_keywords_as_submit(model):
     assert c.token_ids.tolist() == a.token_ids.tolist()
     with pytest.raises(TypeError, match="params="):
         model.generate(["Once upon a time"], temprature=0.8)
+
+
+def test_system_fingerprint_names_the_stack_not_the_request(model):
+    # Rust's alone (model::system_fingerprint): the server reports it as it is
+    a, b = Engine(model), Engine(model)
+    assert a.system_fingerprint == b.system_fingerprint and a.system_fingerprint.startswith("fp_")
+    assert len(a.system_fingerprint) == 3 + 16
+    for other in (Engine(model, kv_dtype="f32"), Engine(model, mode="row_split"), Engine(model, gate="always")):
+        assert other.system_fingerprint != a.system_fingerprint

@@ -254,6 +254,12 @@ class Engine:
         emits, never which."""
         return self._native.speculative
 
+    @property
+    def system_fingerprint(self) -> str:
+        """``fp_`` + 16 hex over the stack every result of this engine is fingerprinted with
+        (model file, version, kernels, gate, host): what the server reports."""
+        return self._native.system_fingerprint
+
     def spec_stats(self) -> Dict[str, int]:
         """Drafts proposed (``draft_tokens``) and kept (``accepted_tokens``) since the engine
         started."""

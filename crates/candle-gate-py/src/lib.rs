@@ -638,6 +638,12 @@ impl Engine {
     fn policy(&self, py: Python<'_>) -> PyResult<String> {
         self.with(py, |e| e.policy().describe())
     }
+    /// `fp_` + 16 hex: the stack (model file, version, kernels, gate, host) results are
+    /// fingerprinted with; what the server reports as `system_fingerprint`.
+    #[getter]
+    fn system_fingerprint(&self, py: Python<'_>) -> PyResult<String> {
+        self.with(py, |e| e.system_fingerprint())
+    }
     #[getter]
     fn gate(&self, py: Python<'_>) -> PyResult<String> {
         self.with(py, |e| e.config().gate.describe())

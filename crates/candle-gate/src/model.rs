@@ -63,6 +63,14 @@ pub fn fingerprint(model_sha256: &str, policy: &str, gate: &str, host: &str, tok
     format!("{:x}", h.finalize())[..32].to_string()
 }
 
+/// The server's `system_fingerprint`: `fp_` and 16 hex digits of SHA-256 over the stack a
+/// result's [`fingerprint`] covers (model file, version, kernel policy, gate, host), without the
+/// tokens: equal for every response one stack gives.
+pub fn system_fingerprint(model_sha256: &str, policy: &str, gate: &str, host: &str) -> String {
+    let stack = [model_sha256, env!("CARGO_PKG_VERSION"), policy, gate, host].join("\n");
+    format!("fp_{}", &format!("{:x}", Sha256::digest(stack.as_bytes()))[..16])
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

@@ -8,14 +8,12 @@ that makes it ready, also for a test that attaches a fake model and worker.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from .. import _native
 from ..engine import Engine, Model, speculative_options
 from .errors import APIError
 from .metrics import EngineCounts, Metrics
@@ -127,7 +125,7 @@ class ServerState:
 
 
 def system_fingerprint(model: Model, eng: Engine, mode: str) -> str:
-    """``fp_`` + 16 hex of SHA-256 over the stack: the model file, the version, the kernel policy,
-    the gate and the host (docs/SERVER.md, "system_fingerprint")."""
-    stack = "\n".join([model.sha256(), _native.__version__, eng.kernels, eng.gate, _native.host_signature(mode)])
-    return "fp_" + hashlib.sha256(stack.encode()).hexdigest()[:16]
+    """The engine's (Rust's ``model::system_fingerprint``): ``fp_`` + 16 hex of SHA-256 over the
+    stack, the model file, the version, the kernel policy, the gate and the host (docs/SERVER.md,
+    "system_fingerprint")."""
+    return eng.system_fingerprint

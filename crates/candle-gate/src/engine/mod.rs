@@ -135,6 +135,16 @@ impl Engine {
     pub fn describe_kernels(&self) -> String {
         format!("{};kv={}", self.policy.describe(), self.cfg.kv_dtype.name())
     }
+    /// The stack every result of this engine is fingerprinted with, as the server reports it
+    /// ([`crate::model::system_fingerprint`]).
+    pub fn system_fingerprint(&self) -> String {
+        crate::model::system_fingerprint(
+            &self.model_sha,
+            &self.describe_kernels(),
+            &self.cfg.gate.describe(),
+            &self.host,
+        )
+    }
     pub fn gate_stats(&self) -> GateStats {
         self.stats.clone()
     }
