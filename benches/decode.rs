@@ -18,12 +18,12 @@ const ROUNDS: usize = 3;
 fn ours(m: &Model, p: &Policy, prompt: &[u32]) -> (f64, f64) {
     let mut cache = m.decoder.new_cache();
     let t = Instant::now();
-    let l = m.decoder.forward(p, &mut [SeqRows { cache: &mut cache, tokens: prompt, want_logits: true }]).unwrap();
+    let l = m.decoder.forward(p, &mut [SeqRows { cache: &mut cache, tokens: prompt, logit_rows: 1 }]).unwrap();
     let prefill = prompt.len() as f64 / t.elapsed().as_secs_f64();
     let mut tok = argmax_margin(l[0].as_ref().unwrap()).0;
     let t = Instant::now();
     for _ in 0..DECODE {
-        let l = m.decoder.forward(p, &mut [SeqRows { cache: &mut cache, tokens: &[tok], want_logits: true }]).unwrap();
+        let l = m.decoder.forward(p, &mut [SeqRows { cache: &mut cache, tokens: &[tok], logit_rows: 1 }]).unwrap();
         tok = argmax_margin(l[0].as_ref().unwrap()).0;
     }
     (prefill, DECODE as f64 / t.elapsed().as_secs_f64())
