@@ -26,7 +26,7 @@ def _spec_args(p: argparse.ArgumentParser) -> None:
                    help="speculative decoding (ngram: prompt lookup); changes no token, only speed")
     p.add_argument("--num-speculative-tokens", type=int, default=None, help="drafts per sequence and step (default 5)")
     p.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
-                   help="no drafts in a step with more decoding sequences than this (default 4)")
+                   help="no drafts in a step with more decoding sequences than this (default 8)")
 
 
 def _speculative(a: argparse.Namespace):

@@ -250,7 +250,7 @@ class Engine:
     @property
     def speculative(self) -> Optional[str]:
         """The engine's speculative decoding in one line (None: off), e.g.
-        ``"ngram;k=5;lookup=2..4;max_batch=4"``. Speculation changes how many tokens a step
+        ``"ngram;k=5;lookup=2..4;max_batch=8"``. Speculation changes how many tokens a step
         emits, never which."""
         return self._native.speculative
 

@@ -607,7 +607,7 @@ impl Engine {
         d.set_item("accepted_tokens", c.accepted_tokens)?;
         Ok(d)
     }
-    /// The engine's speculation as given (None: off), e.g. `ngram;k=5;lookup=2..4;max_batch=4`.
+    /// The engine's speculation as given (None: off), e.g. `ngram;k=5;lookup=2..4;max_batch=8`.
     #[getter]
     fn speculative(&self, py: Python<'_>) -> PyResult<Option<String>> {
         self.with(py, |e| e.speculative().map(|s| s.describe()))
