@@ -23,14 +23,19 @@ def _kv_args(p: argparse.ArgumentParser) -> None:
 
 def _spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-method", default=None, choices=SPECULATIVE_METHODS,
-                   help="speculative decoding (ngram: prompt lookup); changes no token, only speed")
-    p.add_argument("--num-speculative-tokens", type=int, default=None, help="drafts per sequence and step (default 5)")
+                   help="speculative decoding (ngram: prompt lookup; draft: a smaller model of the same "
+                        "vocabulary, --draft-model); changes no token, only speed")
+    p.add_argument("--draft-model", default=None,
+                   help="the draft model of --speculative-method draft: a known model name or a .gguf path")
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="drafts per sequence and step (default: ngram 5, draft 4)")
     p.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
-                   help="no drafts in a step with more decoding sequences than this (default 8)")
+                   help="no drafts in a step with more decoding sequences than this (default: ngram 8, draft 2)")
 
 
 def _speculative(a: argparse.Namespace):
-    return speculative_options(a.speculative_method, a.num_speculative_tokens, a.speculative_disable_by_batch_size)
+    return speculative_options(a.speculative_method, a.num_speculative_tokens, a.speculative_disable_by_batch_size,
+                               a.draft_model)
 
 
 def _gate_args(p: argparse.ArgumentParser) -> None:

@@ -99,15 +99,28 @@ class Result:
 
 
 def speculative_options(method: Optional[str], num_speculative_tokens: Optional[int] = None,
-                        disable_by_batch_size: Optional[int] = None) -> Optional[Dict[str, Any]]:
+                        disable_by_batch_size: Optional[int] = None,
+                        draft_model: Optional[str] = None) -> Optional[Dict[str, Any]]:
     """``Engine(speculative=...)`` from flags (None: off); what is not given is the engine's
     default. The checks are the Rust engine's."""
+    given = {"num_speculative_tokens": num_speculative_tokens, "disable_by_batch_size": disable_by_batch_size,
+             "draft_model": draft_model}
     if method is None:
-        if num_speculative_tokens is not None or disable_by_batch_size is not None:
-            raise _invalid("speculative_method", "the speculative options need a speculative method (ngram)")
+        if any(v is not None for v in given.values()):
+            raise _invalid("speculative_method",
+                           f"the speculative options need a speculative method ({', '.join(SPECULATIVE_METHODS)})")
         return None
-    given = {"num_speculative_tokens": num_speculative_tokens, "disable_by_batch_size": disable_by_batch_size}
     return {"method": method, **{k: v for k, v in given.items() if v is not None}}
+
+
+def _with_loaded_draft(speculative: Optional[Dict[str, Any]], quiet: bool = False) -> Optional[Dict[str, Any]]:
+    """``speculative`` with its ``draft_model`` (a known name, a path or a :class:`Model`) loaded."""
+    if not isinstance(speculative, dict) or "draft_model" not in speculative:
+        return speculative
+    draft = speculative["draft_model"]
+    if isinstance(draft, (str, os.PathLike)):
+        draft = Model.load(os.fspath(draft), quiet=quiet)
+    return {**speculative, "draft_model": draft._native if isinstance(draft, Model) else draft}
 
 
 def _chat_json(chat: Any) -> str:
@@ -245,12 +258,13 @@ class Engine:
             prefill_chunk=prefill_chunk, kv_budget_tokens=kv_budget_tokens, kv_dtype=kv_dtype, threads=threads,
             record_logit_hashes=record_logit_hashes, row_split_max=row_split_max,
             gate_profiles=gate_profiles(profile), enable_prefix_caching=enable_prefix_caching,
-            speculative=speculative)
+            speculative=_with_loaded_draft(speculative))
 
     @property
     def speculative(self) -> Optional[str]:
         """The engine's speculative decoding in one line (None: off), e.g.
-        ``"ngram;k=5;lookup=2..4;max_batch=8"``. Speculation changes how many tokens a step
+        ``"ngram;k=5;lookup=2..4;max_batch=8"`` or
+        ``"draft;k=4;max_batch=2;draft_model=FILE.gguf"``. Speculation changes how many tokens a step
         emits, never which."""
         return self._native.speculative
 

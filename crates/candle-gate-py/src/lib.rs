@@ -259,27 +259,38 @@ fn gate_dict<'py>(py: Python<'py>, g: &candle_gate::engine::GateStats) -> PyResu
     Ok(d)
 }
 
-/// `speculative=dict(method="ngram", num_speculative_tokens=K, prompt_lookup_max=N,
-/// prompt_lookup_min=N, disable_by_batch_size=N)`: what is not given is
-/// `SpeculativeConfig::new`'s, and the bounds are `SpeculativeConfig::validate`'s.
-fn speculative_config(d: Option<&Bound<'_, PyDict>>) -> PyResult<Option<SpeculativeConfig>> {
-    let Some(d) = d else { return Ok(None) };
+/// `speculative=dict(method="ngram"|"draft", num_speculative_tokens=K, prompt_lookup_max=N,
+/// prompt_lookup_min=N, disable_by_batch_size=N, draft_model=Model)`: what is not given is
+/// `SpeculativeConfig::new`'s, and the bounds are `SpeculativeConfig::validate`'s (the draft
+/// model's vocabulary is the engine's to check).
+type Speculation = (Option<SpeculativeConfig>, Option<Arc<RsModel>>);
+
+fn speculative_config(d: Option<&Bound<'_, PyDict>>) -> PyResult<Speculation> {
+    let Some(d) = d else { return Ok((None, None)) };
     let Some(method) = d.get_item("method")? else {
         return Err(invalid("speculative", "speculative needs a method, e.g. dict(method=\"ngram\")".into()));
     };
     let method = method.extract::<String>().map_err(|_| invalid("speculative", "method must be a string".into()))?;
     let mut c = SpeculativeConfig::new(SpeculativeMethod::from_str(&method).map_err(to_py)?);
+    let mut draft = None;
     for (k, v) in d.iter() {
         let key: String = k.extract()?;
         let field = match key.as_str() {
             "method" => continue,
+            "draft_model" => {
+                let m = v.cast::<Model>().map_err(|_| {
+                    invalid("draft_model", "draft_model must be a loaded model (candle_gate.Model)".into())
+                })?;
+                draft = Some(m.get().inner.clone());
+                continue;
+            }
             "num_speculative_tokens" => &mut c.num_speculative_tokens,
             "prompt_lookup_max" => &mut c.prompt_lookup_max,
             "prompt_lookup_min" => &mut c.prompt_lookup_min,
             "disable_by_batch_size" => &mut c.disable_by_batch_size,
             other => {
-                let expected =
-                    "method, num_speculative_tokens, prompt_lookup_max, prompt_lookup_min, disable_by_batch_size";
+                let expected = "method, num_speculative_tokens, prompt_lookup_max, prompt_lookup_min, \
+                                disable_by_batch_size, draft_model";
                 return Err(invalid(
                     "speculative",
                     format!("unknown speculative option {other:?}; expected {expected}"),
@@ -290,7 +301,7 @@ fn speculative_config(d: Option<&Bound<'_, PyDict>>) -> PyResult<Option<Speculat
         *field = count(&key, n)?;
     }
     c.validate().map_err(to_py)?;
-    Ok(Some(c))
+    Ok((Some(c), draft))
 }
 
 fn choice_dict<'py>(py: Python<'py>, c: Choice) -> PyResult<Bound<'py, PyDict>> {
@@ -502,6 +513,7 @@ impl Engine {
             // What is not given is `EngineConfig::default()`'s (`ENGINE_DEFAULTS`): one owner;
             // the rules that turn the options into an engine are `EngineOptions::build`'s.
             let d = EngineConfig::default();
+            let (spec, draft_model) = speculative_config(speculative)?;
             let given = |name: &str, v: Option<i64>, default: usize| v.map_or(Ok(default), |v| count(name, v));
             let config = EngineConfig {
                 max_num_seqs: given("max_num_seqs", max_num_seqs, d.max_num_seqs)?,
@@ -513,7 +525,7 @@ impl Engine {
                 record_logit_hashes,
                 enable_prefix_caching: enable_prefix_caching.unwrap_or(d.enable_prefix_caching),
                 collide_prefix_hashes,
-                speculative: speculative_config(speculative)?,
+                speculative: spec,
                 ..d
             };
             let options = EngineOptions {
@@ -524,6 +536,7 @@ impl Engine {
                 deep_tau,
                 gate_profiles: gate_profiles.unwrap_or_default().into_iter().map(PathBuf::from).collect(),
                 row_split_max: row_split_max.map(|r| count("row_split_max", r)).transpose()?,
+                draft_model,
                 config,
             };
             let (e, gate_source) = options.build(model.inner.clone()).map_err(to_py)?;
@@ -605,12 +618,13 @@ impl Engine {
         let d = PyDict::new(py);
         d.set_item("draft_tokens", c.draft_tokens)?;
         d.set_item("accepted_tokens", c.accepted_tokens)?;
+        d.set_item("draft_failures", self.with(py, |e| e.draft_failures())?)?;
         Ok(d)
     }
     /// The engine's speculation as given (None: off), e.g. `ngram;k=5;lookup=2..4;max_batch=8`.
     #[getter]
     fn speculative(&self, py: Python<'_>) -> PyResult<Option<String>> {
-        self.with(py, |e| e.speculative().map(|s| s.describe()))
+        self.with(py, |e| e.describe_speculation())
     }
     /// Forgets every cached prefix (blocks running sequences hold stay with them).
     fn reset_prefix_cache(&self, py: Python<'_>) -> PyResult<()> {

@@ -19,6 +19,12 @@ pub struct Model {
     sha256: OnceLock<String>,
 }
 
+impl std::fmt::Debug for Model {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Model").field("path", &self.path).field("arch", &self.decoder.cfg.arch.name()).finish()
+    }
+}
+
 impl Model {
     pub fn load(path: &Path, policy: Arc<Policy>) -> Result<Self> {
         let mut f = GgufFile::open(path)?;

@@ -46,6 +46,12 @@ pub struct GgufTokenizer {
     chat_template: Option<ChatTemplate>,
 }
 
+fn sorted(ids: &HashSet<u32>) -> Vec<u32> {
+    let mut v: Vec<u32> = ids.iter().copied().collect();
+    v.sort_unstable();
+    v
+}
+
 /// GPT-2's byte ↔ printable-character table, inverted: char → byte.
 fn unicode_to_byte() -> std::collections::HashMap<char, u8> {
     let mut bs: Vec<u32> = (b'!' as u32..=b'~' as u32).chain(0xA1..=0xAC).chain(0xAE..=0xFF).collect();
@@ -166,6 +172,47 @@ impl GgufTokenizer {
 
     pub fn vocab_size(&self) -> usize {
         self.token_bytes.len()
+    }
+
+    /// Each token's kind as this tokenizer treats it: (not text, control, user-defined).
+    fn kinds(&self) -> Vec<(bool, bool, bool)> {
+        let mut k: Vec<(bool, bool, bool)> = self.special.iter().map(|&s| (s, false, false)).collect();
+        self.control.iter().for_each(|p| k[p.id as usize].1 = true);
+        self.user_defined.iter().for_each(|p| k[p.id as usize].2 = true);
+        k
+    }
+
+    /// Where `self`'s vocabulary first differs from `other`'s (None: the same tokens with the
+    /// same ids, bytes and kinds, the same BOS, EOS and stop ids): what a draft model must share
+    /// with its target.
+    pub fn vocabulary_difference(&self, other: &GgufTokenizer) -> Option<String> {
+        if self.vocab_size() != other.vocab_size() {
+            return Some(format!("{} tokens against {}", self.vocab_size(), other.vocab_size()));
+        }
+        let (mine, theirs) = (self.kinds(), other.kinds());
+        let show = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+        for i in 0..self.vocab_size() {
+            if self.token_bytes[i] != other.token_bytes[i] {
+                let (a, b) = (show(&self.token_bytes[i]), show(&other.token_bytes[i]));
+                return Some(format!("token {i} is {a:?} against {b:?}"));
+            }
+            if mine[i] != theirs[i] {
+                return Some(format!("token {i} ({:?}) is of another kind", show(&self.token_bytes[i])));
+            }
+        }
+        for (t, a, b) in [("BOS", self.bos_id, other.bos_id), ("EOS", self.eos_id, other.eos_id)] {
+            if a != b {
+                return Some(format!("the {t} id is {a:?} against {b:?}"));
+            }
+        }
+        if self.stop_ids != other.stop_ids {
+            return Some(format!(
+                "the stop ids are {:?} against {:?}",
+                sorted(&self.stop_ids),
+                sorted(&other.stop_ids)
+            ));
+        }
+        None
     }
 
     /// Token ids of text someone wrote (a completion prompt): control-token texts in it stay text.

@@ -35,6 +35,8 @@ class Settings:
     speculative_method: Optional[str] = None
     num_speculative_tokens: Optional[int] = None
     speculative_disable_by_batch_size: Optional[int] = None
+    #: the draft model of speculative method ``draft`` (a known name or a path)
+    draft_model: Optional[str] = None
     # -- the API ---------------------------------------------------------------------------------
     #: the context a request may use (prompt + new tokens); None: the model's
     max_model_len: Optional[int] = None

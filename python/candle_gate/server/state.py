@@ -62,7 +62,7 @@ class ServerState:
                          prefill_chunk=s.prefill_chunk, max_tokens_per_step=s.max_num_batched_tokens,
                          kv_budget_tokens=s.kv_budget_tokens, enable_prefix_caching=s.enable_prefix_caching,
                          speculative=speculative_options(s.speculative_method, s.num_speculative_tokens,
-                                                         s.speculative_disable_by_batch_size))
+                                                         s.speculative_disable_by_batch_size, s.draft_model))
         except Exception as e:
             self.load_error = str(e)
             print(f"candle-gate serve: error: could not load the model: {e}", file=sys.stderr, flush=True)

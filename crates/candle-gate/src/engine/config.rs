@@ -51,6 +51,8 @@ pub enum InjectedFault {
     Forward { step: u64 },
     /// The gate fails for request `id` on the engine's `step`-th step.
     Gate { step: u64, id: RequestId },
+    /// The draft model's forward fails halfway through on the engine's `step`-th step.
+    Draft { step: u64 },
 }
 
 impl EngineConfig {

@@ -6,6 +6,7 @@
 //! every running sequence's decode row plus whole prefill chunks under a token budget.
 
 mod config;
+mod drafter;
 mod gate;
 pub mod options;
 mod output;
@@ -60,6 +61,8 @@ pub struct Engine {
     stats: GateStats,
     cache_stats: CacheStats,
     spec_stats: SpecStats,
+    /// Steps whose draft model failed (those sequences decoded without drafts).
+    draft_failures: u64,
     shut_down: bool,
     model_sha: String,
     /// What this host and build contribute to the bits in the policy's mode (`host::signature`).
@@ -68,6 +71,17 @@ pub struct Engine {
 
 impl Engine {
     pub fn new(model: Arc<Model>, policy: Arc<Policy>, cfg: EngineConfig) -> Result<Self> {
+        Self::with_draft_model(model, None, policy, cfg)
+    }
+
+    /// An engine whose speculation (`cfg.speculative` with method `draft`) drafts with
+    /// `draft`, a model with the target's vocabulary (checked token by token).
+    pub fn with_draft_model(
+        model: Arc<Model>,
+        draft: Option<Arc<Model>>,
+        policy: Arc<Policy>,
+        cfg: EngineConfig,
+    ) -> Result<Self> {
         if cfg.max_num_seqs == 0 {
             return Err(Error::invalid("max_num_seqs", "max_num_seqs must be at least 1"));
         }
@@ -83,6 +97,7 @@ impl Engine {
         if let Some(spec) = &cfg.speculative {
             spec.validate()?;
         }
+        check_draft_model(&model, draft.as_deref(), cfg.speculative.as_ref())?;
         let pool = match cfg.threads {
             Some(0) => return Err(Error::invalid("threads", "threads must be at least 1")),
             Some(n) => {
@@ -102,7 +117,7 @@ impl Engine {
             model_sha,
             host: crate::host::signature(policy.mode),
             scheduler: Scheduler::new(&cfg, model.decoder.cfg.context_length),
-            runner: Runner::new(&model, &cfg, salt),
+            runner: Runner::new(&model, draft, &cfg, salt),
             gate,
             model,
             policy,
@@ -117,6 +132,7 @@ impl Engine {
             stats: GateStats::default(),
             cache_stats: CacheStats::default(),
             spec_stats: SpecStats::default(),
+            draft_failures: 0,
             shut_down: false,
         })
     }
@@ -271,9 +287,23 @@ impl Engine {
     pub fn speculative(&self) -> Option<&SpeculativeConfig> {
         self.cfg.speculative.as_ref()
     }
+    /// The engine's speculation in one line (None: off), e.g. `ngram;k=5;lookup=2..4;max_batch=8`
+    /// or `draft;k=4;max_batch=2;draft_model=FILE`.
+    pub fn describe_speculation(&self) -> Option<String> {
+        let spec = self.cfg.speculative.as_ref()?.describe();
+        Some(match self.runner.draft_model() {
+            Some(d) => format!("{spec};draft_model={}", d.path.file_name().unwrap_or_default().to_string_lossy()),
+            None => spec,
+        })
+    }
     /// Drafts proposed and kept since the engine started.
     pub fn spec_stats(&self) -> SpecStats {
         self.spec_stats
+    }
+    /// Steps in which the draft model failed; their sequences decoded without drafts (the
+    /// same tokens) and went on.
+    pub fn draft_failures(&self) -> u64 {
+        self.draft_failures
     }
     /// Forgets every cached prefix (blocks held by running sequences stay with them).
     pub fn reset_prefix_cache(&mut self) {
@@ -307,11 +337,15 @@ impl Engine {
 
     fn step_inner(&mut self) -> Result<usize> {
         self.admit()?;
-        let plan = self.plan_within_pool();
+        let mut plan = self.plan_within_pool();
         if plan.is_empty() {
             return Ok(0);
         }
         self.steps_run += 1;
+        let fail_draft = self.cfg.inject_fault == Some(InjectedFault::Draft { step: self.steps_run });
+        if self.runner.propose(self.policy.as_ref(), &self.scheduler.running, &mut plan, fail_draft).is_some() {
+            self.draft_failures += 1;
+        }
         let fail_midway = self.cfg.inject_fault == Some(InjectedFault::Forward { step: self.steps_run });
         let model = self.model.clone();
         let reference = self.gate.reference;
@@ -532,6 +566,37 @@ impl Engine {
         ids.iter()
             .map(|id| self.take_output(*id).ok_or_else(|| Error::Engine(format!("request {id} did not finish"))))
             .collect()
+    }
+}
+
+/// A draft model goes with speculative method `draft` alone, and must share the target's
+/// vocabulary: every token's bytes and kind, the special and stop ids, and the logits' width
+/// (a draft is a token id the target verifies).
+fn check_draft_model(model: &Model, draft: Option<&Model>, spec: Option<&SpeculativeConfig>) -> Result<()> {
+    let method = spec.map(|s| s.method);
+    let Some(draft) = draft else {
+        if method == Some(SpeculativeMethod::Draft) {
+            return Err(Error::invalid("draft_model", "speculative method \"draft\" needs a draft model"));
+        }
+        return Ok(());
+    };
+    if method != Some(SpeculativeMethod::Draft) {
+        return Err(Error::invalid("draft_model", "a draft model is used only by speculative method \"draft\""));
+    }
+    let difference = match (draft.decoder.cfg.vocab, model.decoder.cfg.vocab) {
+        (d, t) if d != t => Some(format!("its logits have {d} entries, the target's {t}")),
+        _ => draft.tokenizer.vocabulary_difference(&model.tokenizer),
+    };
+    match difference {
+        Some(d) => Err(Error::invalid(
+            "draft_model",
+            format!(
+                "draft model {} does not share the vocabulary of {}: {d}",
+                draft.path.display(),
+                model.path.display()
+            ),
+        )),
+        None => Ok(()),
     }
 }
 

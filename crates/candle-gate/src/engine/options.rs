@@ -30,6 +30,8 @@ pub struct EngineOptions {
     pub gate_profiles: Vec<PathBuf>,
     /// Overrides the profile's row-split thresholds with one for every shape.
     pub row_split_max: Option<usize>,
+    /// The draft model of speculative method `draft`; it runs in the engine's lane.
+    pub draft_model: Option<Arc<Model>>,
     pub config: EngineConfig,
 }
 
@@ -64,7 +66,7 @@ impl EngineOptions {
         let lane = lane.as_ref().map(|(m, h)| (*m, h.as_str()));
         let (gate, source) = GateConfig::resolve(gate, self.tau, self.deep_tau, &list, lane)?;
         self.config.gate = gate;
-        Ok((Engine::new(model, Arc::new(policy), self.config)?, source))
+        Ok((Engine::with_draft_model(model, self.draft_model, Arc::new(policy), self.config)?, source))
     }
 }
 

@@ -1,6 +1,7 @@
-//! The model runner: owns every running sequence's KV cache, finds and registers their
-//! prefixes in the prefix cache, and turns a step's plan into rows for one fast-lane forward.
-//! The model sees rows and caches, never sequences.
+//! The model runner: owns every running sequence's KV cache (and its draft model's, when
+//! speculating with one), finds and registers their prefixes in the prefix cache, and turns a
+//! step's plan into rows for one fast-lane forward. The model sees rows and caches, never
+//! sequences.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -14,6 +15,7 @@ use crate::model::Model;
 use crate::prefix_cache::{chain_hash, colliding_hash};
 use crate::reference::ReferenceWeights;
 
+use super::drafter::Drafter;
 use super::scheduler::Work;
 use super::sequence::{SeqId, Sequence};
 use super::EngineConfig;
@@ -27,6 +29,8 @@ pub(crate) struct Runner {
     /// Seeds every chain hash: the model file, the kernel policy and the K/V dtype.
     salt: u64,
     prefix_caching: bool,
+    /// The draft model's lane, when the engine speculates with one.
+    drafter: Option<Drafter>,
 }
 
 /// One running sequence's cache, and the prefix-cache identity of its leading whole blocks.
@@ -41,7 +45,7 @@ struct Slot {
 impl Runner {
     /// A runner whose caches share one pool of `cfg.kv_budget_tokens` (in whole blocks);
     /// `salt` names what besides the tokens decides a block's bits.
-    pub fn new(model: &Model, cfg: &EngineConfig, salt: u64) -> Self {
+    pub fn new(model: &Model, draft: Option<Arc<Model>>, cfg: &EngineConfig, salt: u64) -> Self {
         let layout = model.decoder.cfg.block_layout(cfg.kv_dtype);
         let hash = if cfg.collide_prefix_hashes { colliding_hash } else { chain_hash };
         Runner {
@@ -49,7 +53,11 @@ impl Runner {
             slots: HashMap::new(),
             salt,
             prefix_caching: cfg.enable_prefix_caching,
+            drafter: draft.map(|d| Drafter::new(d, cfg.kv_dtype, cfg.max_tokens_per_step)),
         }
+    }
+    pub fn draft_model(&self) -> Option<&Arc<Model>> {
+        self.drafter.as_ref().map(|d| d.model())
     }
     pub fn pool(&self) -> &Arc<KvPool> {
         &self.pool
@@ -107,10 +115,61 @@ impl Runner {
     pub fn fork(&mut self, from: SeqId, to: SeqId) {
         let slot = self.slots[&from].clone();
         self.slots.insert(to, slot);
+        if let Some(d) = &mut self.drafter {
+            d.fork(from, to);
+        }
     }
-    /// Drops `id`'s cache: its blocks go back to the pool, the cached ones stay cached.
+    /// Drops `id`'s caches: its blocks go back to the pool, the cached ones stay cached.
     pub fn close(&mut self, id: SeqId) {
         self.slots.remove(&id);
+        if let Some(d) = &mut self.drafter {
+            d.close(id);
+        }
+    }
+
+    /// Turns each [`Work::Draft`] of the plan into a [`Work::Verify`] of the draft model's
+    /// proposals. If the draft model fails, those sequences decode without drafts this step
+    /// (their tokens never depend on drafts), their draft caches are dropped, and the error is
+    /// returned for the engine to count; nothing else changes. With `fail` the draft model's
+    /// forward fails halfway (fault injection for tests).
+    pub fn propose(
+        &mut self,
+        lane: &dyn Lane,
+        running: &[Sequence],
+        plan: &mut [(usize, Work)],
+        fail: bool,
+    ) -> Option<Error> {
+        let wanted: Vec<(SeqId, Vec<u32>, usize)> = plan
+            .iter()
+            .filter_map(|(i, w)| match w {
+                Work::Draft(n) => {
+                    let s = &running[*i];
+                    Some((s.id, (0..=s.computed).map(|p| s.fed_at(p)).collect(), *n))
+                }
+                _ => None,
+            })
+            .collect();
+        if wanted.is_empty() {
+            return None;
+        }
+        let drafter = self.drafter.as_mut().expect("draft work is planned only with a draft model");
+        let faulty = FailAfter { lane, calls_left: AtomicUsize::new(drafter.model().decoder.layers.len() * 7 / 2) };
+        let lane: &dyn Lane = if fail { &faulty } else { lane };
+        let (proposed, error) = match drafter.propose(lane, &wanted) {
+            Ok(p) => (p, None),
+            Err(e) => {
+                wanted.iter().for_each(|(id, _, _)| drafter.close(*id));
+                (Vec::new(), Some(e))
+            }
+        };
+        let mut proposed = proposed.into_iter();
+        for (_, w) in plan.iter_mut().filter(|(_, w)| matches!(w, Work::Draft(_))) {
+            *w = match proposed.next() {
+                Some(drafts) => Work::Verify(drafts),
+                None => Work::Decode,
+            };
+        }
+        error
     }
     /// Keeps `s`'s first `len` positions: a verification run's rows after its last decided one
     /// go (their blocks back to the pool).
@@ -230,6 +289,7 @@ impl Runner {
                     Work::Decode => vec![s.fed_last()],
                     Work::Prefill(c) => c.clone().map(|p| s.fed_at(p)).collect(),
                     Work::Verify(d) => std::iter::once(s.fed_last()).chain(d.iter().copied()).collect(),
+                    Work::Draft(_) => unreachable!("the runner proposes drafts before the forward"),
                 }
             })
             .collect();
@@ -240,7 +300,7 @@ impl Runner {
             for (((i, work), tokens), slot) in plan.iter().zip(&tokens).zip(slots.iter_mut()) {
                 let s = &running[*i];
                 let logit_rows = match work {
-                    Work::Decode | Work::Verify(_) => tokens.len(),
+                    Work::Decode | Work::Verify(_) | Work::Draft(_) => tokens.len(),
                     Work::Prefill(c) => (c.end == s.req.prompt_tokens.len() && s.steps.is_empty()) as usize,
                 };
                 batch.push(SeqRows { cache: &mut slot.cache, tokens, logit_rows });
@@ -258,7 +318,7 @@ impl Runner {
         for ((i, work), lg) in plan.iter().zip(logits) {
             let s = &mut running[*i];
             match work {
-                Work::Decode | Work::Verify(_) => s.computed += work.rows(),
+                Work::Decode | Work::Verify(_) | Work::Draft(_) => s.computed += work.rows(),
                 Work::Prefill(c) => {
                     s.computed = c.end;
                     if s.repaired_at(c.end - 1) {
@@ -280,7 +340,7 @@ impl Runner {
 
 /// A lane whose matmuls fail after a number of calls.
 struct FailAfter<'a> {
-    lane: &'a Policy,
+    lane: &'a dyn Lane,
     calls_left: AtomicUsize,
 }
 

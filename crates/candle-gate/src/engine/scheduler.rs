@@ -10,7 +10,7 @@ use std::collections::VecDeque;
 use std::ops::Range;
 
 use super::sequence::{SeqId, Sequence};
-use super::speculative::SpeculativeConfig;
+use super::speculative::{SpeculativeConfig, SpeculativeMethod};
 use super::{EngineConfig, RequestId};
 use crate::kv_cache::KV_BLOCK;
 
@@ -24,6 +24,9 @@ pub(crate) enum Work {
     /// Feed its latest choice and then these drafts, deciding a token after each row: the
     /// drafts are kept while each equals the token decided before it.
     Verify(Vec<u32>),
+    /// A [`Work::Verify`] of this many drafts that the draft model has yet to propose (the
+    /// runner does, once the plan fits the pool).
+    Draft(usize),
 }
 
 impl Work {
@@ -33,6 +36,7 @@ impl Work {
             Work::Decode => 1,
             Work::Prefill(c) => c.len(),
             Work::Verify(d) => 1 + d.len(),
+            Work::Draft(n) => 1 + n,
         }
     }
 }
@@ -144,12 +148,18 @@ impl Scheduler {
             }
             let to_emit = s.req.params.max_new_tokens.saturating_sub(s.steps.len() + 1);
             let room = self.context_length.saturating_sub(s.target() + 2);
-            let history: Vec<u32> = s.req.prompt_tokens.iter().copied().chain(s.fed_output()).collect();
             let window = if s.draft_window == 0 { spec.num_speculative_tokens } else { s.draft_window };
-            let drafts = spec.draft(&history, left.min(to_emit).min(room).min(window));
-            if !drafts.is_empty() {
-                left -= drafts.len();
-                *w = Work::Verify(drafts);
+            let limit = left.min(to_emit).min(room).min(window).min(spec.num_speculative_tokens);
+            let work = match spec.method {
+                SpeculativeMethod::Ngram => {
+                    let history: Vec<u32> = s.req.prompt_tokens.iter().copied().chain(s.fed_output()).collect();
+                    Work::Verify(spec.lookup(&history, limit))
+                }
+                SpeculativeMethod::Draft => Work::Draft(limit),
+            };
+            if work.rows() > 1 {
+                left -= work.rows() - 1;
+                *w = work;
             }
         }
         budget - left

@@ -5,9 +5,11 @@
 //! a verification row is the one plain decoding makes at that position: the output does not
 //! depend on whether, or how far, anything was speculated. Only the speed does.
 //!
-//! The drafter here is prompt lookup (n-gram): the continuation of the most recent earlier
-//! occurrence of the history's longest matching suffix. It needs no second model, and it is a
-//! function of the sequence's own tokens, so acceptance is a function of the request.
+//! Two drafters: prompt lookup (n-gram), the continuation of the most recent earlier
+//! occurrence of the history's longest matching suffix, which needs no second model; and a
+//! draft model, a smaller model of the same vocabulary proposing its own greedy tokens from its
+//! own K/V cache (the runner's [`crate::engine`] draft lane). Both are functions of the
+//! sequence's own tokens, so acceptance is a function of the request.
 
 use std::str::FromStr;
 
@@ -18,13 +20,16 @@ use crate::error::{Error, Result};
 pub enum SpeculativeMethod {
     /// Prompt lookup over the sequence's own prompt and output.
     Ngram,
+    /// A smaller model with the same vocabulary, greedy.
+    Draft,
 }
 
 impl SpeculativeMethod {
-    pub const ALL: [SpeculativeMethod; 1] = [SpeculativeMethod::Ngram];
+    pub const ALL: [SpeculativeMethod; 2] = [SpeculativeMethod::Ngram, SpeculativeMethod::Draft];
     pub fn name(self) -> &'static str {
         match self {
             SpeculativeMethod::Ngram => "ngram",
+            SpeculativeMethod::Draft => "draft",
         }
     }
 }
@@ -67,13 +72,30 @@ pub const DEFAULT_PROMPT_LOOKUP_MIN: usize = 2;
 pub const DEFAULT_DISABLE_BY_BATCH_SIZE: usize = 8;
 /// Drafts per step when not given.
 pub const DEFAULT_NUM_SPECULATIVE_TOKENS: usize = 5;
+/// A draft model's drafts per step when not given.
+pub const DEFAULT_DRAFT_MODEL_TOKENS: usize = 4;
+/// A draft model costs a forward per draft: above this many decoding sequences its forwards
+/// cost more than verification saves (measured, benches/speculative.py).
+pub const DEFAULT_DRAFT_DISABLE_BY_BATCH_SIZE: usize = 2;
 /// The most drafts a step may verify per sequence.
 pub const MAX_SPECULATIVE_TOKENS: usize = 16;
 
 impl SpeculativeConfig {
     /// `method` with every other setting at its default.
     pub fn new(method: SpeculativeMethod) -> Self {
-        SpeculativeConfig { method, ..Self::ngram(DEFAULT_NUM_SPECULATIVE_TOKENS) }
+        match method {
+            SpeculativeMethod::Ngram => Self::ngram(DEFAULT_NUM_SPECULATIVE_TOKENS),
+            SpeculativeMethod::Draft => Self::draft_model(DEFAULT_DRAFT_MODEL_TOKENS),
+        }
+    }
+
+    /// A draft model proposing up to `num_speculative_tokens` per step.
+    pub fn draft_model(num_speculative_tokens: usize) -> Self {
+        SpeculativeConfig {
+            method: SpeculativeMethod::Draft,
+            disable_by_batch_size: DEFAULT_DRAFT_DISABLE_BY_BATCH_SIZE,
+            ..Self::ngram(num_speculative_tokens)
+        }
     }
 
     pub fn ngram(num_speculative_tokens: usize) -> Self {
@@ -86,11 +108,15 @@ impl SpeculativeConfig {
         }
     }
 
-    /// The settings in one line, e.g. `ngram;k=5;lookup=2..4;max_batch=8`.
+    /// The settings in one line, e.g. `ngram;k=5;lookup=2..4;max_batch=8` or
+    /// `draft;k=4;max_batch=2`.
     pub fn describe(&self) -> String {
         let (k, lo, hi, b) =
             (self.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max, self.disable_by_batch_size);
-        format!("{};k={k};lookup={lo}..{hi};max_batch={b}", self.method.name())
+        match self.method {
+            SpeculativeMethod::Ngram => format!("ngram;k={k};lookup={lo}..{hi};max_batch={b}"),
+            SpeculativeMethod::Draft => format!("draft;k={k};max_batch={b}"),
+        }
     }
 
     pub fn validate(&self) -> Result<()> {
@@ -107,12 +133,11 @@ impl SpeculativeConfig {
         Ok(())
     }
 
-    /// Up to `limit` drafts to follow `history` (the prompt, then every token output so far).
-    pub fn draft(&self, history: &[u32], limit: usize) -> Vec<u32> {
+    /// Up to `limit` prompt-lookup drafts to follow `history` (the prompt, then every token
+    /// output so far).
+    pub fn lookup(&self, history: &[u32], limit: usize) -> Vec<u32> {
         let k = self.num_speculative_tokens.min(limit);
-        match self.method {
-            SpeculativeMethod::Ngram => ngram_draft(history, k, self.prompt_lookup_max, self.prompt_lookup_min),
-        }
+        ngram_draft(history, k, self.prompt_lookup_max, self.prompt_lookup_min)
     }
 }
 
@@ -144,13 +169,6 @@ pub struct SpecStats {
     pub accepted_tokens: u64,
 }
 
-impl SpecStats {
-    pub fn add(&mut self, other: SpecStats) {
-        self.draft_tokens += other.draft_tokens;
-        self.accepted_tokens += other.accepted_tokens;
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -179,7 +197,9 @@ mod tests {
         c.prompt_lookup_min = 5;
         assert_eq!(c.validate().unwrap_err().param(), Some("prompt_lookup_min"));
         assert!(SpeculativeConfig::ngram(5).validate().is_ok());
-        assert_eq!("draft".parse::<SpeculativeMethod>().unwrap_err().param(), Some("speculative_method"));
-        assert_eq!(SpeculativeConfig::ngram(8).draft(&[1, 2, 1, 2, 1, 2], 3), [1, 2]);
+        assert_eq!("medusa".parse::<SpeculativeMethod>().unwrap_err().param(), Some("speculative_method"));
+        assert_eq!("draft".parse::<SpeculativeMethod>().unwrap(), SpeculativeMethod::Draft);
+        assert_eq!(SpeculativeConfig::ngram(8).lookup(&[1, 2, 1, 2, 1, 2], 3), [1, 2]);
+        assert_eq!(SpeculativeConfig::new(SpeculativeMethod::Draft).describe(), "draft;k=4;max_batch=2");
     }
 }
