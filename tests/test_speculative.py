@@ -1,7 +1,8 @@
-"""Speculative decoding changes no bit: with n-gram drafts verified in the continuous batch,
-every request's tokens, per-step logits hashes, logprobs and fingerprints equal plain
-decoding's, greedy and seeded, for any number of drafts, beside decoding and prefilling
-neighbours, gated, under preemption; and a request's draft and acceptance counts are its own."""
+"""Speculative decoding changes no bit: with n-gram drafts or a draft model's, verified in the
+continuous batch, every request's tokens, per-step logits hashes, logprobs and fingerprints
+equal plain decoding's, greedy and seeded, for any number of drafts, beside decoding and
+prefilling neighbours, gated, under preemption; and a request's draft and acceptance counts are
+its own."""
 import json
 import os
 
@@ -10,9 +11,11 @@ import pytest
 
 import candle_gate
 from candle_gate import Engine
+from candle_gate.engine import speculative_options
 
 HERE = os.path.dirname(__file__)
 QWEN = "qwen2.5-coder-0.5b-instruct-q4_k_m"
+QWEN_15 = "qwen2.5-coder-1.5b-instruct-q4_k_m"
 SAMPLED = dict(temperature=0.8, top_p=0.95, seed=11)
 
 
@@ -24,6 +27,11 @@ def _prompts(name, k):
 @pytest.fixture(scope="module")
 def qwen():
     return candle_gate.Model.load(QWEN, quiet=True)
+
+
+@pytest.fixture(scope="module")
+def qwen15():
+    return candle_gate.Model.load(QWEN_15, quiet=True)
 
 
 def _bits(r):
@@ -53,24 +61,55 @@ def test_any_number_of_drafts_changes_no_bit(qwen, sampling):
         assert stats["accepted_tokens"] == sum(s.accepted_tokens for s in spec)
 
 
-def test_speculating_beside_decoding_prefilling_and_preempted_requests(qwen):
+@pytest.mark.parametrize("sampling", [None, SAMPLED], ids=["greedy", "seeded"])
+def test_a_draft_model_changes_no_bit(qwen, qwen15, sampling):
+    # Qwen2.5-Coder 1.5B verifying 0.5B's drafts: rejections and corrections at every k; the
+    # draft caches catch up on them, and the tokens are plain decoding's.
+    target = qwen15
+    prompts = _prompts("code_completion.json", 2) + _prompts("heldout_chats.json", 1)
+    _, plain = _run(target, prompts, max_new=24, sampling=sampling)
+    for k in (2, 5):
+        spec = dict(method="draft", draft_model=qwen, num_speculative_tokens=k, disable_by_batch_size=4)
+        eng, res = _run(target, prompts, spec, max_new=24, sampling=sampling)
+        for p, s in zip(plain, res):
+            assert _bits(s) == _bits(p), (k, s.text, p.text)
+        drafted, kept = sum(s.draft_tokens for s in res), sum(s.accepted_tokens for s in res)
+        assert 0 < kept < drafted, (k, drafted, kept)
+        assert eng.spec_stats() == {"draft_tokens": drafted, "accepted_tokens": kept, "draft_failures": 0}
+        assert eng.speculative == f"draft;k={k};max_batch=4;draft_model={QWEN}.gguf"
+
+
+def _beside(model, method):
+    # Speculation's drafts: a prompt lookup, or the model drafting for itself.
+    if method == "ngram":
+        return dict(method="ngram", num_speculative_tokens=5, disable_by_batch_size=8)
+    return dict(method="draft", draft_model=model, num_speculative_tokens=4, disable_by_batch_size=8)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculating_beside_decoding_prefilling_and_preempted_requests(qwen, method):
     # A code edit speculates while a chat with nothing to look up decodes and long prompts
-    # arrive and prefill in chunks; the pool is small enough that someone is preempted.
+    # arrive and prefill in chunks; the pool is small enough that someone is preempted. The
+    # model drafting for itself keeps every greedy draft and finishes too fast to be preempted:
+    # there, the requests sample (and reject drafts) with two drafts a step.
     edits, chats = _prompts("code_edits.json", 2), _prompts("heldout_chats.json", 2)
-    alone = {i: _run(qwen, [p], max_new=48)[1][0] for i, p in enumerate(edits + chats)}
-    spec = dict(method="ngram", num_speculative_tokens=5, disable_by_batch_size=8)
+    sampling = {} if method == "ngram" else SAMPLED
+    alone = {i: _run(qwen, [p], max_new=48, sampling=sampling)[1][0] for i, p in enumerate(edits + chats)}
+    spec = _beside(qwen, method)
+    if method == "draft":
+        spec["num_speculative_tokens"] = 2
     # room for every prompt and a block more: growing by 48 tokens each, someone must go
     block = Engine(qwen).kv_block_size
     blocks = sum(-(-len(qwen.encode_prompt(p)) // block) for p in edits + chats) + 1
     eng = Engine(qwen, record_logit_hashes=True, speculative=spec, kv_budget_tokens=blocks * block,
                  prefill_chunk=32)
-    ids = {0: eng.submit(edits[0], max_new_tokens=48, logprobs=True),
-           2: eng.submit(chats[0], max_new_tokens=48, logprobs=True)}
+    submit = lambda p: eng.submit(p, max_new_tokens=48, logprobs=True, **sampling)  # noqa: E731
+    ids = {0: submit(edits[0]), 2: submit(chats[0])}
     for _ in range(3):
         eng.step()
-    ids[1] = eng.submit(edits[1], max_new_tokens=48, logprobs=True)
+    ids[1] = submit(edits[1])
     eng.step()
-    ids[3] = eng.submit(chats[1], max_new_tokens=48, logprobs=True)
+    ids[3] = submit(chats[1])
     res = dict(zip(ids, eng.run(list(ids.values()))))
     for i, r in res.items():
         assert _bits(r) == _bits(alone[i]), i
@@ -104,13 +143,13 @@ def test_when_and_how_far_it_speculates_changes_no_bit(qwen):
     assert len(counts) == 3, "the three settings were meant to speculate differently"
 
 
-def test_the_gate_ends_a_run_at_a_recheck_and_decides_as_without(model):
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_the_gate_ends_a_run_at_a_recheck_and_decides_as_without(model, method):
     # Gated with a tau high enough to recheck often: a rechecked row's repaired K/V is what
     # the next row must read, so the run stops there; tokens and gate counters equal plain's.
     prompts = _prompts("code_edits.json", 2)
     _, plain = _run(model, prompts, gate="gated", tau=1.0, max_new=40)
-    _, spec = _run(model, prompts, dict(method="ngram", num_speculative_tokens=5), gate="gated", tau=1.0,
-                   max_new=40)
+    _, spec = _run(model, prompts, _beside(model, method), gate="gated", tau=1.0, max_new=40)
     for s, p in zip(spec, plain):
         assert _bits(s) == _bits(p)
         assert s.gate == p.gate and s.rechecked.tolist() == p.rechecked.tolist()
@@ -134,6 +173,19 @@ def test_bad_speculative_settings_name_the_setting(model, spec, param):
     with pytest.raises(candle_gate.InvalidParameter) as e:
         Engine(model, speculative=spec)
     assert e.value.param == param
+
+
+def test_draft_models_are_checked(qwen, model):
+    for spec, says in [(dict(method="draft"), "needs a draft model"),
+                       (dict(method="draft", draft_model=model), "does not share the vocabulary"),
+                       (dict(method="draft", draft_model=3), "must be a loaded model"),
+                       (dict(method="ngram", draft_model=qwen), "used only by speculative method")]:
+        with pytest.raises(candle_gate.InvalidParameter, match=says) as e:
+            Engine(qwen, speculative=spec)
+        assert e.value.param == "draft_model"
+    # by name, as the CLI and the server give it
+    eng = Engine(qwen, speculative=speculative_options("draft", draft_model=QWEN))
+    assert eng.speculative == f"draft;k=4;max_batch=2;draft_model={QWEN}.gguf"
 
 
 def test_model_generate_takes_speculative_too(model):

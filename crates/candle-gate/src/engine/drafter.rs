@@ -63,9 +63,10 @@ impl Drafter {
     }
 
     /// For each `(sequence, history, n)`, the draft model's `n` greedy tokens to follow
-    /// `history` (the sequence's prompt and every token fed or decided since). The sequences'
-    /// catch-up rows and draft rows run batched, one forward per draft. On an error every
-    /// draft cache is as consistent as before (a forward rolls its caches back).
+    /// `history` (the sequence's prompt and every token fed or decided since); with `n = 0` the
+    /// cache only catches up with `history` (a prompt's chunk, fed beside the target's). The
+    /// sequences' catch-up rows and draft rows run batched, one forward per draft. On an error
+    /// every draft cache is as consistent as before (a forward rolls its caches back).
     pub fn propose(&mut self, lane: &dyn Lane, wanted: &[(SeqId, Vec<u32>, usize)]) -> Result<Vec<Vec<u32>>> {
         let mut jobs = Vec::with_capacity(wanted.len());
         for (id, history, n) in wanted {
@@ -75,14 +76,17 @@ impl Drafter {
                 .or_insert_with(|| DraftSlot { cache: KvCache::in_pool(self.pool.clone()), fed: Vec::new() });
             let mut keep = slot.fed.iter().zip(history).take_while(|(a, b)| a == b).count();
             // The last position is fed again when it is all the cache lacks: its logits are wanted.
-            keep = keep.min(history.len() - 1);
+            if *n > 0 {
+                keep = keep.min(history.len() - 1);
+            }
             slot.cache.truncate(keep);
             slot.fed.truncate(keep);
             jobs.push(Job { id: *id, pending: history[keep..].to_vec(), drafts: Vec::new(), wanted: *n });
         }
         let vocab = self.model.decoder.cfg.vocab;
-        while jobs.iter().any(|j| j.drafts.len() < j.wanted) {
-            let active: Vec<usize> = (0..jobs.len()).filter(|&j| jobs[j].drafts.len() < jobs[j].wanted).collect();
+        let is_active = |j: &Job| if j.wanted == 0 { !j.pending.is_empty() } else { j.drafts.len() < j.wanted };
+        while jobs.iter().any(is_active) {
+            let active: Vec<usize> = (0..jobs.len()).filter(|&j| is_active(&jobs[j])).collect();
             let fed: Vec<Vec<u32>> =
                 active.iter().map(|&j| jobs[j].pending[..jobs[j].pending.len().min(self.chunk)].to_vec()).collect();
             // The caches leave the map for the call (the forward needs them all mutably at once).
@@ -95,7 +99,7 @@ impl Drafter {
                     .map(|((slot, &j), tokens)| SeqRows {
                         cache: &mut slot.cache,
                         tokens,
-                        logit_rows: (tokens.len() == jobs[j].pending.len()) as usize,
+                        logit_rows: (jobs[j].wanted > 0 && tokens.len() == jobs[j].pending.len()) as usize,
                     })
                     .collect();
                 self.model.decoder.forward_in(lane, &mut batch, None)

@@ -343,7 +343,12 @@ impl Engine {
         }
         self.steps_run += 1;
         let fail_draft = self.cfg.inject_fault == Some(InjectedFault::Draft { step: self.steps_run });
-        if self.runner.propose(self.policy.as_ref(), &self.scheduler.running, &mut plan, fail_draft).is_some() {
+        let speculating = self.scheduler.speculates(&plan);
+        if self
+            .runner
+            .propose(self.policy.as_ref(), &self.scheduler.running, &mut plan, speculating, fail_draft)
+            .is_some()
+        {
             self.draft_failures += 1;
         }
         let fail_midway = self.cfg.inject_fault == Some(InjectedFault::Forward { step: self.steps_run });

@@ -128,25 +128,35 @@ impl Runner {
     }
 
     /// Turns each [`Work::Draft`] of the plan into a [`Work::Verify`] of the draft model's
-    /// proposals. If the draft model fails, those sequences decode without drafts this step
-    /// (their tokens never depend on drafts), their draft caches are dropped, and the error is
-    /// returned for the engine to count; nothing else changes. With `fail` the draft model's
-    /// forward fails halfway (fault injection for tests).
+    /// proposals. While the step speculates (`speculating`), the draft caches of sequences
+    /// prefilling a chunk take the same chunk, so that the draft model's prompt is prefilled
+    /// with the target's and not in the first decode step. If the draft model fails, those
+    /// sequences decode without drafts this step (their tokens never depend on drafts), their
+    /// draft caches are dropped, and the error is returned for the engine to count; nothing else
+    /// changes. With `fail` the draft model's forward fails halfway (fault injection for tests).
     pub fn propose(
         &mut self,
         lane: &dyn Lane,
         running: &[Sequence],
         plan: &mut [(usize, Work)],
+        speculating: bool,
         fail: bool,
     ) -> Option<Error> {
+        if self.drafter.is_none() {
+            return None;
+        }
+        let history = |s: &Sequence, end: usize| (0..end).map(|p| s.fed_at(p)).collect::<Vec<u32>>();
         let wanted: Vec<(SeqId, Vec<u32>, usize)> = plan
             .iter()
-            .filter_map(|(i, w)| match w {
-                Work::Draft(n) => {
-                    let s = &running[*i];
-                    Some((s.id, (0..=s.computed).map(|p| s.fed_at(p)).collect(), *n))
+            .filter_map(|(i, w)| {
+                let s = &running[*i];
+                match w {
+                    Work::Draft(n) => Some((s.id, history(s, s.computed + 1), *n)),
+                    Work::Prefill(c) if speculating && s.req.forced_tokens.is_none() => {
+                        Some((s.id, history(s, c.end), 0))
+                    }
+                    _ => None,
                 }
-                _ => None,
             })
             .collect();
         if wanted.is_empty() {
@@ -162,7 +172,7 @@ impl Runner {
                 (Vec::new(), Some(e))
             }
         };
-        let mut proposed = proposed.into_iter();
+        let mut proposed = wanted.iter().zip(proposed).filter(|((_, _, n), _)| *n > 0).map(|(_, d)| d);
         for (_, w) in plan.iter_mut().filter(|(_, w)| matches!(w, Work::Draft(_))) {
             *w = match proposed.next() {
                 Some(drafts) => Work::Verify(drafts),

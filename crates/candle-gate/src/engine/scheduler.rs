@@ -131,13 +131,19 @@ impl Scheduler {
         plan
     }
 
+    /// Whether a step of `plan` speculates: it would, if it had drafts, with this many decoding
+    /// sequences.
+    pub fn speculates(&self, plan: &[(usize, Work)]) -> bool {
+        let decoding = plan.iter().filter(|(_, w)| !matches!(w, Work::Prefill(_))).count();
+        self.speculative.is_some_and(|spec| decoding <= spec.disable_by_batch_size)
+    }
+
     /// Turns decode work into verification runs while `budget` rows last; returns the rows
     /// added. Drafts never reach past the request's `max_new_tokens` or the context;
     /// teacher-forced sequences get none.
     fn add_drafts(&self, plan: &mut [(usize, Work)], budget: usize) -> usize {
         let Some(spec) = &self.speculative else { return 0 };
-        let decoding = plan.iter().filter(|(_, w)| *w == Work::Decode).count();
-        if decoding > spec.disable_by_batch_size {
+        if !self.speculates(plan) {
             return 0;
         }
         let mut left = budget;
