@@ -154,7 +154,7 @@ def break_even(c, k):
         mid = (lo + hi) / 2
         tokens = sum(mid ** i for i in range(k + 1))
         lo, hi = (mid, hi) if tokens < 1 + k * c else (lo, mid)
-    return c, lo
+    return lo
 
 
 def main():

@@ -99,6 +99,22 @@ pub(crate) trait KBlock: Sync + 'static {
     /// (1536 × 8960: 1.10 against 0.92 ms at two rows, 1.30 against 2.34 at three).
     #[cfg(target_arch = "x86_64")]
     const EIGHT_MIN_ROWS: usize;
+    /// Rows up to which the AVX-512 tier reads each column once for all rows, in order
+    /// ([`elements_avx512`]), rather than transposing sixteen columns ([`KBlock::sixteen_columns`]),
+    /// for columns of fewer than [`KBlock::FEW_ROWS_MAX_BLOCKS`] super-blocks: a verification run
+    /// or a few decoding sequences do not pay for the transposes, and the columns' bytes stream
+    /// in order. Measured on the Zen 4 EPYC with Qwen2.5 1.5B's matrices, from memory
+    /// (`cargo bench --bench kernels -- --rows 1,2,3,4,5,8`, the cold column): Q6_K's 151936 ×
+    /// 1536 output at 2/5/8 rows 6.2/11.4/19.3 ms against 18.1/21.6/23.9; its k = 8960
+    /// `ffn_down` 0.41/0.52/0.84/1.14 at 1/2/5/8 rows against 1.02/1.04/1.27/1.31 (so Q6_K takes
+    /// it at one row too, past [`SIXTEEN_ONE_ROW_MIN_BLOCKS`], which was measured on Q4_K).
+    /// Q4_K's 8960 × 1536 at 2/5 rows 0.39/0.67 against 0.66/0.85, but 1.16 against 0.95 at 8;
+    /// its k = 8960 `ffn_down` loses from 3 rows (0.51 against 0.39), and at one row it keeps
+    /// the Xeon's rule (here the one-row kernel would win, 0.26–0.31 against 0.37–0.41).
+    #[cfg(target_arch = "x86_64")]
+    const FEW_ROWS_MAX: usize;
+    #[cfg(target_arch = "x86_64")]
+    const FEW_ROWS_MAX_BLOCKS: usize;
     /// [`KBlock::sixteen_columns`] eight columns wide, in AVX2, for up to [`TILE_ROWS`] rows.
     /// SAFETY: AVX2, FMA and F16C must be available.
     #[cfg(target_arch = "x86_64")]
@@ -117,6 +133,10 @@ impl KBlock for Q4K {
     const HAS_MIN: bool = true;
     #[cfg(target_arch = "x86_64")]
     const EIGHT_MIN_ROWS: usize = 2;
+    #[cfg(target_arch = "x86_64")]
+    const FEW_ROWS_MAX: usize = 5;
+    #[cfg(target_arch = "x86_64")]
+    const FEW_ROWS_MAX_BLOCKS: usize = SIXTEEN_ONE_ROW_MIN_BLOCKS;
     #[cfg(target_arch = "x86_64")]
     unsafe fn sixteen_columns<'a>(
         col: impl Fn(usize) -> &'a [Self],
@@ -255,6 +275,10 @@ impl KBlock for Q6K {
     const HAS_MIN: bool = false;
     #[cfg(target_arch = "x86_64")]
     const EIGHT_MIN_ROWS: usize = 3;
+    #[cfg(target_arch = "x86_64")]
+    const FEW_ROWS_MAX: usize = FEW_ROWS_MAX;
+    #[cfg(target_arch = "x86_64")]
+    const FEW_ROWS_MAX_BLOCKS: usize = usize::MAX;
     #[cfg(target_arch = "x86_64")]
     unsafe fn sixteen_columns<'a>(
         col: impl Fn(usize) -> &'a [Self],
@@ -994,16 +1018,43 @@ unsafe fn element_avx2<W: KBlock>(wc: &[W], y: &[Q8K]) -> f32 {
     })
 }
 
-/// [`element_avx2`] with the integer parts two chunks per 512-bit vector: the same exact
-/// integers, then the same float step, so the same bits.
+/// [`element_avx2`]'s arithmetic for `R` rows of one column, the integer parts two chunks per
+/// 512-bit vector: the same exact integers, then the same float step, so per row [`element`]'s
+/// bits. Each super-block is read and unpacked once for all the rows (the unpacking is the same
+/// pure arithmetic on the same bytes, which the compiler computes once); then each row takes
+/// its own integer sums and its own float step. One row is the AVX-512 one-row kernel.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn element_avx512<W: KBlock>(wc: &[W], y: &[Q8K]) -> f32 {
-    element_from(wc, y, |x, yb| {
-        // SAFETY: AVX-512 F/BW/VL and VNNI, this function's features.
-        let (p, q) = unsafe { x.partials_avx512(yb) };
-        (std::arch::x86_64::_mm512_reduce_add_epi32(p), avx2::hsum(q))
-    })
+unsafe fn elements_avx512<W: KBlock, const R: usize>(wc: &[W], y: &[Q8K], kb: usize) -> [f32; R] {
+    use std::arch::x86_64::_mm512_reduce_add_epi32;
+    assert!(y.len() >= R * kb && wc.len() >= kb);
+    let mut acc = [0f32; R];
+    for (b, x) in wc[..kb].iter().enumerate() {
+        super::prefetch_ahead(x);
+        let (xd, xdmin) = (x.d(), x.dmin());
+        for (r, acc) in acc.iter_mut().enumerate() {
+            let yb = y.get_unchecked(r * kb + b);
+            let (p, q) = x.partials_avx512(yb);
+            let (p, q) = (_mm512_reduce_add_epi32(p), avx2::hsum(q));
+            let (isum, imin) = if W::HAS_MIN { (p, q) } else { (p - W::OFFSET * q, 0) };
+            *acc = step::<W>(*acc, isum, imin, xd, xdmin, yb.d);
+        }
+    }
+    acc
+}
+
+/// Rows `0..m` (at most [`FEW_ROWS_MAX`]) of column `wc` through [`elements_avx512`].
+#[cfg(target_arch = "x86_64")]
+unsafe fn few_rows_avx512<W: KBlock>(wc: &[W], y: &[Q8K], kb: usize, m: usize, put: impl Fn(usize, f32)) {
+    macro_rules! rows {
+        ($($r:literal)*) => {
+            match m {
+                $($r => elements_avx512::<W, $r>(wc, y, kb).into_iter().enumerate().for_each(|(r, v)| put(r, v)),)*
+                _ => unreachable!("at most FEW_ROWS_MAX rows"),
+            }
+        };
+    }
+    rows!(1 2 3 4 5 6 7 8)
 }
 
 /// The portable definition of one output element.
@@ -1028,6 +1079,8 @@ const Y_QS: usize = std::mem::offset_of!(Q8K, qs);
 /// (Qwen2.5 1.5B's 1536 × 1536 Q4_K on one thread of the Xeon: 111 µs against 164 µs for the
 /// one-row kernel twice; the 151936-column Q6_K output breaks even).
 const SIXTEEN_MIN_ROWS: usize = 2;
+/// The most rows [`elements_avx512`] takes (one monomorphized loop per count).
+const FEW_ROWS_MAX: usize = 8;
 /// Super-blocks per column from which the sixteen-column kernel also takes one row: Qwen2.5
 /// 1.5B's `ffn_down` (k = 8960, 35 super-blocks), every layer in turn on the Xeon, 372 µs a
 /// layer against 540 for the one-row kernel; at k = 1536 and 4864 (6 and 19) the one-row kernel
@@ -1041,7 +1094,10 @@ fn matmul<W: KBlock>(w: &[W], xq: &[Q8K], m: usize, k: usize, n: usize, out: &mu
     #[cfg(target_arch = "x86_64")]
     let (simd, wide) = (super::isa() >= super::Isa::Avx2, super::isa() == super::Isa::Avx512);
     #[cfg(target_arch = "x86_64")]
-    let sixteen = wide && (m >= SIXTEEN_MIN_ROWS || kb >= SIXTEEN_ONE_ROW_MIN_BLOCKS);
+    let few = wide && m <= W::FEW_ROWS_MAX && kb < W::FEW_ROWS_MAX_BLOCKS;
+    #[cfg(target_arch = "x86_64")]
+    let sixteen = !few && wide && (m >= SIXTEEN_MIN_ROWS || kb >= SIXTEEN_ONE_ROW_MIN_BLOCKS);
+    debug_assert!(W::FEW_ROWS_MAX <= FEW_ROWS_MAX);
     #[cfg(target_arch = "x86_64")]
     let eight = simd && !wide && m >= W::EIGHT_MIN_ROWS;
     let run = |task: usize| {
@@ -1063,6 +1119,13 @@ fn matmul<W: KBlock>(w: &[W], xq: &[Q8K], m: usize, k: usize, n: usize, out: &mu
             return;
         }
         #[cfg(target_arch = "x86_64")]
+        if few {
+            for c in cols.clone() {
+                unsafe { few_rows_avx512(&w[c * kb..(c + 1) * kb], xq, kb, m, |r, v| put(r, c, v)) };
+            }
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
         if eight {
             by_tiles::<W, 8>(
                 w,
@@ -1074,20 +1137,15 @@ fn matmul<W: KBlock>(w: &[W], xq: &[Q8K], m: usize, k: usize, n: usize, out: &mu
             );
             return;
         }
-        // Fewer rows: one element at a time, each column's bytes read in order (eight
-        // columns in flight, interleaved, read memory at half the rate).
+        // Fewer rows in AVX2 (AVX-512 took `few` or `sixteen`): one element at a time, each
+        // column's bytes read in order (eight columns in flight, interleaved, read memory at
+        // half the rate).
         #[cfg(target_arch = "x86_64")]
         if simd {
             for c in cols.clone() {
                 for r in 0..m {
                     let (wc, y) = (&w[c * kb..(c + 1) * kb], &xq[r * kb..(r + 1) * kb]);
-                    put(r, c, unsafe {
-                        if wide {
-                            element_avx512(wc, y)
-                        } else {
-                            element_avx2(wc, y)
-                        }
-                    });
+                    put(r, c, unsafe { element_avx2(wc, y) });
                 }
             }
             return;
