@@ -185,7 +185,7 @@ def test_draft_models_are_checked(qwen, model):
         assert e.value.param == "draft_model"
     # by name, as the CLI and the server give it
     eng = Engine(qwen, speculative=speculative_options("draft", draft_model=QWEN))
-    assert eng.speculative == f"draft;k=4;max_batch=1;draft_model={QWEN}.gguf"
+    assert eng.speculative == f"draft;k=3;max_batch=1;draft_model={QWEN}.gguf"
 
 
 def test_model_generate_takes_speculative_too(model):
