@@ -142,9 +142,7 @@ impl Runner {
         speculating: bool,
         fail: bool,
     ) -> Option<Error> {
-        if self.drafter.is_none() {
-            return None;
-        }
+        let drafter = self.drafter.as_mut()?;
         let history = |s: &Sequence, end: usize| (0..end).map(|p| s.fed_at(p)).collect::<Vec<u32>>();
         let wanted: Vec<(SeqId, Vec<u32>, usize)> = plan
             .iter()
@@ -162,7 +160,6 @@ impl Runner {
         if wanted.is_empty() {
             return None;
         }
-        let drafter = self.drafter.as_mut().expect("draft work is planned only with a draft model");
         let faulty = FailAfter { lane, calls_left: AtomicUsize::new(drafter.model().decoder.layers.len() * 7 / 2) };
         let lane: &dyn Lane = if fail { &faulty } else { lane };
         let (proposed, error) = match drafter.propose(lane, &wanted) {
