@@ -229,12 +229,20 @@ def test_bench_throughput_json(tmp_path):
     r = run_cli("bench", "throughput", "--concurrency", "1,2", "--max-new-tokens", "4", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    assert set(out) == {"mode", "gate", "results"}
-    assert out["mode"] == "invariant" and out["gate"] == "off"
+    assert set(out) == {"mode", "gate", "speculative", "results"}
+    assert out["mode"] == "invariant" and out["gate"] == "off" and out["speculative"] is None
     assert [x["concurrency"] for x in out["results"]] == [1, 2]
     for x in out["results"]:
-        assert set(x) == {"concurrency", "tok_per_s"}
-        assert isinstance(x["tok_per_s"], float) and x["tok_per_s"] > 0
+        assert set(x) == {"concurrency", "tok_per_s", "acceptance"}
+        assert isinstance(x["tok_per_s"], float) and x["tok_per_s"] > 0 and x["acceptance"] is None
+
+
+def test_bench_throughput_reports_the_acceptance_rate():
+    # the model drafting for itself keeps every greedy draft
+    r = run_cli("bench", "throughput", "--concurrency", "1", "--max-new-tokens", "8", "--speculative-method", "draft",
+                "--draft-model", candle_gate.DEFAULT_MODEL)
+    assert r.returncode == 0, r.stderr
+    assert "speculative {'method': 'draft'}" in r.stdout and r.stdout.rstrip().endswith("100%"), r.stdout
 
 
 def test_calibrate_gate_merges_into_an_existing_profile(model, tmp_path):

@@ -72,9 +72,10 @@ def _sampling_for(sampling: Optional[Dict[str, Any]], i: int) -> Dict[str, Any]:
 
 def _measure(model: Model, mode: str, c: int, max_new_tokens: int, gate: str,
              tau: Optional[float], profile: Optional[str], deep_tau: Optional[float] = None,
-             sampling: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+             sampling: Optional[Dict[str, Any]] = None,
+             speculative: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     eng = Engine(model, mode=mode, profile=profile, gate=gate, tau=tau, deep_tau=deep_tau,
-                 max_num_seqs=max(16, c), max_tokens_per_step=max(256, 64 * c))
+                 max_num_seqs=max(16, c), max_tokens_per_step=max(256, 64 * c), speculative=speculative)
     ids = [eng.submit(bench_prompt(i), max_new_tokens=max_new_tokens, chat=True, **_sampling_for(sampling, i))
            for i in range(c)]
     started = set()
@@ -90,17 +91,22 @@ def _measure(model: Model, mode: str, c: int, max_new_tokens: int, gate: str,
         decode_tokens += sum(1 for ev in eng.events() if ev["type"] == "token")
     dt = time.perf_counter() - t0
     eng.run(ids)
+    spec = eng.spec_stats()
     return {"concurrency": c, "tok_per_s": decode_tokens / dt if dt > 0 and decode_tokens > 0 else 0.0,
-            "decode_tokens": decode_tokens, "seconds": dt, "gate_stats": eng.gate_stats()}
+            "decode_tokens": decode_tokens, "seconds": dt, "gate_stats": eng.gate_stats(),
+            "acceptance": spec["accepted_tokens"] / spec["draft_tokens"] if spec["draft_tokens"] else None}
 
 
 def throughput(model: Union[None, str, Model] = None, mode: str = "invariant",
                concurrency_list: Union[str, Sequence[int]] = (1, 2, 4, 8, 16), max_new_tokens: int = 32,
                gate: str = "off", tau: Optional[float] = None, profile: Optional[str] = None,
-               warmup: bool = True, deep_tau: Optional[float] = None) -> Dict[str, Any]:
-    """``{"mode", "gate", "results": [{"concurrency": c, "tok_per_s": x}]}``: aggregate decode
-    tok/s for each concurrency (see the module docstring). The mode, the gate and its numbers are
-    checked by the Rust side (resolve_gate, Model.load, the engines)."""
+               warmup: bool = True, deep_tau: Optional[float] = None,
+               speculative: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """``{"mode", "gate", "speculative", "results": [{"concurrency": c, "tok_per_s": x,
+    "acceptance": drafts kept / proposed or None}]}``: aggregate decode tok/s for each concurrency
+    (see the module docstring), with ``speculative`` as ``Engine(speculative=...)`` takes it. The
+    mode, the gate and its numbers are checked by the Rust side (resolve_gate, Model.load, the
+    engines)."""
     resolve_gate(gate, tau, deep_tau, profile)  # a bad gate fails before the model loads
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 2:
         raise ValueError(f"max_new_tokens must be an int >= 2 (the first token is not timed), got {max_new_tokens!r}")
@@ -108,12 +114,13 @@ def throughput(model: Union[None, str, Model] = None, mode: str = "invariant",
     if not isinstance(model, Model):
         model = Model.load(model, mode=mode, profile=profile)
     if warmup:
-        _measure(model, mode, 1, 2, gate, tau, profile, deep_tau)
+        _measure(model, mode, 1, 2, gate, tau, profile, deep_tau, speculative=speculative)
     results = []
     for c in cs:
-        m = _measure(model, mode, c, max_new_tokens, gate, tau, profile, deep_tau)
-        results.append({"concurrency": c, "tok_per_s": m["tok_per_s"]})
-    return {"mode": mode, "gate": gate, "results": results}
+        m = _measure(model, mode, c, max_new_tokens, gate, tau, profile, deep_tau, speculative=speculative)
+        results.append({"concurrency": c, "tok_per_s": m["tok_per_s"], "acceptance": m["acceptance"]})
+    named = speculative and {k: v for k, v in speculative.items() if k != "draft_model"}
+    return {"mode": mode, "gate": gate, "speculative": named or None, "results": results}
 
 
 def gate_cost(model: Union[None, str, Model] = None, mode: str = "split_k_f16", concurrency: int = 4,
@@ -204,10 +211,14 @@ def format_table(r: Dict[str, Any]) -> str:
     res = r["results"]
     ref = next((x["tok_per_s"] for x in res if x["concurrency"] == 1), res[0]["tok_per_s"] if res else 0.0)
     ref_c = 1 if any(x["concurrency"] == 1 for x in res) else (res[0]["concurrency"] if res else 1)
-    lines = [f"mode {r['mode']}  gate {r['gate']}", f"{'concurrency':>11} {'tok/s':>9} {f'vs c={ref_c}':>8}"]
+    spec = r.get("speculative")
+    head = f"mode {r['mode']}  gate {r['gate']}" + (f"  speculative {spec}" if spec else "")
+    lines = [head, f"{'concurrency':>11} {'tok/s':>9} {f'vs c={ref_c}':>8}" + (f" {'accepted':>9}" if spec else "")]
     for x in res:
         sp = x["tok_per_s"] / ref if ref > 0 else float("nan")
-        lines.append(f"{x['concurrency']:>11} {x['tok_per_s']:9.1f} {sp:7.2f}x")
+        acc = x.get("acceptance")
+        tail = f" {'-' if acc is None else f'{acc:.0%}':>9}" if spec else ""
+        lines.append(f"{x['concurrency']:>11} {x['tok_per_s']:9.1f} {sp:7.2f}x{tail}")
     return "\n".join(lines)
 
 
@@ -229,9 +240,10 @@ def main(args) -> int:
         return 0
     if which != "throughput":
         raise ValueError(f"unknown benchmark {which!r}")
+    from .cli import speculative_from_args
     r = throughput(model=args.model, mode=args.mode, concurrency_list=args.concurrency,
                    max_new_tokens=args.max_new_tokens, gate=args.gate, tau=args.tau,
-                   profile=args.profile, deep_tau=args.deep_tau)
+                   profile=args.profile, deep_tau=args.deep_tau, speculative=speculative_from_args(args))
     if args.json:
         print(json.dumps(r))
     else:

@@ -33,7 +33,8 @@ def _spec_args(p: argparse.ArgumentParser) -> None:
                    help="no drafts in a step with more decoding sequences than this (default: ngram 8, draft 1)")
 
 
-def _speculative(a: argparse.Namespace):
+def speculative_from_args(a: argparse.Namespace):
+    """``Engine(speculative=...)`` from the ``--speculative-*`` and ``--draft-model`` flags."""
     return speculative_options(a.speculative_method, a.num_speculative_tokens, a.speculative_disable_by_batch_size,
                                a.draft_model)
 
@@ -66,7 +67,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     params = SamplingParams(max_new_tokens=a.max_new_tokens, stop=a.stop, n=a.n, **sampling_args(a))
     model = Model.load(a.model, mode=a.mode, profile=a.profile)
     eng = Engine(model, gate=a.gate, tau=a.tau, deep_tau=a.deep_tau, profile=a.profile, kv_dtype=a.kv_dtype,
-                 speculative=_speculative(a))
+                 speculative=speculative_from_args(a))
     if eng.gate_source:
         print(f"gate: tau {eng.tau:.4g}, deep_tau {eng.deep_tau:.4g} from {eng.gate_source}", file=sys.stderr)
     rid = eng.submit(a.prompt, chat=a.chat, params=params)
@@ -217,6 +218,7 @@ def _add_bench(sub) -> None:
     t = bsub.add_parser("throughput", help="aggregate decode tok/s at several concurrencies")
     _common(t)
     _gate_args(t)
+    _spec_args(t)
     t.add_argument("--concurrency", default="1,2,4,8,16")
     t.add_argument("--max-new-tokens", type=int, default=32)
     t.add_argument("--json", action="store_true")
