@@ -143,15 +143,14 @@ impl Runner {
         fail: bool,
     ) -> Option<Error> {
         let drafter = self.drafter.as_mut()?;
-        let history = |s: &Sequence, end: usize| (0..end).map(|p| s.fed_at(p)).collect::<Vec<u32>>();
         let wanted: Vec<(SeqId, Vec<u32>, usize)> = plan
             .iter()
             .filter_map(|(i, w)| {
                 let s = &running[*i];
                 match w {
-                    Work::Draft(n) => Some((s.id, history(s, s.computed + 1), *n)),
+                    Work::Draft(n) => Some((s.id, s.history(s.computed + 1), *n)),
                     Work::Prefill(c) if speculating && s.req.forced_tokens.is_none() => {
-                        Some((s.id, history(s, c.end), 0))
+                        Some((s.id, s.history(c.end), 0))
                     }
                     _ => None,
                 }

@@ -157,10 +157,7 @@ impl Scheduler {
             let window = if s.draft_window == 0 { spec.num_speculative_tokens } else { s.draft_window };
             let limit = left.min(to_emit).min(room).min(window).min(spec.num_speculative_tokens);
             let work = match spec.method {
-                SpeculativeMethod::Ngram => {
-                    let history: Vec<u32> = s.req.prompt_tokens.iter().copied().chain(s.fed_output()).collect();
-                    Work::Verify(spec.lookup(&history, limit))
-                }
+                SpeculativeMethod::Ngram => Work::Verify(spec.lookup(&s.history(s.computed + 1), limit)),
                 SpeculativeMethod::Draft => Work::Draft(limit),
             };
             if work.rows() > 1 {

@@ -129,6 +129,12 @@ impl Sequence {
         crate::sampling::DrawKey { seed: self.seed, index: self.index, position: self.steps.len() as u32 }
     }
 
+    /// The tokens fed at positions `0..end`: the prompt, then the outputs (or forced tokens)
+    /// fed after it. With `end` one past the latest choice, the whole history drafters read.
+    pub fn history(&self, end: usize) -> Vec<u32> {
+        (0..end).map(|p| self.fed_at(p)).collect()
+    }
+
     /// The tokens its output has put into the context so far (the forced ones when forcing).
     pub fn fed_output(&self) -> Vec<u32> {
         let p = self.req.prompt_tokens.len();

@@ -1097,7 +1097,10 @@ fn matmul<W: KBlock>(w: &[W], xq: &[Q8K], m: usize, k: usize, n: usize, out: &mu
     let few = wide && m <= W::FEW_ROWS_MAX && kb < W::FEW_ROWS_MAX_BLOCKS;
     #[cfg(target_arch = "x86_64")]
     let sixteen = !few && wide && (m >= SIXTEEN_MIN_ROWS || kb >= SIXTEEN_ONE_ROW_MIN_BLOCKS);
-    debug_assert!(W::FEW_ROWS_MAX <= FEW_ROWS_MAX);
+    #[cfg(target_arch = "x86_64")]
+    const {
+        assert!(W::FEW_ROWS_MAX <= FEW_ROWS_MAX)
+    };
     #[cfg(target_arch = "x86_64")]
     let eight = simd && !wide && m >= W::EIGHT_MIN_ROWS;
     let run = |task: usize| {
