@@ -38,11 +38,23 @@ pub enum Mode {
     /// construction and on nothing about the host: the machine-independent non-invariant lane
     /// the margin gate is tested, calibrated and measured on.
     SplitKF16,
+    /// The canonical order (`kernels::canonical`): one fixed order per dtype that a CUDA warp
+    /// computes natively and the CPU reproduces bit for bit. On CUDA it is the `invariant`
+    /// kernel; on the CPU it is slower than `invariant` and exists so that a GPU's results can
+    /// be checked on any CPU.
+    Canonical,
 }
 
 impl Mode {
-    pub const ALL: [Mode; 6] =
-        [Mode::Native, Mode::RowSplit, Mode::Invariant, Mode::Gemm, Mode::GemmF16, Mode::SplitKF16];
+    pub const ALL: [Mode; 7] = [
+        Mode::Native,
+        Mode::RowSplit,
+        Mode::Invariant,
+        Mode::Gemm,
+        Mode::GemmF16,
+        Mode::SplitKF16,
+        Mode::Canonical,
+    ];
     pub fn name(self) -> &'static str {
         match self {
             Mode::Native => "native",
@@ -51,6 +63,7 @@ impl Mode {
             Mode::Gemm => "gemm",
             Mode::GemmF16 => "gemm_f16",
             Mode::SplitKF16 => "split_k_f16",
+            Mode::Canonical => "canonical",
         }
     }
 }
@@ -73,6 +86,7 @@ pub enum Kernel {
     Gemm,
     GemmF16,
     SplitKF16,
+    Canonical,
     Candle,
 }
 
@@ -84,6 +98,7 @@ impl Kernel {
             Kernel::Gemm => "gemm",
             Kernel::GemmF16 => "gemm_f16",
             Kernel::SplitKF16 => "split_k_f16",
+            Kernel::Canonical => "canonical",
             Kernel::Candle => "candle",
         }
     }
@@ -164,6 +179,7 @@ impl Policy {
             Mode::GemmF16 => Kernel::GemmF16,
             Mode::SplitKF16 => Kernel::SplitKF16,
             Mode::Invariant => Kernel::Invariant,
+            Mode::Canonical => Kernel::Canonical,
             Mode::RowSplit if rows <= self.row_split_max(backend, dtype) => Kernel::GemvRowSplit,
             Mode::RowSplit => Kernel::Gemm,
         }
@@ -289,6 +305,32 @@ impl QMatMul {
         Ok(self.dense.get_or_init(|| t))
     }
 
+    /// `xs` (`[.., k]`) times the weight dequantized to F32, in the canonical order for dense
+    /// weights (`kernels::canonical`): the reference lane's matmul, on the CPU or on a CUDA GPU,
+    /// whose bits depend on neither the row count nor the device.
+    pub fn forward_reference(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
+        let (n, k) = self.dims();
+        let dims = xs.dims().to_vec();
+        if dims.last() != Some(&k) {
+            candle_core::bail!("QMatMul inner dimension mismatch: input {dims:?}, weight [{n}, {k}]");
+        }
+        let m = xs.elem_count() / k;
+        let mut out_dims = dims.clone();
+        *out_dims.last_mut().unwrap() = n;
+        let dense = self.dense().map_err(candle_core::Error::wrap)?;
+        let ys = match Backend::of(xs.device()) {
+            Backend::Cuda => kernels::cuda::canonical_dense(dense, &xs.reshape((m, k))?)?,
+            Backend::Cpu => {
+                let w = QTensor::quantize(dense, GgmlDType::F32)?;
+                let x = xs.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+                let y = kernels::canonical::matmul(&w, &x, m).map_err(candle_core::Error::wrap)?;
+                Tensor::from_vec(y, (m, n), &Device::Cpu)?.to_dtype(xs.dtype())?
+            }
+            Backend::Metal => candle_core::bail!("the canonical reference matmul has no Metal kernel"),
+        };
+        ys.reshape(out_dims)
+    }
+
     /// CPU fast path over plain rows: `x` is `m` rows of `k`, row-major; returns `m` rows of `n`.
     pub fn forward_rows(&self, policy: &Policy, x: &[f32], m: usize) -> Result<Vec<f32>> {
         let mut out = Vec::new();
@@ -324,6 +366,7 @@ impl QMatMul {
         match kernel {
             Kernel::GemvRowSplit => kernels::cpu::gemv_rows(&self.weight, x, m),
             Kernel::Invariant => kernels::cpu::invariant(&self.weight, x, m),
+            Kernel::Canonical => kernels::canonical::matmul(&self.weight, x, m),
             Kernel::SplitKF16 => {
                 kernels::cpu::check(&self.weight, x, m)?;
                 Ok(kernels::cpu_split_k::matmul(self.half()?, x, m, k, n))
@@ -385,8 +428,23 @@ impl Module for QMatMul {
                     _ => kernels::metal::row_split(&self.native, x),
                 };
                 match kernel {
-                    // There is no multi-row invariant GPU kernel yet: one mat-vec launch per row
-                    // is invariant by construction, only slower.
+                    Kernel::Invariant | Kernel::Canonical if backend == Backend::Cuda => {
+                        match kernels::cuda::canonical(&self.weight, &xs2)? {
+                            Some(ys) => ys,
+                            // A dtype canonical.cu does not decode: one mat-vec launch per row
+                            // is invariant too, only slower, but it is not the canonical order.
+                            None if kernel == Kernel::Invariant => row_split(&xs2)?,
+                            None => candle_core::bail!(
+                                "canonical mode has no CUDA kernel for {:?}",
+                                self.weight.dtype()
+                            ),
+                        }
+                    }
+                    Kernel::Canonical => {
+                        candle_core::bail!("canonical mode has no {} kernel", backend.name())
+                    }
+                    // No multi-row invariant Metal kernel yet: one mat-vec launch per row is
+                    // invariant by construction, only slower.
                     Kernel::GemvRowSplit | Kernel::Invariant => row_split(&xs2)?,
                     Kernel::Candle => self.native.forward(&xs2)?,
                     Kernel::Gemm => xs2.matmul(&self.dense().map_err(candle_core::Error::wrap)?.t()?)?,

@@ -6,3 +6,14 @@ pub const AVAILABLE: bool = false;
 pub fn row_split(_: &QMatMul, _: &Tensor) -> candle_core::Result<Tensor> {
     candle_core::bail!("candle-gate was built without the `cuda` feature")
 }
+
+pub fn canonical(
+    _: &std::sync::Arc<candle_core::quantized::QTensor>,
+    _: &Tensor,
+) -> candle_core::Result<Option<Tensor>> {
+    candle_core::bail!("candle-gate was built without the `cuda` feature")
+}
+
+pub fn canonical_dense(_: &Tensor, _: &Tensor) -> candle_core::Result<Tensor> {
+    candle_core::bail!("candle-gate was built without the `cuda` feature")
+}

@@ -5,6 +5,7 @@
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+pub mod canonical;
 pub mod cpu;
 mod cpu_kquant;
 mod cpu_q32;

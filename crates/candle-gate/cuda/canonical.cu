@@ -1,0 +1,261 @@
+// The canonical order on a CUDA GPU (the CPU side, and the order itself, are documented in
+// src/kernels/canonical.rs; the two must change together).
+//
+// One warp per output column. Lane l walks units l, l + 32, ... of its weight row (a unit is
+// 32 values), keeps one f32 accumulator per activation row, and the warp folds its 32 lanes
+// with an xor butterfly. Each block of the grid handles WARPS columns and R activation rows; the
+// rows of a block share each weight load, and a row's arithmetic never depends on R, on its
+// neighbours or on the grid: that is what makes the kernel batch invariant, and the same source
+// runs for every row count.
+//
+// Every float operation is written as an intrinsic with its rounding (__fmul_rn, __fmaf_rn,
+// __fadd_rn, __fdiv_rn, __int2float_rn) and the file is also built with --fmad=false, so the
+// compiler can neither contract nor reassociate anything.
+
+#include <stdint.h>
+#include <cuda_fp16.h>
+
+#define WARPS 4
+#define LANES 32
+#define UNIT 32
+
+enum Dtype { Q4_0 = 0, Q4_1 = 1, Q5_0 = 2, Q8_0 = 3, Q4K = 4, Q6K = 5 };
+
+template <int DT> struct Layout;
+template <> struct Layout<Q4_0> { static constexpr int bytes = 18, units = 1; };
+template <> struct Layout<Q4_1> { static constexpr int bytes = 20, units = 1; };
+template <> struct Layout<Q5_0> { static constexpr int bytes = 22, units = 1; };
+template <> struct Layout<Q8_0> { static constexpr int bytes = 34, units = 1; };
+template <> struct Layout<Q4K> { static constexpr int bytes = 144, units = 8; };
+template <> struct Layout<Q6K> { static constexpr int bytes = 210, units = 8; };
+
+// One decoded unit: see `Unit` in canonical.rs. w holds 32 signed bytes, four per int.
+struct Unit {
+    int w[8];
+    int scale_lo, scale_hi;
+    float coef;
+    float min_coef;
+    int min_mult;
+};
+
+__device__ __forceinline__ float f16_at(const uint8_t *p) {
+    return __half2float(__ushort_as_half(*(const unsigned short *)p));
+}
+
+__device__ __forceinline__ int u16_pair(const uint8_t *p) {
+    const unsigned short *s = (const unsigned short *)p;
+    return (int)((unsigned)s[0] | ((unsigned)s[1] << 16));
+}
+
+// Four bytes from a 2-byte aligned address.
+__device__ __forceinline__ int load4_a2(const uint8_t *p) { return u16_pair(p); }
+__device__ __forceinline__ int load4_a4(const uint8_t *p) { return *(const int *)p; }
+
+// Q4_K's 6-bit scale and min of sub-block j (llama.cpp's get_scale_min_k4).
+__device__ __forceinline__ void scale_min_k4(int j, const uint8_t *s, int &sc, int &mn) {
+    if (j < 4) {
+        sc = s[j] & 63;
+        mn = s[j + 4] & 63;
+    } else {
+        sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+        mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+template <int DT>
+__device__ __forceinline__ void decode(const uint8_t *row, int u, Unit &un) {
+    const uint8_t *b = row + (size_t)(u / Layout<DT>::units) * Layout<DT>::bytes;
+    un.scale_lo = 1;
+    un.scale_hi = 1;
+    un.min_coef = 0.0f;
+    un.min_mult = 0;
+    if (DT == Q4_0 || DT == Q4_1) {
+        const uint8_t *qs = b + (DT == Q4_0 ? 2 : 4);
+        for (int i = 0; i < 4; ++i) {
+            int v = DT == Q4_0 ? load4_a2(qs + 4 * i) : load4_a4(qs + 4 * i);
+            int lo = v & 0x0F0F0F0F, hi = (v >> 4) & 0x0F0F0F0F;
+            if (DT == Q4_0) {
+                lo = __vsub4(lo, 0x08080808);
+                hi = __vsub4(hi, 0x08080808);
+            }
+            un.w[i] = lo;
+            un.w[4 + i] = hi;
+        }
+        un.coef = f16_at(b);
+        if (DT == Q4_1) {
+            un.min_coef = f16_at(b + 2);
+            un.min_mult = 1;
+        }
+    } else if (DT == Q5_0) {
+        const unsigned qh = (unsigned)u16_pair(b + 2);
+        const uint8_t *qs = b + 6;
+        for (int i = 0; i < 4; ++i) {
+            int v = load4_a2(qs + 4 * i);
+            int lo = v & 0x0F0F0F0F, hi = (v >> 4) & 0x0F0F0F0F;
+            int hlo = 0, hhi = 0;
+            for (int j = 0; j < 4; ++j) {
+                hlo |= ((qh >> (4 * i + j)) & 1) << (8 * j + 4);
+                hhi |= ((qh >> (16 + 4 * i + j)) & 1) << (8 * j + 4);
+            }
+            un.w[i] = __vsub4(lo | hlo, 0x10101010);
+            un.w[4 + i] = __vsub4(hi | hhi, 0x10101010);
+        }
+        un.coef = f16_at(b);
+    } else if (DT == Q8_0) {
+        for (int i = 0; i < 8; ++i) un.w[i] = load4_a2(b + 2 + 4 * i);
+        un.coef = f16_at(b);
+    } else if (DT == Q4K) {
+        const int j = u % 8;
+        int sc, mn;
+        scale_min_k4(j, b + 4, sc, mn);
+        const uint8_t *qs = b + 16 + 32 * (j / 2);
+        const int shift = 4 * (j % 2);
+        for (int i = 0; i < 8; ++i) un.w[i] = (load4_a4(qs + 4 * i) >> shift) & 0x0F0F0F0F;
+        un.scale_lo = sc;
+        un.scale_hi = sc;
+        un.coef = f16_at(b);
+        un.min_coef = -f16_at(b + 2);
+        un.min_mult = mn;
+    } else if (DT == Q6K) {
+        const int j = u % 8, h = j / 4, t = j % 4;
+        const uint8_t *ql = b + 64 * h + 32 * (t % 2);
+        const uint8_t *qh = b + 128 + 32 * h;
+        const int shift = 4 * (t / 2);
+        for (int i = 0; i < 8; ++i) {
+            int lo = (load4_a2(ql + 4 * i) >> shift) & 0x0F0F0F0F;
+            int hi = ((load4_a2(qh + 4 * i) >> (2 * t)) & 0x03030303) << 4;
+            un.w[i] = __vsub4(lo | hi, 0x20202020);
+        }
+        const int8_t *sc = (const int8_t *)(b + 192);
+        un.scale_lo = sc[8 * h + 2 * t];
+        un.scale_hi = sc[8 * h + 2 * t + 1];
+        un.coef = f16_at(b + 208);
+    }
+}
+
+// `Unit::accumulate` in canonical.rs.
+template <int DT>
+__device__ __forceinline__ float accumulate(const Unit &un, const int *q, float d, float acc) {
+    int lo = 0, hi = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) lo = __dp4a(un.w[i], q[i], lo);
+#pragma unroll
+    for (int i = 4; i < 8; ++i) hi = __dp4a(un.w[i], q[i], hi);
+    const int c = un.scale_lo * lo + un.scale_hi * hi;
+    acc = __fmaf_rn(__fmul_rn(un.coef, d), __int2float_rn(c), acc);
+    if (DT == Q4_1 || DT == Q4K) {
+        int sum = 0;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) sum = __dp4a(q[i], 0x01010101, sum);
+        acc = __fmaf_rn(__fmul_rn(un.min_coef, d), __int2float_rn(un.min_mult * sum), acc);
+    }
+    return acc;
+}
+
+__device__ __forceinline__ float butterfly(float v) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, off));
+    return v;
+}
+
+// x: rows of k f32. q: rows of k int8; d: rows of k / 32 scales. One thread per unit.
+extern "C" __global__ void canonical_quantize(const float *__restrict__ x, int8_t *__restrict__ q,
+                                              float *__restrict__ d, int units_total) {
+    const int u = blockIdx.x * blockDim.x + threadIdx.x;
+    if (u >= units_total) return;
+    const float *xs = x + (size_t)u * UNIT;
+    float amax = 0.0f;
+    for (int i = 0; i < UNIT; ++i) amax = fmaxf(amax, fabsf(xs[i]));
+    const float scale = __fdiv_rn(amax, 127.0f);
+    const float inv = scale > 0.0f ? __fdiv_rn(1.0f, scale) : 0.0f;
+    int8_t *qs = q + (size_t)u * UNIT;
+    for (int i = 0; i < UNIT; ++i) {
+        float v = rintf(__fmul_rn(xs[i], inv));
+        qs[i] = (int8_t)fminf(fmaxf(v, -127.0f), 127.0f);
+    }
+    d[u] = scale;
+}
+
+// w: n rows of k quantized values; y: rows of n. Grid: (ceil(n / WARPS), ceil(rows / R)).
+template <int DT, int R>
+__device__ void canonical_matvec(const uint8_t *__restrict__ w, const int8_t *__restrict__ q,
+                                 const float *__restrict__ d, float *__restrict__ y, int n, int k,
+                                 int rows) {
+    const int lane = threadIdx.x % LANES;
+    const int col = blockIdx.x * WARPS + threadIdx.x / LANES;
+    const int row0 = blockIdx.y * R;
+    if (col >= n) return;
+    const int units = k / UNIT;
+    const size_t row_bytes = (size_t)(units / Layout<DT>::units) * Layout<DT>::bytes;
+    const uint8_t *wrow = w + (size_t)col * row_bytes;
+    float acc[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] = 0.0f;
+    for (int u = lane; u < units; u += LANES) {
+        Unit un;
+        decode<DT>(wrow, u, un);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            if (row0 + r < rows) {
+                const size_t at = (size_t)(row0 + r) * k + (size_t)u * UNIT;
+                const int *qa = (const int *)(q + at);
+                int qv[8];
+#pragma unroll
+                for (int i = 0; i < 8; ++i) qv[i] = qa[i];
+                acc[r] = accumulate<DT>(un, qv, d[(size_t)(row0 + r) * units + u], acc[r]);
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const float s = butterfly(acc[r]);
+        if (lane == 0 && row0 + r < rows) y[(size_t)(row0 + r) * n + col] = s;
+    }
+}
+
+// Dense f32 weights (the reference lane): element e in lane e % 32, fma, the same butterfly.
+template <int R>
+__device__ void canonical_dense(const float *__restrict__ w, const float *__restrict__ x,
+                                float *__restrict__ y, int n, int k, int rows) {
+    const int lane = threadIdx.x % LANES;
+    const int col = blockIdx.x * WARPS + threadIdx.x / LANES;
+    const int row0 = blockIdx.y * R;
+    if (col >= n) return;
+    const float *wrow = w + (size_t)col * k;
+    float acc[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] = 0.0f;
+    for (int e = lane; e < k; e += LANES) {
+        const float wv = wrow[e];
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+            if (row0 + r < rows) acc[r] = __fmaf_rn(wv, x[(size_t)(row0 + r) * k + e], acc[r]);
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const float s = butterfly(acc[r]);
+        if (lane == 0 && row0 + r < rows) y[(size_t)(row0 + r) * n + col] = s;
+    }
+}
+
+#define MATVEC(NAME, DT, R)                                                                      \
+    extern "C" __global__ void __launch_bounds__(WARPS * LANES)                                  \
+        canonical_##NAME##_r##R(const uint8_t *w, const int8_t *q, const float *d, float *y,      \
+                                int n, int k, int rows) {                                        \
+        canonical_matvec<DT, R>(w, q, d, y, n, k, rows);                                         \
+    }
+#define MATVEC_ALL_R(NAME, DT) MATVEC(NAME, DT, 1) MATVEC(NAME, DT, 2) MATVEC(NAME, DT, 4) MATVEC(NAME, DT, 8)
+
+MATVEC_ALL_R(q4_0, Q4_0)
+MATVEC_ALL_R(q4_1, Q4_1)
+MATVEC_ALL_R(q5_0, Q5_0)
+MATVEC_ALL_R(q8_0, Q8_0)
+MATVEC_ALL_R(q4k, Q4K)
+MATVEC_ALL_R(q6k, Q6K)
+
+#define DENSE(R)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(WARPS * LANES)                                  \
+        canonical_f32_r##R(const float *w, const float *x, float *y, int n, int k, int rows) {   \
+        canonical_dense<R>(w, x, y, n, k, rows);                                                 \
+    }
+DENSE(1) DENSE(2) DENSE(4) DENSE(8)
