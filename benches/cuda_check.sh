@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The CUDA check: batch invariance and CPU == GPU bits on a real GPU, and the timings
+# (docs/CUDA.md). Two halves, because the GPU machine has no Rust and cannot download:
+#
+#   benches/cuda_check.sh prepare     here: builds `cuda_check` with the `cuda` feature
+#                                     (scripts/build-cuda.sh), samples every registry model's
+#                                     weights (fetched first), packs both into target/cuda-check/
+#                                     (under 64 MiB)
+#   benches/cuda_check.sh run [OUT]   there, from the repo root with target/cuda-check/ copied
+#                                     in: inventory, then `cuda_check run`; tables on stdout,
+#                                     cuda_check.json and profile-cuda.json in OUT (default .)
+#
+# `run` exits non-zero when a bitwise claim fails.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+pack=target/cuda-check
+
+case "${1:-}" in
+prepare)
+    set -e
+    python3 -m candle_gate fetch --model all
+    # The sampler runs here, on the CPU build (the CUDA build needs the driver to start).
+    cargo run --release -q -p candle-gate --example cuda_check -- extract --out "$pack"
+    scripts/build-cuda.sh build --example cuda_check
+    gzip -9 -c target/release/examples/cuda_check > "$pack/cuda_check.gz"
+    du -ch "$pack"/* | tail -1
+    ;;
+run)
+    out="${2:-.}"
+    mkdir -p "$out"
+    echo "## Inventory"
+    nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv
+    command -v nvcc >/dev/null && nvcc --version | tail -2
+    ldconfig -p | grep -E 'libcuda\.so|cublas|nvrtc|curand|cudart' | head -20
+    # The CUDA 13 libraries the binary links (cuBLAS, cuRAND, the runtime): the system's, or the
+    # ones in Python's site-packages (PyTorch's wheels), whichever are found.
+    dirs=()
+    for lib in libcublas.so.13 libcublasLt.so.13 libcurand.so.10 libcudart.so.13; do
+        if ! ldconfig -p | grep -q "$lib"; then
+            hit="$(find /usr/local/cuda*/ /opt $(python3 -c 'import site; print(" ".join(site.getsitepackages()))' 2>/dev/null) \
+                -name "$lib" 2>/dev/null | head -1)"
+            [ -n "$hit" ] && dirs+=("$(dirname "$hit")")
+        fi
+    done
+    if [ ${#dirs[@]} -gt 0 ]; then
+        LD_LIBRARY_PATH="$(printf '%s:' "${dirs[@]}")${LD_LIBRARY_PATH:-}"
+        export LD_LIBRARY_PATH
+        echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+    fi
+    bin="$(mktemp -d)/cuda_check"
+    gunzip -c "$pack/cuda_check.gz" > "$bin" && chmod +x "$bin"
+    ldd "$bin" | grep -E "not found|cuda|cublas|curand" || true
+    echo
+    "$bin" run --weights "$pack/weights.gguf" --out "$out"
+    ;;
+*)
+    echo "usage: benches/cuda_check.sh prepare | run [OUT]" >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,302 @@
+//! The CUDA check, in two steps (`benches/cuda_check.sh` runs both; see docs/CUDA.md):
+//!
+//! - `cuda_check extract --out DIR` (any build, no GPU): writes `DIR/weights.gguf`, one real
+//!   weight per (dtype, shape) of every registry model, cut to 1024 output rows, so that the
+//!   GPU machine, which cannot download, gets real weights in a few tens of MiB.
+//! - `cuda_check run --weights DIR/weights.gguf [--out DIR]` (built with `--features cuda`, on a
+//!   CUDA GPU): the differential tests (invariant at m rows == each row alone, bitwise, for
+//!   m = 1..=64; GPU == the CPU canonical kernel, bitwise; whether Candle's own dispatch changes a
+//!   row's bits with the row count; the reference matmul), then the crossover table and the
+//!   timings of native, row-split and invariant at 1/4/8/16/64 rows on the models' full shapes.
+//!   Prints the tables, writes `cuda_check.json` and `profile-cuda.json` to `--out`, and exits
+//!   non-zero when a bitwise claim fails.
+use std::path::PathBuf;
+
+fn arg(args: &[String], name: &str) -> Option<String> {
+    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned()
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let result = match args.get(1).map(String::as_str) {
+        Some("extract") => extract(PathBuf::from(arg(&args, "--out").unwrap_or_else(|| "target/cuda-check".into()))),
+        Some("run") => {
+            let weights = PathBuf::from(arg(&args, "--weights").unwrap_or_else(|| "target/cuda-check/weights.gguf".into()));
+            let out = PathBuf::from(arg(&args, "--out").unwrap_or_else(|| ".".into()));
+            gpu::run(&weights, &out)
+        }
+        _ => Err("usage: cuda_check extract --out DIR | cuda_check run --weights FILE [--out DIR]".into()),
+    };
+    if let Err(e) = result {
+        eprintln!("cuda_check: {e}");
+        std::process::exit(1);
+    }
+}
+
+type Result<T> = std::result::Result<T, Box<dyn std::error::Error>>;
+
+/// Rows kept per sampled weight: enough for every kernel's tiling, small enough to carry.
+const SAMPLE_ROWS: usize = 1024;
+
+fn extract(dir: PathBuf) -> Result<()> {
+    use candle_gate::kernels::canonical::sample_weights;
+    std::fs::create_dir_all(&dir)?;
+    let mut named = Vec::new();
+    for known in candle_gate::registry::KNOWN {
+        let path = candle_gate::registry::resolve(known.name)?;
+        for (name, t) in sample_weights(&path, SAMPLE_ROWS)? {
+            named.push((format!("{}/{name}", known.name), t));
+        }
+    }
+    let refs: Vec<(&str, &candle_core::quantized::QTensor)> = named.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    let path = dir.join("weights.gguf");
+    let mut f = std::fs::File::create(&path)?;
+    candle_core::quantized::gguf_file::write(&mut f, &[], &refs)?;
+    for (n, t) in &named {
+        println!("{n}: {:?} {:?}", t.dtype(), t.shape().dims());
+    }
+    println!("{} weights, {} bytes: {}", named.len(), std::fs::metadata(&path)?.len(), path.display());
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+mod gpu {
+    pub fn run(_: &std::path::Path, _: &std::path::Path) -> super::Result<()> {
+        Err("built without the `cuda` feature: cargo build --release --features cuda --example cuda_check".into())
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod gpu {
+    use std::sync::Arc;
+    use std::time::Instant;
+
+    use candle_core::quantized::{gguf_file, GgmlDType, QStorage, QTensor};
+    use candle_core::{Device, Module, Tensor};
+    use candle_gate::dispatch::dtype_name;
+    use candle_gate::kernels::canonical;
+    use candle_gate::profile::{crossover, DtypeProfile, Profile, TableRow};
+    use candle_gate::{Mode, Policy, QMatMul};
+    use serde_json::json;
+
+    use super::Result;
+
+    const MAX_ROWS: usize = 64;
+
+    fn pseudo_random(len: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (0..len)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+            })
+            .collect()
+    }
+
+    fn bits(t: &Tensor) -> Result<Vec<u32>> {
+        Ok(t.flatten_all()?.to_vec1::<f32>()?.into_iter().map(f32::to_bits).collect())
+    }
+
+    fn mm(w: &Arc<QTensor>, mode: Mode) -> Result<QMatMul> {
+        Ok(QMatMul::new(w.clone(), Arc::new(Policy::new(mode)))?)
+    }
+
+    /// Rows of `y` (`[m, n]`) that differ in any bit from the same row computed alone.
+    fn rows_differing(y: &[u32], alone: &[Vec<u32>], n: usize) -> usize {
+        alone.iter().enumerate().filter(|(r, a)| y[r * n..(r + 1) * n] != a[..]).count()
+    }
+
+    struct Differential {
+        label: String,
+        invariant_ok: bool,
+        equals_cpu: bool,
+        native_rows_differing: Vec<(usize, usize)>,
+        reference_invariant: bool,
+        reference_equals_cpu: bool,
+    }
+
+    fn differential(dev: &Device, label: &str, w_cpu: &QTensor, w_gpu: Arc<QTensor>) -> Result<Differential> {
+        let (n, k) = w_cpu.shape().dims2()?;
+        let x = pseudo_random(MAX_ROWS * k, k as u64);
+        let xs = Tensor::from_vec(x.clone(), (MAX_ROWS, k), dev)?;
+        let inv = mm(&w_gpu, Mode::Invariant)?;
+        let native = mm(&w_gpu, Mode::Native)?;
+        let alone = |q: &QMatMul| -> Result<Vec<Vec<u32>>> {
+            (0..MAX_ROWS).map(|r| bits(&q.forward(&xs.narrow(0, r, 1)?)?)).collect()
+        };
+        let (inv_alone, native_alone) = (alone(&inv)?, alone(&native)?);
+        let mut invariant_ok = true;
+        let mut native_rows_differing = Vec::new();
+        for m in 1..=MAX_ROWS {
+            let x_m = xs.narrow(0, 0, m)?;
+            invariant_ok &= rows_differing(&bits(&inv.forward(&x_m)?)?, &inv_alone[..m], n) == 0;
+            let d = rows_differing(&bits(&native.forward(&x_m)?)?, &native_alone[..m], n);
+            if d > 0 {
+                native_rows_differing.push((m, d));
+            }
+        }
+        let cpu = canonical::matmul(w_cpu, &x, MAX_ROWS)?;
+        let cpu_bits: Vec<u32> = cpu.iter().map(|v| v.to_bits()).collect();
+        let equals_cpu = bits(&inv.forward(&xs)?)? == cpu_bits;
+        // The reference matmul over the weight dequantized by Candle on each device.
+        let ref_gpu = bits(&inv.forward_reference(&xs)?)?;
+        let ref_alone: Vec<Vec<u32>> =
+            (0..MAX_ROWS).map(|r| bits(&inv.forward_reference(&xs.narrow(0, r, 1)?)?)).collect::<Result<_>>()?;
+        let reference_invariant = rows_differing(&ref_gpu, &ref_alone, n) == 0;
+        let cpu_ref = mm(&Arc::new(QTensor::quantize(&w_cpu.dequantize(&Device::Cpu)?, GgmlDType::F32)?), Mode::Canonical)?;
+        let ref_cpu = canonical::matmul(cpu_ref.weight(), &x, MAX_ROWS)?;
+        let reference_equals_cpu = ref_gpu == ref_cpu.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        Ok(Differential {
+            label: label.to_string(),
+            invariant_ok,
+            equals_cpu,
+            native_rows_differing,
+            reference_invariant,
+            reference_equals_cpu,
+        })
+    }
+
+    /// Mean seconds per call after warm-up, the GPU synchronized around the timed calls.
+    fn time(dev: &Device, iters: usize, f: impl Fn() -> Result<Tensor>) -> Result<f64> {
+        for _ in 0..3 {
+            f()?;
+        }
+        dev.synchronize()?;
+        let t0 = Instant::now();
+        for _ in 0..iters {
+            f()?;
+        }
+        dev.synchronize()?;
+        Ok(t0.elapsed().as_secs_f64() / iters as f64)
+    }
+
+    /// A weight of the given full shape with random bytes (timing only: no value is checked),
+    /// the f16 scales kept finite.
+    fn random_weight(dev: &Device, dtype: GgmlDType, n: usize, k: usize) -> Result<Arc<QTensor>> {
+        let bytes = canonical::row_bytes(dtype, k) * n;
+        let mut s = 0x9E3779B97F4A7C15u64 ^ (n * k) as u64;
+        let data: Vec<u8> = (0..bytes)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                // Bytes below 0x3c keep any f16 they form below 1.0 in magnitude.
+                ((s >> 32) % 0x3c) as u8
+            })
+            .collect();
+        let st = QStorage::from_data(std::borrow::Cow::Owned(data), dev, dtype)?;
+        Ok(Arc::new(QTensor::new(st, (n, k))?))
+    }
+
+    /// (model, what, dtype, n, k): the models' largest matmuls per layer and their outputs.
+    const SHAPES: [(&str, &str, GgmlDType, usize, usize); 9] = [
+        ("smollm2-135m", "ffn_up", GgmlDType::Q4_1, 1536, 576),
+        ("smollm2-135m", "ffn_down", GgmlDType::Q4_1, 576, 1536),
+        ("smollm2-135m", "output", GgmlDType::Q8_0, 49152, 576),
+        ("qwen2.5-0.5b", "ffn_up", GgmlDType::Q5_0, 4864, 896),
+        ("qwen2.5-0.5b", "ffn_down", GgmlDType::Q4K, 896, 4864),
+        ("qwen2.5-0.5b", "output", GgmlDType::Q8_0, 151936, 896),
+        ("qwen2.5-1.5b", "ffn_up", GgmlDType::Q4K, 8960, 1536),
+        ("qwen2.5-1.5b", "ffn_down", GgmlDType::Q6K, 1536, 8960),
+        ("qwen2.5-1.5b", "output", GgmlDType::Q6K, 151936, 1536),
+    ];
+    const TIMED_ROWS: [usize; 5] = [1, 4, 8, 16, 64];
+
+    pub fn run(weights: &std::path::Path, out: &std::path::Path) -> Result<()> {
+        let dev = Device::new_cuda(0)?;
+        std::fs::create_dir_all(out)?;
+        let mut file = std::fs::File::open(weights)?;
+        let content = gguf_file::Content::read(&mut file)?;
+        let mut names: Vec<String> = content.tensor_infos.keys().cloned().collect();
+        names.sort();
+
+        println!("## Differential tests (bitwise), {} real weights, rows 1..={MAX_ROWS}\n", names.len());
+        println!("| weight | dtype | [n, k] | invariant: m rows == each alone | GPU == CPU canonical | native: (m, rows differing) | reference invariant | reference == CPU |");
+        println!("|---|---|---|---|---|---|---|---|");
+        let mut failed = Vec::new();
+        let mut diffs = Vec::new();
+        for name in &names {
+            let w_cpu = content.tensor(&mut file, name, &Device::Cpu)?;
+            let w_gpu = Arc::new(content.tensor(&mut file, name, &dev)?);
+            let d = differential(&dev, name, &w_cpu, w_gpu)?;
+            let native: Vec<String> = d.native_rows_differing.iter().map(|(m, r)| format!("{m}:{r}")).collect();
+            let native = if native.is_empty() { "none".to_string() } else { native.join(" ") };
+            println!(
+                "| {} | {} | {:?} | {} | {} | {} | {} | {} |",
+                d.label,
+                dtype_name(w_cpu.dtype()),
+                w_cpu.shape().dims(),
+                d.invariant_ok,
+                d.equals_cpu,
+                native,
+                d.reference_invariant,
+                d.reference_equals_cpu
+            );
+            if !d.invariant_ok || !d.equals_cpu || !d.reference_invariant {
+                failed.push(d.label.clone());
+            }
+            diffs.push(json!({
+                "weight": d.label, "dtype": dtype_name(w_cpu.dtype()), "shape": w_cpu.shape().dims(),
+                "invariant_rows_equal_alone": d.invariant_ok, "gpu_equals_cpu_canonical": d.equals_cpu,
+                "native_rows_differing": d.native_rows_differing, "reference_invariant": d.reference_invariant,
+                "reference_equals_cpu": d.reference_equals_cpu,
+            }));
+        }
+
+        println!("\n## Time per call (µs) on the models' full shapes; ratio = native / invariant\n");
+        println!("| model | matmul | dtype | [n, k] | rows | native | row_split | invariant | native/invariant |");
+        println!("|---|---|---|---|---|---|---|---|---|");
+        let mut timings = Vec::new();
+        let mut profile = Profile::empty(candle_gate::dispatch::Backend::Cuda);
+        let mut tables: std::collections::BTreeMap<String, Vec<TableRow>> = Default::default();
+        for (model, what, dtype, n, k) in SHAPES {
+            let w = random_weight(&dev, dtype, n, k)?;
+            let (native, split, inv) = (mm(&w, Mode::Native)?, mm(&w, Mode::RowSplit)?, mm(&w, Mode::Invariant)?);
+            let rows: Vec<usize> = (1..=16).chain([64]).collect();
+            for m in rows {
+                let xs = Tensor::from_vec(pseudo_random(m * k, 3), (m, k), &dev)?;
+                let iters = if m > 16 { 10 } else { 20 };
+                let t_native = time(&dev, iters, || Ok(native.forward(&xs)?))?;
+                let t_split = time(&dev, iters, || Ok(split.forward(&xs)?))?;
+                let t_inv = time(&dev, iters, || Ok(inv.forward(&xs)?))?;
+                let table = tables.entry(dtype_name(dtype)).or_default();
+                for (kernel, t) in [("gemm", t_native), ("gemv_row_split", t_split), ("invariant", t_inv)] {
+                    table.push(TableRow { shape: [n, k], rows: m, kernel: kernel.into(), ns_per_call: t * 1e9 });
+                }
+                if TIMED_ROWS.contains(&m) {
+                    println!(
+                        "| {model} | {what} | {} | [{n}, {k}] | {m} | {:.1} | {:.1} | {:.1} | {:.2}x |",
+                        dtype_name(dtype),
+                        t_native * 1e6,
+                        t_split * 1e6,
+                        t_inv * 1e6,
+                        t_native / t_inv
+                    );
+                    timings.push(json!({
+                        "model": model, "matmul": what, "dtype": dtype_name(dtype), "shape": [n, k], "rows": m,
+                        "native_us": t_native * 1e6, "row_split_us": t_split * 1e6, "invariant_us": t_inv * 1e6,
+                    }));
+                }
+            }
+        }
+        // Row-split's crossover against Candle's own batched dispatch ("gemm" in the table: on
+        // CUDA that is whatever Candle picks for the row count).
+        println!("\n## Crossover (row-split vs Candle's dispatch)\n");
+        for (dtype, table) in tables {
+            let (cross, below) = crossover(&table);
+            println!("{dtype}: row_split_max {below}, Candle's dispatch first faster at {cross:?} rows");
+            profile.dtypes.insert(dtype, DtypeProfile { row_split_max: below, crossover_rows: cross, table });
+        }
+        profile.save(&out.join("profile-cuda.json"))?;
+        let report = json!({"differential": diffs, "timings": timings, "failed": failed});
+        std::fs::write(out.join("cuda_check.json"), serde_json::to_string_pretty(&report)? + "\n")?;
+        if failed.is_empty() {
+            println!("\nall bitwise claims hold");
+            Ok(())
+        } else {
+            Err(format!("bitwise claims failed for: {}", failed.join(", ")).into())
+        }
+    }
+}
