@@ -21,7 +21,8 @@ fn main() {
     let result = match args.get(1).map(String::as_str) {
         Some("extract") => extract(PathBuf::from(arg(&args, "--out").unwrap_or_else(|| "target/cuda-check".into()))),
         Some("run") => {
-            let weights = PathBuf::from(arg(&args, "--weights").unwrap_or_else(|| "target/cuda-check/weights.gguf".into()));
+            let weights =
+                PathBuf::from(arg(&args, "--weights").unwrap_or_else(|| "target/cuda-check/weights.gguf".into()));
             let out = PathBuf::from(arg(&args, "--out").unwrap_or_else(|| ".".into()));
             gpu::run(&weights, &out)
         }
@@ -145,7 +146,8 @@ mod gpu {
         let ref_alone: Vec<Vec<u32>> =
             (0..MAX_ROWS).map(|r| bits(&inv.forward_reference(&xs.narrow(0, r, 1)?)?)).collect::<Result<_>>()?;
         let reference_invariant = rows_differing(&ref_gpu, &ref_alone, n) == 0;
-        let cpu_ref = mm(&Arc::new(QTensor::quantize(&w_cpu.dequantize(&Device::Cpu)?, GgmlDType::F32)?), Mode::Canonical)?;
+        let cpu_ref =
+            mm(&Arc::new(QTensor::quantize(&w_cpu.dequantize(&Device::Cpu)?, GgmlDType::F32)?), Mode::Canonical)?;
         let ref_cpu = canonical::matmul(cpu_ref.weight(), &x, MAX_ROWS)?;
         let reference_equals_cpu = ref_gpu == ref_cpu.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
         Ok(Differential {
@@ -254,9 +256,16 @@ mod gpu {
         for (model, what, dtype, n, k) in SHAPES {
             let w = random_weight(&dev, dtype, n, k)?;
             let (native, split, inv) = (mm(&w, Mode::Native)?, mm(&w, Mode::RowSplit)?, mm(&w, Mode::Invariant)?);
-            let rows: Vec<usize> = (1..=16).chain([64]).collect();
+            let rows: Vec<usize> = (1..=16).chain([MAX_ROWS]).collect();
+            // Invariance on the full shape too (these shapes pick the wider tiles).
+            let x_all = Tensor::from_vec(pseudo_random(MAX_ROWS * k, 3), (MAX_ROWS, k), &dev)?;
+            let alone: Vec<Vec<u32>> =
+                (0..MAX_ROWS).map(|r| bits(&inv.forward(&x_all.narrow(0, r, 1)?)?)).collect::<Result<_>>()?;
             for m in rows {
-                let xs = Tensor::from_vec(pseudo_random(m * k, 3), (m, k), &dev)?;
+                let xs = x_all.narrow(0, 0, m)?.contiguous()?;
+                if rows_differing(&bits(&inv.forward(&xs)?)?, &alone[..m], n) > 0 {
+                    failed.push(format!("{model} {what} [{n}, {k}] at {m} rows"));
+                }
                 let iters = if m > 16 { 10 } else { 20 };
                 let t_native = time(&dev, iters, || Ok(native.forward(&xs)?))?;
                 let t_split = time(&dev, iters, || Ok(split.forward(&xs)?))?;

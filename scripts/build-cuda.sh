@@ -3,8 +3,9 @@
 # CUDA 13.0 toolchain comes from PyPI wheels (nvcc, the runtime headers, NVVM, CCCL) into
 # $CANDLE_GATE_CUDA (default ~/.cache/candle-gate/cuda-13.0).
 #
-#   scripts/build-cuda.sh check          cargo check --features cuda, and our kernels through
-#                                        ptxas for sm_90 (fails on register spills): what CI runs
+#   scripts/build-cuda.sh check          our kernels through nvcc and ptxas for sm_90 (fails on
+#                                        register spills) and through NVRTC, then cargo check
+#                                        --features cuda: what CI runs
 #   scripts/build-cuda.sh build [ARGS]   cargo build --release --features cuda ARGS: also fetches
 #                                        cuBLAS and cuRAND (linked by Candle) and makes a libcuda
 #                                        link stub; the driver's libcuda.so.1 is used at run time
@@ -64,6 +65,7 @@ ptxas_check() {  # our kernels, as CI checks them: PTX, then SASS for sm_90 with
         exit 1
     fi
     echo "ptxas sm_90: $kernels kernels, no register spills"
+    python3 scripts/nvrtc_check.py "$cuda" crates/candle-gate/cuda/canonical.cu
     rm -rf "$out"
 }
 

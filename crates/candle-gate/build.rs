@@ -21,6 +21,8 @@ fn main() {
         .arg(out.join("canonical.ptx"))
         .arg("cuda/canonical.cu")
         .status()
-        .unwrap_or_else(|e| panic!("cannot run {} ({e}): install CUDA's nvcc (scripts/build-cuda.sh) or set CUDA_HOME", nvcc.display()));
+        .unwrap_or_else(|e| {
+            panic!("cannot run {} ({e}): install CUDA's nvcc (scripts/build-cuda.sh) or set CUDA_HOME", nvcc.display())
+        });
     assert!(status.success(), "nvcc failed on cuda/canonical.cu");
 }

@@ -12,7 +12,13 @@
 // __fadd_rn, __fdiv_rn, __int2float_rn) and the file is also built with --fmad=false, so the
 // compiler can neither contract nor reassociate anything.
 
+#ifdef __CUDACC_RTC__
+// NVRTC has no C library headers (scripts/nvrtc_check.py compiles this file with it).
+typedef unsigned char uint8_t;
+typedef signed char int8_t;
+#else
 #include <stdint.h>
+#endif
 #include <cuda_fp16.h>
 
 #define WARPS 4

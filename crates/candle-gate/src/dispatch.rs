@@ -46,15 +46,8 @@ pub enum Mode {
 }
 
 impl Mode {
-    pub const ALL: [Mode; 7] = [
-        Mode::Native,
-        Mode::RowSplit,
-        Mode::Invariant,
-        Mode::Gemm,
-        Mode::GemmF16,
-        Mode::SplitKF16,
-        Mode::Canonical,
-    ];
+    pub const ALL: [Mode; 7] =
+        [Mode::Native, Mode::RowSplit, Mode::Invariant, Mode::Gemm, Mode::GemmF16, Mode::SplitKF16, Mode::Canonical];
     pub fn name(self) -> &'static str {
         match self {
             Mode::Native => "native",
@@ -434,10 +427,9 @@ impl Module for QMatMul {
                             // A dtype canonical.cu does not decode: one mat-vec launch per row
                             // is invariant too, only slower, but it is not the canonical order.
                             None if kernel == Kernel::Invariant => row_split(&xs2)?,
-                            None => candle_core::bail!(
-                                "canonical mode has no CUDA kernel for {:?}",
-                                self.weight.dtype()
-                            ),
+                            None => {
+                                candle_core::bail!("canonical mode has no CUDA kernel for {:?}", self.weight.dtype())
+                            }
                         }
                     }
                     Kernel::Canonical => {

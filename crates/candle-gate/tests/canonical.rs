@@ -49,9 +49,17 @@ fn check(label: &str, w: &QTensor, seed: u64) {
     let alone: Vec<Vec<f32>> = (0..max_rows).map(|r| matmul(w, &x[r * k..(r + 1) * k], 1).unwrap()).collect();
     for m in ROWS {
         let y = matmul(w, &x[..m * k], m).unwrap();
-        assert_eq!(bits(&y), bits(&emulate_warp(w, &x[..m * k], m).unwrap()), "{label}: kernel != emulation at {m} rows");
+        assert_eq!(
+            bits(&y),
+            bits(&emulate_warp(w, &x[..m * k], m).unwrap()),
+            "{label}: kernel != emulation at {m} rows"
+        );
         for r in 0..m {
-            assert_eq!(bits(&y[r * n..(r + 1) * n]), bits(&alone[r]), "{label}: row {r} of {m} differs from the row alone");
+            assert_eq!(
+                bits(&y[r * n..(r + 1) * n]),
+                bits(&alone[r]),
+                "{label}: row {r} of {m} differs from the row alone"
+            );
         }
     }
 }
@@ -61,8 +69,11 @@ fn cpu_kernel_equals_the_warp_emulation_on_synthetic_weights() {
     for dtype in SUPPORTED {
         let k_quant = matches!(dtype, GgmlDType::Q4K | GgmlDType::Q6K);
         // k from one unit to past 32 units (lanes wrap), odd output counts.
-        let shapes: &[(usize, usize)] =
-            if k_quant { &[(3, 256), (37, 512), (5, 1280), (2, 8960)] } else { &[(1, 32), (37, 64), (5, 1056), (3, 2048), (7, 96)] };
+        let shapes: &[(usize, usize)] = if k_quant {
+            &[(3, 256), (37, 512), (5, 1280), (2, 8960)]
+        } else {
+            &[(1, 32), (37, 64), (5, 1056), (3, 2048), (7, 96)]
+        };
         for &(n, k) in shapes {
             let w = synthetic(dtype, n, k, (n * k) as u64);
             check(&format!("{dtype:?} [{n}, {k}]"), &w, k as u64);
@@ -102,7 +113,10 @@ fn canonical_order_computes_the_product() {
                 // parts in a thousand of |w|·|x| at most.
                 let tol = if matches!(dtype, GgmlDType::F32 | GgmlDType::F16) { 1e-5 } else { 8e-3 };
                 let got = y[r * n + c] as f64;
-                assert!((got - want).abs() <= tol * (wnorm * norm) as f64, "{dtype:?} row {r} col {c}: {got} vs {want}");
+                assert!(
+                    (got - want).abs() <= tol * (wnorm * norm) as f64,
+                    "{dtype:?} row {r} col {c}: {got} vs {want}"
+                );
             }
         }
     }
@@ -121,7 +135,8 @@ fn canonical_mode_runs_the_canonical_kernel_and_the_reference_order() {
     assert_eq!(bits(&y), bits(&want));
     // The reference matmul: the dense order over the dequantized weight, any row count.
     let r5 = qm.forward_reference(&xs).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-    let r1 = qm.forward_reference(&xs.narrow(0, 3, 1).unwrap()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let r1 =
+        qm.forward_reference(&xs.narrow(0, 3, 1).unwrap()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
     assert_eq!(bits(&r5[3 * 40..4 * 40]), bits(&r1));
     let dense = QTensor::quantize(qm.dense_f32().unwrap(), GgmlDType::F32).unwrap();
     assert_eq!(bits(&r5), bits(&emulate_warp(&dense, &x, 5).unwrap()));

@@ -270,12 +270,12 @@ pub fn matmul(w: &QTensor, x: &[f32], m: usize) -> Result<Vec<f32>> {
     let dtype = w.dtype();
     let rb = row_bytes(dtype, k);
     let mut out = vec![0f32; m * n];
-    let ptr = OutPtr(out.as_mut_ptr());
+    let out_ptr = OutPtr(out.as_mut_ptr());
     let dense = matches!(dtype, GgmlDType::F32 | GgmlDType::F16);
     let qa = (!dense).then(|| quantize_rows(x, m, k));
     let tasks = n.div_ceil(COLUMNS_PER_TASK);
     parallel_for(tasks, |t| {
-        let ptr = ptr;
+        let op = out_ptr;
         let mut acc = vec![[0f32; LANES]; m];
         for col in t * COLUMNS_PER_TASK..((t + 1) * COLUMNS_PER_TASK).min(n) {
             let row = &bytes[col * rb..][..rb];
@@ -301,7 +301,7 @@ pub fn matmul(w: &QTensor, x: &[f32], m: usize) -> Result<Vec<f32>> {
             }
             for (r, a) in acc.iter().enumerate() {
                 // SAFETY: each task writes only its own columns of `out`, which outlives the loop.
-                unsafe { *ptr.0.add(r * n + col) = butterfly(*a) };
+                unsafe { *op.0.add(r * n + col) = butterfly(*a) };
             }
         }
     });
@@ -416,7 +416,10 @@ mod tests {
                             v += c * mult as f32;
                         }
                         let want = dense[col * k + u * UNIT + i];
-                        assert!((v - want).abs() <= 1e-6 + want.abs() * 1e-5, "{dtype:?} col {col} unit {u} value {i}: {v} vs {want}");
+                        assert!(
+                            (v - want).abs() <= 1e-6 + want.abs() * 1e-5,
+                            "{dtype:?} col {col} unit {u} value {i}: {v} vs {want}"
+                        );
                     }
                 }
             }

@@ -82,7 +82,11 @@ impl CustomOp1 for Canonical {
         "candle-gate-canonical"
     }
 
-    fn cpu_fwd(&self, _: &candle_core::CpuStorage, _: &Layout) -> candle_core::Result<(candle_core::CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, Shape)> {
         candle_core::bail!("the CUDA canonical kernel takes CUDA tensors")
     }
 
@@ -102,7 +106,8 @@ impl CustomOp1 for Canonical {
         let units_i32 = to_i32(units, "units")?;
         let mut b = quantize.builder();
         b.arg(&x).arg(&q).arg(&d).arg(&units_i32);
-        let cfg = LaunchConfig { grid_dim: (units.div_ceil(128) as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+        let cfg =
+            LaunchConfig { grid_dim: (units.div_ceil(128) as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: the arguments match canonical_quantize's signature; the grid covers `units`.
         unsafe { b.launch(cfg) }.w()?;
 
@@ -140,7 +145,13 @@ impl CustomOp2 for CanonicalDense {
         candle_core::bail!("the CUDA canonical kernel takes CUDA tensors")
     }
 
-    fn cuda_fwd(&self, xs: &CudaStorage, xl: &Layout, ws: &CudaStorage, wl: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+    fn cuda_fwd(
+        &self,
+        xs: &CudaStorage,
+        xl: &Layout,
+        ws: &CudaStorage,
+        wl: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
         let dev = &xs.device;
         let (n, k) = wl.shape().dims2()?;
         let (m, start, end) = rows_of(xl, k)?;
