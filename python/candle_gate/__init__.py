@@ -16,10 +16,11 @@ from ._native import CandleGateError, EngineShutDown, InvalidParameter, CUDA_AVA
 from .models import DEFAULT_MODEL, cache_dir, fetch, resolve
 from .engine import Engine, Model, Result, SamplingParams, MODES, GATES, PACKAGED_PROFILE, user_profile_path
 from .probe import run_probe
+from .audit import Verification, verify
 
 __all__ = [
     "CandleGateError", "EngineShutDown", "InvalidParameter", "CUDA_AVAILABLE", "METAL_AVAILABLE", "__version__",
     "DEFAULT_MODEL", "cache_dir", "fetch", "resolve",
     "Engine", "Model", "Result", "SamplingParams", "MODES", "GATES", "PACKAGED_PROFILE",
-    "user_profile_path", "run_probe",
+    "user_profile_path", "run_probe", "verify", "Verification",
 ]

@@ -273,12 +273,49 @@ def _add_serve(sub) -> None:
     s.set_defaults(func=cmd_serve)
 
 
+def cmd_verify(a: argparse.Namespace) -> int:
+    try:
+        from .server.settings import Settings
+        from .audit import load_record, verify
+    except ImportError as e:  # the in-process replay runs the server's app: the `serve` extra
+        print(f"candle-gate verify: {e}; install with: pip install 'candle-gate[serve]'", file=sys.stderr)
+        return 2
+    settings = Settings.from_args(a)
+    results = []
+    for path in a.records:
+        v = verify(load_record(path), settings)
+        results.append((path, v))
+        if not a.json:
+            print(f"{path}: {v.summary()}")
+    if a.json:
+        print(json.dumps([{"record": str(p), "match": v.match, "endpoint": v.endpoint,
+                           "system_fingerprint": {"recorded": v.system_fingerprint[0], "local": v.system_fingerprint[1]},
+                           "prompt_token_ids": v.prompt_token_ids,
+                           "choices": [dict(vars(c), match=c.match) for c in v.choices]} for p, v in results], indent=2))
+    return 0 if all(v.match for _, v in results) else 1
+
+
+def _add_verify(sub) -> None:
+    v = sub.add_parser("verify", help="replay recorded server responses locally and compare them bit for bit",
+                       description="Each RECORD is {\"request\": <body sent>, \"response\": <body returned>} of "
+                                   "/v1/completions or /v1/chat/completions (send return_token_ids: true to pin "
+                                   "differences to a position). Give the server's settings: a different model file, "
+                                   "mode, gate or K/V dtype is another stack. Exit 0 when every record matches.")
+    v.add_argument("records", nargs="+", metavar="RECORD")
+    _common(v)
+    _gate_args(v)
+    _kv_args(v)
+    v.add_argument("--max-model-len", type=int, default=None, help="as the server's --max-model-len")
+    v.add_argument("--json", action="store_true", help="print the checks as JSON")
+    v.set_defaults(func=cmd_verify)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``candle-gate`` parser: one ``_add_<command>`` per subcommand, in the order of ``--help``."""
     ap = argparse.ArgumentParser(prog="candle-gate", description=__doc__)
     ap.add_argument("--version", action="version", version=f"candle-gate {_native.__version__} (CPU kernels: {_native.kernel_tier()})")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    for add in (_add_generate, _add_fetch, _add_calibrate, _add_probe, _add_bench, _add_serve):
+    for add in (_add_generate, _add_fetch, _add_calibrate, _add_probe, _add_bench, _add_serve, _add_verify):
         add(sub)
     return ap
 

@@ -53,6 +53,9 @@ class _Req(BaseModel):
     stream_options: Optional[StreamOptions] = None
     #: extension: per choice ``margins`` and ``rechecked`` lists
     return_margins: Optional[bool] = False
+    #: extension (vLLM's name): the prompt's token ids (``prompt_token_ids``) and each choice's
+    #: (``token_ids``) on the response, what ``candle-gate verify`` pinpoints a difference by
+    return_token_ids: Optional[bool] = False
 
 
 _TokenIds = Annotated[List[Annotated[int, Field(ge=0, le=_I64)]], Field(min_length=1)]
@@ -153,6 +156,8 @@ class _ChoiceExt(BaseModel):
     margins: Optional[List[Optional[float]]] = None
     #: extension, with ``return_margins``: 1 where the step was rechecked
     rechecked: Optional[List[int]] = None
+    #: extension, with ``return_token_ids``: the choice's generated token ids
+    token_ids: Optional[List[int]] = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -175,6 +180,8 @@ class CompletionResponse(BaseModel):
     system_fingerprint: str
     choices: List[CompletionChoice]
     usage: Usage
+    #: extension, with ``return_token_ids``: the prompt's token ids as the model read them
+    prompt_token_ids: Optional[List[int]] = None
 
 
 class TopLogprob(BaseModel):
@@ -209,6 +216,8 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str
     choices: List[ChatChoice]
     usage: Usage
+    #: extension, with ``return_token_ids``: the prompt's token ids as the model read them
+    prompt_token_ids: Optional[List[int]] = None
 
 
 class _StreamExt(BaseModel):
@@ -219,6 +228,7 @@ class _StreamExt(BaseModel):
     seed: Optional[int] = None
     margins: Optional[List[Optional[float]]] = None
     rechecked: Optional[List[int]] = None
+    token_ids: Optional[List[int]] = None
 
 
 class CompletionStreamChoice(_StreamExt):
@@ -237,6 +247,8 @@ class CompletionChunk(BaseModel):
     choices: List[CompletionStreamChoice]
     #: with ``stream_options.include_usage``: null, and the usage in the last chunk
     usage: Optional[Usage] = None
+    #: with ``return_token_ids``: the prompt's token ids, in the chunk of the first finish
+    prompt_token_ids: Optional[List[int]] = None
 
 
 class ChatDelta(BaseModel):
@@ -258,6 +270,8 @@ class ChatCompletionChunk(BaseModel):
     system_fingerprint: str
     choices: List[ChatStreamChoice]
     usage: Optional[Usage] = None
+    #: with ``return_token_ids``: the prompt's token ids, in the chunk of the first finish
+    prompt_token_ids: Optional[List[int]] = None
 
 
 class ModelCard(BaseModel):

@@ -55,6 +55,7 @@ class Call:
     prep: Prepared
     return_margins: bool
     timing: Timing
+    return_token_ids: bool = False
     include_usage: bool = False
     #: the Result (or an error) has arrived: nothing to cancel any more
     finished: bool = False
@@ -119,6 +120,7 @@ class OpenAIServing:
         params = self.sampling_params(req, prep)
         rid, q = await self.submit(prep.ids, params)
         call = Call(rid, q, params.n, self.head(), prep, bool(req.return_margins), Timing(self.st.metrics, t0),
+                    return_token_ids=bool(req.return_token_ids),
                     include_usage=bool(req.stream_options and req.stream_options.include_usage))
         if req.stream:
             return StreamingResponse(self.stream(call), media_type="text/event-stream",
@@ -194,9 +196,12 @@ class OpenAIServing:
         choices = []
         for c in res.choices:
             ch = self.choice(c, call.prep)
-            ch.update(extensions(c, call.return_margins))
+            ch.update(extensions(c, call))
             choices.append(ch)
-        return {**call.head, "choices": choices, "usage": usage(res)}
+        out = {**call.head, "choices": choices, "usage": usage(res)}
+        if call.return_token_ids:
+            out["prompt_token_ids"] = [int(t) for t in call.prep.ids]
+        return out
 
     # -- streaming -------------------------------------------------------------------------------
 
@@ -221,7 +226,8 @@ class OpenAIServing:
                     yield self.sse(call, out)
             call.finished = True
             call.timing.done()
-            yield self.sse(call, self.finish(res, call, state))
+            prompt = {"prompt_token_ids": [int(t) for t in call.prep.ids]} if call.return_token_ids else {}
+            yield self.sse(call, self.finish(res, call, state), **prompt)
             if call.include_usage:
                 yield self.sse(call, [], usage(res))
             yield DONE
@@ -250,14 +256,15 @@ class OpenAIServing:
             if c.text.startswith(sent) and len(c.text) > len(sent):
                 out.append(self.piece(i, c.text[len(sent):]))
             end = self.closing(i, finish_reason(c.finish_reason))
-            end.update(extensions(c, call.return_margins))
+            end.update(extensions(c, call))
             out.append(end)
         return out
 
-    def sse(self, call: Call, choices: List[Dict[str, Any]], usage: Any = None) -> str:
+    def sse(self, call: Call, choices: List[Dict[str, Any]], usage: Any = None, **extra: Any) -> str:
         d = {**call.head, "object": self.chunk_object, "choices": choices}
         if call.include_usage:
             d["usage"] = usage
+        d.update(extra)
         return "data: " + json.dumps(d, ensure_ascii=False, separators=(",", ":")) + "\n\n"
 
 
@@ -289,13 +296,16 @@ def take(items: List[Any]) -> Tuple[List[Dict[str, Any]], Any, Optional[str]]:
     return tokens, res, None
 
 
-def extensions(c: Any, return_margins: bool) -> Dict[str, Any]:
-    """A choice's extensions: ``fingerprint``, ``seed``, and with ``return_margins`` the gate's
-    per-step ``margins`` (null where not finite) and ``rechecked``."""
+def extensions(c: Any, call: Call) -> Dict[str, Any]:
+    """A choice's extensions: ``fingerprint``, ``seed``, with ``return_margins`` the gate's
+    per-step ``margins`` (null where not finite) and ``rechecked``, with ``return_token_ids`` its
+    ``token_ids``."""
     out = {"fingerprint": c.fingerprint, "seed": int(c.seed)}
-    if return_margins:
+    if call.return_margins:
         out["margins"] = [float(m) if math.isfinite(float(m)) else None for m in c.margins]
         out["rechecked"] = [int(x) for x in c.rechecked]
+    if call.return_token_ids:
+        out["token_ids"] = [int(t) for t in c.token_ids]
     return out
 
 
