@@ -134,7 +134,21 @@ def cmd_serve(a: argparse.Namespace) -> int:
     except ImportError as e:  # fastapi/uvicorn are the `serve` extra
         print(f"candle-gate serve: {e}; install with: pip install 'candle-gate[serve]'", file=sys.stderr)
         return 2
-    return server.serve(a)
+    if a.replicas is None:
+        if a.ray_address:
+            print("candle-gate serve: --ray-address needs --replicas N", file=sys.stderr)
+            return 2
+        return server.serve(a)
+    if a.replicas < 1:
+        print("candle-gate serve: --replicas must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        from .ray import serve_replicas
+    except ImportError as e:  # ray[serve] is the `ray` extra
+        print(f"candle-gate serve: {e}; install with: pip install 'candle-gate[ray]'", file=sys.stderr)
+        return 2
+    return serve_replicas(server.Settings.from_args(a), a.replicas, a.ray_address, a.num_cpus_per_replica,
+                          a.routing)
 
 
 def _add_generate(sub) -> None:
@@ -270,6 +284,14 @@ def _add_serve(sub) -> None:
                    help="seconds SIGTERM waits for in-flight requests before cancelling them")
     s.add_argument("--log-level", default="info")
     s.add_argument("--access-log", action="store_true")
+    r = s.add_argument_group("replicas on Ray Serve (docs/RAY.md; the `ray` extra)")
+    r.add_argument("--replicas", type=int, default=None,
+                   help="serve N replicas of this app, one engine each, on a Ray cluster (local unless --ray-address)")
+    r.add_argument("--ray-address", default=None, help="join this Ray cluster (e.g. 10.0.0.1:6379 or auto)")
+    r.add_argument("--num-cpus-per-replica", type=float, default=1.0, help="Ray CPUs each replica reserves")
+    r.add_argument("--routing", default="session", choices=["session", "pow2"],
+                   help="session: a request's x-session-id header picks its replica (prefix-cache affinity), "
+                        "others as pow2; pow2: Ray's default power-of-two choices")
     s.set_defaults(func=cmd_serve)
 
 

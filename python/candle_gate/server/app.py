@@ -36,6 +36,9 @@ from .serving_tokenization import OpenAIServingTokenization
 from .settings import Settings
 from .state import ServerState
 
+#: the response header naming the replica that answered (``Settings.replica``)
+REPLICA_HEADER = "X-Candle-Gate-Replica"
+
 #: loads the model and attaches it to the state (in a thread the lifespan starts)
 Loader = Callable[[ServerState, asyncio.AbstractEventLoop], None]
 
@@ -179,6 +182,10 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     st: ServerState = app.state.server
     loop = asyncio.get_running_loop()
     threading.Thread(target=app.state.load, args=(st, loop), name="candle-gate-load", daemon=True).start()
+    if st.settings.ready_before_serving:
+        await loop.run_in_executor(None, st.loaded.wait)
+        if st.load_error is not None:
+            raise RuntimeError(f"could not load the model: {st.load_error}")
     yield
     # Shutdown: uvicorn has waited for the connections (up to --drain-timeout); whatever is still
     # running is cancelled, then the engine thread stops.
@@ -199,6 +206,15 @@ def create_app(settings: Settings, load: Optional[Loader] = None) -> FastAPI:
     app.state.serving_chat = OpenAIServingChat(st)
     app.state.serving_tokenization = OpenAIServingTokenization(st)
     app.include_router(router)
+    if settings.replica is not None:
+        replica = settings.replica
+        st.metrics.name_replica(replica)
+
+        @app.middleware("http")
+        async def name_the_replica(request: Request, call_next: Callable[[Request], Any]) -> Any:
+            response = await call_next(request)
+            response.headers[REPLICA_HEADER] = replica
+            return response
     app.add_exception_handler(APIError, on_api_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, on_validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, on_http_error)  # type: ignore[arg-type]

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -148,6 +148,11 @@ class Metrics:
 
     def submitted(self, prompt_tokens: int) -> None:
         self.prompt_tokens.labels(self.model_name).inc(prompt_tokens)
+
+    def name_replica(self, replica: str) -> None:
+        """Adds ``candle_gate:replica_info{replica=...} 1``: which replica's series these are."""
+        Gauge("candle_gate:replica_info", "The replica serving these series (behind a router).", ["replica"],
+              registry=self.registry).labels(replica).set(1)
 
     def exposition(self) -> bytes:
         return generate_latest(_WithoutCreated(self.registry))  # type: ignore[arg-type]

@@ -53,6 +53,13 @@ class Settings:
     drain_timeout: int = 30
     log_level: str = "info"
     access_log: bool = False
+    # -- behind a router (candle_gate.ray) --------------------------------------------------------
+    #: this replica's name: sent as ``X-Candle-Gate-Replica`` on every response and as
+    #: ``candle_gate:replica_info{replica=...}`` in /metrics; None: not a replica
+    replica: Optional[str] = None
+    #: the lifespan's startup returns only once the model is loaded (and fails if it cannot be):
+    #: a router then sends a replica no request before it can answer
+    ready_before_serving: bool = False
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "Settings":

@@ -1,0 +1,133 @@
+"""Replicas on Ray Serve: ``candle-gate serve --replicas N [--ray-address ADDR]`` (docs/RAY.md).
+
+Each replica is the same FastAPI app as ``candle-gate serve`` (``server.app.create_app``), served
+through ``serve.ingress``, with one engine of its own. A replica names itself on every response
+(``X-Candle-Gate-Replica``) and in ``/metrics`` (``candle_gate:replica_info``); its lifespan
+startup returns once the model is loaded, so Ray routes to it only when it can answer, and its
+shutdown drains the engine (``graceful_shutdown_timeout_s`` is ``--drain-timeout``).
+
+Routing: :class:`SessionAffinityRouter` sends every request that carries Ray Serve's session
+header (``x-session-id``) to the replica that rendezvous hashing picks for that session among
+the live replicas (the next one if it is full), so a conversation's next turn reaches the replica
+that holds its prefix cache; requests without the header are routed as Ray's default router
+does (power of two choices). ``--routing pow2`` uses Ray's default for everything.
+
+Requires the ``ray`` extra: ``pip install 'candle-gate[ray]'``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import signal
+import socket
+import threading
+from typing import Any, Dict, List, Optional
+
+from ray import serve
+from ray.serve.request_router import PendingRequest, RunningReplica
+from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
+
+from .server.app import REPLICA_HEADER
+from .server.settings import Settings
+
+#: the Serve application's and deployment's name
+APP_NAME = "candle-gate"
+#: the request header that keys session affinity: Ray Serve's own (``RAY_SERVE_SESSION_ID_HEADER_KEY``)
+SESSION_HEADER = "x-session-id"
+ROUTINGS = ("session", "pow2")
+
+__all__ = ["APP_NAME", "REPLICA_HEADER", "ROUTINGS", "SESSION_HEADER", "SessionAffinityRouter", "application",
+           "serve_replicas"]
+
+
+def _score(session: str, replica: RunningReplica) -> bytes:
+    return hashlib.sha256(f"{session}\n{replica.replica_id.unique_id}".encode()).digest()
+
+
+class SessionAffinityRouter(PowerOfTwoChoicesRequestRouter):
+    """Rendezvous hashing on the session header: a session's replica changes only when that
+    replica leaves (or another joins and outranks it for that session), and every router in the
+    cluster picks the same one without sharing state. Without a session: Ray's power of two."""
+
+    async def choose_replicas(self, candidate_replicas: List[RunningReplica],
+                              pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
+        session = pending_request.metadata.session_id if pending_request is not None else ""
+        if not session or not candidate_replicas:
+            return await super().choose_replicas(candidate_replicas, pending_request)
+        ranked = sorted(candidate_replicas, key=lambda r: _score(session, r), reverse=True)
+        return [[r] for r in ranked]
+
+
+@serve.ingress()
+class CandleGateReplica:
+    """One replica: the server app over its own engine."""
+
+    def __init__(self, settings: Dict[str, Any]):
+        self.settings = Settings(**settings)
+        self._server: Any = None
+
+    def __serve_build_asgi_app__(self) -> Any:
+        from .server.app import create_app
+        ctx = serve.get_replica_context()
+        name = f"{ctx.replica_id.unique_id}@{socket.gethostname()}/{os.getpid()}"
+        self._server = create_app(dataclasses.replace(self.settings, replica=name, ready_before_serving=True))
+        return self._server
+
+    def check_health(self) -> None:
+        """Ray's health check: failed when the engine thread has died (Ray then replaces the replica)."""
+        st = self._server.state.server if self._server is not None else None
+        if st is not None and st.worker is not None and not st.worker.thread.is_alive():
+            raise RuntimeError("the engine thread has stopped")
+
+
+def application(settings: Settings, num_replicas: Optional[int] = 1, *, num_cpus: float = 1.0,
+                autoscaling_config: Optional[Dict[str, Any]] = None, routing: str = "session") -> Any:
+    """The Serve application: ``num_replicas`` (or Ray's ``autoscaling_config``) replicas of the
+    server app built from ``settings``, ``num_cpus`` each, routed by ``routing``."""
+    from ray.serve.config import RequestRouterConfig
+    if routing not in ROUTINGS:
+        raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, got {routing!r}")
+    options: Dict[str, Any] = dict(
+        name=APP_NAME, ray_actor_options={"num_cpus": num_cpus},
+        graceful_shutdown_timeout_s=settings.drain_timeout,
+        # Each replica batches on its own: let it take what its engine admits and queue the rest.
+        max_ongoing_requests=max(8, (settings.max_num_seqs or 16) + settings.max_queue))
+    if autoscaling_config is not None:
+        options["autoscaling_config"] = autoscaling_config
+    else:
+        options["num_replicas"] = num_replicas
+    if routing == "session":
+        options["request_router_config"] = RequestRouterConfig(request_router_class=SessionAffinityRouter)
+    fields = {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)}
+    return serve.deployment(CandleGateReplica).options(**options).bind(fields)
+
+
+def serve_replicas(settings: Settings, replicas: int, ray_address: Optional[str] = None, num_cpus: float = 1.0,
+                   routing: str = "session") -> int:
+    """``candle-gate serve --replicas N``: starts (or joins, ``ray_address``) a Ray cluster, deploys
+    the app on ``settings.host:settings.port`` and serves until SIGTERM or Ctrl-C, then tears the
+    deployment down (draining each replica) and leaves the cluster; 0 once done."""
+    import ray
+    if ray_address:
+        ray.init(address=ray_address, namespace="serve", log_to_driver=False)
+    else:
+        ray.init(include_dashboard=False, namespace="serve", log_to_driver=False)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": settings.host, "port": settings.port})
+        print(f"candle-gate serve: deploying {replicas} replica(s) of {settings.model} on Ray "
+              f"({ray.get_runtime_context().gcs_address}), routing {routing}", flush=True)
+        serve.run(application(settings, replicas, num_cpus=num_cpus, routing=routing), name=APP_NAME,
+                  route_prefix="/", blocking=False)
+        print(f"candle-gate serve: {replicas} replica(s) ready at http://{settings.host}:{settings.port}/v1",
+              flush=True)
+        stop.wait()
+        print("candle-gate serve: shutting down (draining the replicas)", flush=True)
+        serve.delete(APP_NAME)
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+    return 0
