@@ -112,11 +112,12 @@ MODEL = ["default"]
 def stream_chat(client: Any, messages: List[Dict[str, str]], max_tokens: int) -> Dict[str, Any]:
     """One streamed chat completion: its text, TTFT, inter-token gaps and cached tokens."""
     t0 = time.perf_counter()
-    first, last, gaps, parts, cached = None, None, [], [], None
+    first, last, gaps, parts, cached, prompt = None, None, [], [], None, None
     stream = client.chat.completions.create(model=MODEL[0], messages=messages, max_tokens=max_tokens, temperature=0,
                                             stream=True, stream_options={"include_usage": True})
     for ch in stream:
         if ch.usage is not None:
+            prompt = ch.usage.prompt_tokens
             d = getattr(ch.usage, "prompt_tokens_details", None)
             cached = getattr(d, "cached_tokens", None) if d is not None else None
         if ch.choices and ch.choices[0].delta.content:
@@ -128,7 +129,8 @@ def stream_chat(client: Any, messages: List[Dict[str, str]], max_tokens: int) ->
             last = now
             parts.append(ch.choices[0].delta.content)
     end = time.perf_counter()
-    return {"text": "".join(parts), "ttft": (first or end) - t0, "gaps": gaps, "cached": cached, "e2e": end - t0}
+    return {"text": "".join(parts), "ttft": (first or end) - t0, "gaps": gaps, "cached": cached, "e2e": end - t0,
+            "prompt_tokens": prompt}
 
 
 def pct(xs: List[float], q: float) -> float:

@@ -1,0 +1,155 @@
+"""Replicas on Ray Serve against ``candle-gate serve`` directly, side by side in one run.
+
+    pip install ".[ray,test]"
+    python benches/ray_serve.py [--model NAME] [--concurrency 1,8] [--prompts 8] [--max-tokens 32]
+        [--conversations 8] [--turns 4] [--turn-tokens 200] [--json OUT]
+
+Two parts, every request a streamed chat completion at temperature 0 through the official
+``openai`` client, every server started here on loopback:
+
+* **overhead and scaling** (``benches/serve_load.py``'s request set and measures): ``candle-gate
+  serve`` with 2 threads; the Ray app with 1 replica of 2 threads (the cost of Ray's proxy and
+  router); the Ray app with 2 replicas of 1 thread each. On a 2-core machine the two replicas
+  share the two cores: that measures the fleet's mechanics, not added capacity.
+* **routing**: the 2-replica app, ``--conversations`` multi-turn chats (each turn about
+  ``--turn-tokens`` tokens of prose plus the answer, one client per conversation, each sending its
+  own ``x-session-id``), with ``--routing session`` (a session keeps its replica) and ``--routing
+  pow2`` (Ray's default): total time, TTFT per turn, and the share of prompt tokens served from
+  a prefix cache (``usage.prompt_tokens_details.cached_tokens``).
+
+Numbers are printed, never asserted; run it with nothing else on the machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Dict, List
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import candle_gate  # noqa: E402
+from candle_gate.bench import bench_prompt, parse_concurrency  # noqa: E402
+from prefix_cache import paragraph, pct, stream_chat  # noqa: E402
+from serve_load import free_port, level, one_request, stop, wait_ready  # noqa: E402
+
+
+def start(label: str, model: str, port: int, extra: List[str]) -> Any:
+    import subprocess
+    cmd = [sys.executable, "-m", "candle_gate", "serve", "--model", model, "--port", str(port),
+           "--served-model-name", "bench-model", "--max-num-seqs", "16", "--max-queue", "1024", *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_ready(f"http://127.0.0.1:{port}/health", proc, 600)
+    except BaseException:
+        stop(proc, 120)
+        raise
+    print(f"# {label}: {' '.join(cmd[3:])}", flush=True)
+    return proc
+
+
+def client(port: int, session: str = ""):
+    import openai
+    headers = {"x-session-id": session} if session else None
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=3600,
+                         default_headers=headers)
+
+
+def overhead(a: argparse.Namespace) -> Dict[str, Any]:
+    cs = parse_concurrency(a.concurrency)
+    chats = [bench_prompt(i) for i in range(a.prompts)]
+    order = [i for i in range(a.prompts) for _ in range(a.repeats)]
+    setups = [("serve, 2 threads", ["--threads", "2"]),
+              ("ray, 1 replica x 2 threads", ["--replicas", "1", "--threads", "2"]),
+              ("ray, 2 replicas x 1 thread", ["--replicas", "2", "--threads", "1"])]
+    rows: Dict[str, Any] = {}
+    for label, extra in setups:
+        port = free_port()
+        proc = start(label, a.model, port, extra)
+        try:
+            c = client(port)
+            one_request(c, "bench-model", chats[0], 4)  # warm-up
+            rows[label] = []
+            for n in cs:
+                r = level(c, "bench-model", chats, order, n, a.max_tokens)
+                r.pop("texts")
+                rows[label].append(r)
+                print(f"  {label:28s} c={n:<3} {r['tok_per_s']:7.1f} tok/s  TTFT p50 {1e3 * r['ttft_p50']:7.1f} ms "
+                      f"p99 {1e3 * r['ttft_p99']:7.1f} ms  ITL p50 {1e3 * r['itl_p50']:6.1f} ms", flush=True)
+        finally:
+            stop(proc, 120)
+    base = rows["serve, 2 threads"]
+    for label, rs in rows.items():
+        for b, r in zip(base, rs):
+            print(f"  {label:28s} c={r['concurrency']:<3} tok/s {r['tok_per_s'] / b['tok_per_s']:.2f}x serve's, "
+                  f"TTFT p50 {1e3 * (r['ttft_p50'] - b['ttft_p50']):+.1f} ms")
+    return rows
+
+
+def routing(a: argparse.Namespace) -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    for mode in ("session", "pow2"):
+        port = free_port()
+        proc = start(f"ray, 2 replicas, routing {mode}", a.model, port,
+                     ["--replicas", "2", "--threads", "1", "--routing", mode])
+        try:
+            def conversation(c: int, port: int = port) -> List[Dict[str, Any]]:
+                cl, history, res = client(port, f"conversation-{c}"), [], []
+                for t in range(a.turns):
+                    history.append({"role": "user", "content": paragraph(a.turn_tokens, 1000 * c + 37 * t) +
+                                    f"\nQuestion {t}: which district shipped the most crates so far?"})
+                    r = stream_chat(cl, history, a.max_tokens)
+                    history.append({"role": "assistant", "content": r["text"]})
+                    res.append(r)
+                return res
+            import prefix_cache
+            prefix_cache.MODEL[0] = "bench-model"
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(a.conversations) as ex:
+                res = list(ex.map(conversation, range(a.conversations)))
+            total = time.perf_counter() - t0
+        finally:
+            stop(proc, 120)
+        later = [r for conv in res for r in conv[1:]]
+        ttft = [[conv[t]["ttft"] for conv in res] for t in range(a.turns)]
+        cached = sum(r["cached"] or 0 for r in later)
+        # Prompt tokens of turns 2..: what a perfect prefix cache could have served is at least
+        # the previous turns' history; report the share of all later-turn prompt tokens cached.
+        prompt = sum(r.get("prompt_tokens") or 0 for r in later)
+        out[mode] = {"total_s": total, "ttft_p50_by_turn": [pct(x, 50) for x in ttft],
+                     "cached_tokens_later_turns": cached, "prompt_tokens_later_turns": prompt}
+        print(f"  routing {mode:8s} total {total:6.1f} s  TTFT p50 turn 1 {out[mode]['ttft_p50_by_turn'][0]:.3f} s, "
+              f"turn {a.turns} {out[mode]['ttft_p50_by_turn'][-1]:.3f} s  cached tokens in turns 2-{a.turns}: "
+              f"{cached}" + (f" of {prompt} ({cached / prompt:.0%})" if prompt else ""), flush=True)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=candle_gate.DEFAULT_MODEL)
+    ap.add_argument("--concurrency", default="1,8")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--conversations", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--turn-tokens", type=int, default=200)
+    ap.add_argument("--parts", default="overhead,routing")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    print(f"# {a.model}, {os.cpu_count()} CPUs", flush=True)
+    report: Dict[str, Any] = {"model": a.model, "args": vars(a)}
+    if "overhead" in a.parts:
+        report["overhead"] = overhead(a)
+    if "routing" in a.parts:
+        report["routing"] = routing(a)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
