@@ -137,10 +137,11 @@ def pct(xs: List[float], q: float) -> float:
     return float(np.percentile(xs, q)) if xs else float("nan")
 
 
-def run_chats(server: Server, a: argparse.Namespace) -> List[List[Dict[str, Any]]]:
-    """Every conversation, turn by turn, one client each: per conversation, per turn, the result."""
+def run_chats(server: Any, a: argparse.Namespace, client_for: Any = None) -> List[List[Dict[str, Any]]]:
+    """Every conversation, turn by turn, one client each (``client_for(c)``, default the server's
+    client): per conversation, per turn, the result."""
     def one(c: int) -> List[Dict[str, Any]]:
-        client, history, out = server.client(), [], []
+        client, history, out = (client_for(c) if client_for else server.client()), [], []
         for t in range(a.turns):
             history.append({"role": "user", "content": paragraph(a.turn_tokens, 1000 * c + 37 * t) +
                             f"\nQuestion {t}: which district shipped the most crates so far?"})

@@ -26,13 +26,13 @@ import json
 import os
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import candle_gate  # noqa: E402
 from candle_gate.bench import bench_prompt, parse_concurrency  # noqa: E402
-from prefix_cache import paragraph, pct, stream_chat  # noqa: E402
+import prefix_cache  # noqa: E402
+from prefix_cache import pct, run_chats  # noqa: E402
 from serve_load import free_port, level, one_request, stop, wait_ready  # noqa: E402
 
 
@@ -95,20 +95,9 @@ def routing(a: argparse.Namespace) -> Dict[str, Any]:
         proc = start(f"ray, 2 replicas, routing {mode}", a.model, port,
                      ["--replicas", "2", "--threads", "1", "--routing", mode])
         try:
-            def conversation(c: int, port: int = port) -> List[Dict[str, Any]]:
-                cl, history, res = client(port, f"conversation-{c}"), [], []
-                for t in range(a.turns):
-                    history.append({"role": "user", "content": paragraph(a.turn_tokens, 1000 * c + 37 * t) +
-                                    f"\nQuestion {t}: which district shipped the most crates so far?"})
-                    r = stream_chat(cl, history, a.max_tokens)
-                    history.append({"role": "assistant", "content": r["text"]})
-                    res.append(r)
-                return res
-            import prefix_cache
-            prefix_cache.MODEL[0] = "bench-model"
+            prefix_cache.MODEL[0] = "bench-model"  # the served name
             t0 = time.perf_counter()
-            with ThreadPoolExecutor(a.conversations) as ex:
-                res = list(ex.map(conversation, range(a.conversations)))
+            res = run_chats(None, a, lambda c, port=port: client(port, f"conversation-{c}"))
             total = time.perf_counter() - t0
         finally:
             stop(proc, 120)
