@@ -46,9 +46,31 @@ def _score(session: str, replica: RunningReplica) -> bytes:
 
 
 class SessionAffinityRouter(PowerOfTwoChoicesRequestRouter):
-    """Rendezvous hashing on the session header: a session's replica changes only when that
-    replica leaves (or another joins and outranks it for that session), and every router in the
-    cluster picks the same one without sharing state. Without a session: Ray's power of two."""
+    """Rendezvous hashing on the session header, with bounded load: a session's replica changes
+    only when that replica leaves (or another joins and outranks it for that session), and every
+    router in the cluster picks the same one without sharing state; but when the session's
+    replica has more than ``max_imbalance`` requests in flight beyond the least busy replica,
+    this request goes to the least busy one (its history is prefilled there, this once). Without
+    a session: Ray's power of two choices."""
+
+    def initialize_state(self, max_imbalance: int = 4, **kwargs: Any) -> None:
+        self._max_imbalance = max_imbalance
+
+    async def _queue_lens(self, replicas: List[RunningReplica]) -> Dict[Any, int]:
+        """Requests in flight per replica: Ray's cached counts, probed where there are none."""
+        lens: Dict[Any, int] = {}
+        missing = []
+        for r in replicas:
+            q = self._replica_queue_len_cache.get(r.replica_id) if self._use_replica_queue_len_cache else None
+            if q is None:
+                missing.append(r)
+            else:
+                lens[r.replica_id] = q
+        if missing:
+            for r, q in await self._probe_queue_lens(missing, 0):
+                if q is not None:
+                    lens[r.replica_id] = q
+        return lens
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
@@ -56,6 +78,11 @@ class SessionAffinityRouter(PowerOfTwoChoicesRequestRouter):
         if not session or not candidate_replicas:
             return await super().choose_replicas(candidate_replicas, pending_request)
         ranked = sorted(candidate_replicas, key=lambda r: _score(session, r), reverse=True)
+        if len(ranked) > 1:
+            lens = await self._queue_lens(ranked)
+            home = lens.get(ranked[0].replica_id)
+            if lens and home is not None and home - min(lens.values()) > getattr(self, "_max_imbalance", 4):
+                ranked.sort(key=lambda r: lens.get(r.replica_id, 1 << 30))
         return [[r] for r in ranked]
 
 
@@ -82,9 +109,11 @@ class CandleGateReplica:
 
 
 def application(settings: Settings, num_replicas: Optional[int] = 1, *, num_cpus: float = 1.0,
-                autoscaling_config: Optional[Dict[str, Any]] = None, routing: str = "session") -> Any:
+                autoscaling_config: Optional[Dict[str, Any]] = None, routing: str = "session",
+                max_imbalance: int = 4) -> Any:
     """The Serve application: ``num_replicas`` (or Ray's ``autoscaling_config``) replicas of the
-    server app built from ``settings``, ``num_cpus`` each, routed by ``routing``."""
+    server app built from ``settings``, ``num_cpus`` each, routed by ``routing`` (``session``:
+    :class:`SessionAffinityRouter` with ``max_imbalance``)."""
     from ray.serve.config import RequestRouterConfig
     if routing not in ROUTINGS:
         raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, got {routing!r}")
@@ -98,7 +127,8 @@ def application(settings: Settings, num_replicas: Optional[int] = 1, *, num_cpus
     else:
         options["num_replicas"] = num_replicas
     if routing == "session":
-        options["request_router_config"] = RequestRouterConfig(request_router_class=SessionAffinityRouter)
+        options["request_router_config"] = RequestRouterConfig(
+            request_router_class=SessionAffinityRouter, request_router_kwargs={"max_imbalance": max_imbalance})
     fields = {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)}
     return serve.deployment(CandleGateReplica).options(**options).bind(fields)
 
