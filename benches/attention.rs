@@ -28,9 +28,9 @@ fn main() {
     let bw = bandwidth_gbs();
     println!("read bandwidth {bw:.1} GB/s; {} threads; K/V {}", rayon::current_num_threads(), dtype.name());
     let shapes = [
-        ("SmolLM2-135M", 30, Heads { n_head: 9, n_kv_head: 3, head_dim: 64 }),
-        ("Qwen2.5-0.5B", 24, Heads { n_head: 14, n_kv_head: 2, head_dim: 64 }),
-        ("Qwen2.5-1.5B", 28, Heads { n_head: 12, n_kv_head: 2, head_dim: 128 }),
+        ("SmolLM2-135M", 30, Heads::new(9, 3, 64)),
+        ("Qwen2.5-0.5B", 24, Heads::new(14, 2, 64)),
+        ("Qwen2.5-1.5B", 28, Heads::new(12, 2, 128)),
     ];
     println!(
         "{:<14} {:>7} {:<9} {:>12} {:>9} {:>10} {:>14}",

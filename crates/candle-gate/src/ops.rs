@@ -106,6 +106,23 @@ pub fn rope_tables(inv_freq: &[f32], pos: usize, cos: &mut [f32], sin: &mut [f32
     }
 }
 
+/// `up[i] *= gelu(gate[i])`, GELU's tanh form: `0.5·x·(1 + tanh(u))` with
+/// `u = √(2/π)·(x + 0.044715·x³)`, computed as `x / (1 + exp(−2u))` (the same function; `exp`
+/// is our own, so the bits do not depend on the host's libm).
+pub fn gelu_tanh_mul(up: &mut [f32], gate: &[f32]) {
+    assert_eq!(up.len(), gate.len(), "gelu_tanh_mul: different lengths");
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    for (u, g) in up.chunks_mut(8).zip(gate.chunks(8)) {
+        let mut e = [0f32; 8];
+        let e = &mut e[..g.len()];
+        e.iter_mut().zip(g).for_each(|(e, &x)| *e = -2.0 * (SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)));
+        crate::detmath::exp_f32_in_place(e);
+        for ((u, &x), &e) in u.iter_mut().zip(g).zip(e.iter()) {
+            *u *= x / (1.0 + e);
+        }
+    }
+}
+
 #[inline]
 pub fn silu(x: f32) -> f32 {
     x / (1.0 + crate::detmath::exp_f32(-x))

