@@ -45,6 +45,13 @@ def bench_prompt(i: int) -> List[Dict[str, str]]:
     return [{"role": "user", "content": f"Write a long, detailed essay about {topic}{extra}."}]
 
 
+def bench_ids(model: Model, i: int) -> List[int]:
+    """Request ``i``'s prompt as token ids: the chat through the model's template, or for a base
+    model (no template) the same request as plain text."""
+    chat = bench_prompt(i)
+    return model.encode_chat(chat) if model.chat_template is not None else model.tokenize(chat[-1]["content"])
+
+
 def parse_concurrency(spec: Union[str, int, Sequence[int]]) -> List[int]:
     """Concurrency levels from ``"1,4,8"``, an int or a list: positive, in order, without repeats."""
     msg = f"--concurrency must be a comma-separated list of positive ints, got {spec!r}"
@@ -76,7 +83,7 @@ def _measure(model: Model, mode: str, c: int, max_new_tokens: int, gate: str,
              speculative: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     eng = Engine(model, mode=mode, profile=profile, gate=gate, tau=tau, deep_tau=deep_tau,
                  max_num_seqs=max(16, c), max_tokens_per_step=max(256, 64 * c), speculative=speculative)
-    ids = [eng.submit(bench_prompt(i), max_new_tokens=max_new_tokens, chat=True, **_sampling_for(sampling, i))
+    ids = [eng.submit(bench_ids(model, i), max_new_tokens=max_new_tokens, **_sampling_for(sampling, i))
            for i in range(c)]
     started = set()
     while len(started) < c and eng.has_work:

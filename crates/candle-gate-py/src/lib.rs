@@ -138,6 +138,9 @@ impl Model {
         d.set_item("ffn", c.ffn)?;
         d.set_item("n_head", c.n_head)?;
         d.set_item("n_kv_head", c.n_kv_head)?;
+        d.set_item("head_dim", c.head_dim)?;
+        d.set_item("sliding_window", c.sliding_window)?;
+        d.set_item("local_layers", c.local_layers.iter().filter(|&&l| l).count())?;
         d.set_item("vocab", c.vocab)?;
         d.set_item("context_length", c.context_length)?;
         d.set_item("rope_base", c.rope_base)?;
