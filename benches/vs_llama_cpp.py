@@ -6,7 +6,8 @@
                                    [--context 1024,4096,16384]
 
 Both engines get the same prompts as the same token ids (candle-gate's tokenizer and chat
-template render them once) and decode greedily. For each model, stream count and round,
+template render them once; a base model without a template, such as Gemma 3 270M, gets the same
+requests as plain text) and decode greedily. For each model, stream count and round,
 candle-gate (``invariant`` mode) and llama.cpp run in alternation, and each reports:
 
 * prefill tok/s: prompt tokens / time to the first token, one stream;
@@ -53,7 +54,7 @@ import numpy as np
 
 import candle_gate
 from candle_gate import Engine, Model
-from candle_gate.bench import bench_prompt
+from candle_gate.bench import bench_ids
 
 
 def read_bandwidth_gbs(threads: int) -> float:
@@ -74,7 +75,7 @@ def read_bandwidth_gbs(threads: int) -> float:
 
 
 def prompts(model: Model, n: int) -> List[List[int]]:
-    return [model.encode_chat(bench_prompt(i)) for i in range(n)]
+    return [bench_ids(model, i) for i in range(n)]
 
 
 def long_prompt(model: Model, n: int, salt: int) -> List[int]:

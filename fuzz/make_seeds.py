@@ -2,8 +2,9 @@
 """Writes the seed corpora of the fuzz targets into fuzz/corpus/<target>/ (standard library only).
 
 gguf_header: tiny valid GGUFs (v1, v2, v3; every value type, a nested array, tensors of several
-dtypes, a complete small tokenizer with a chat template). gguf_tokenizer: that tokenizer GGUF with
-each pre-tokenizer. tokenizer: texts of several scripts.
+dtypes, a complete small tokenizer with a chat template, Gemma 3's header with a small
+SentencePiece vocabulary). gguf_tokenizer: the BPE tokenizer GGUF with each pre-tokenizer, and the
+SentencePiece one. tokenizer: texts of several scripts, for each real tokenizer.
 chat_template: the chat templates of the cached models (read from their GGUF headers) and a few
 small ones, with message lists; and message lists, tools and tool calls for the real templates.
 
@@ -98,6 +99,39 @@ def with_tokenizer(pre="qwen2"):
     return w.bytes()
 
 
+def with_spm_tokenizer():
+    """Gemma 3's header in small: its architecture keys and a SentencePiece vocabulary (scores,
+    byte tokens, control and user-defined tokens) with Gemma's flags."""
+    w = Writer(3)
+    w.add("general.architecture", STR, "gemma3")
+    for k, v in [("context_length", 32768), ("embedding_length", 8), ("block_count", 1), ("feed_forward_length", 16),
+                 ("attention.head_count", 2), ("attention.head_count_kv", 1), ("attention.key_length", 8),
+                 ("attention.value_length", 8), ("attention.sliding_window", 4)]:
+        w.add(f"gemma3.{k}", U32, v)
+    w.add("gemma3.rope.freq_base", F32, 1e6)
+    w.add("gemma3.attention.layer_norm_rms_epsilon", F32, 1e-6)
+    w.add("tokenizer.ggml.model", STR, "llama")
+    w.add("tokenizer.ggml.pre", STR, "default")
+    toks = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", "\n\n", "  "]
+    types = [3, 3, 3, 2, 3, 3, 4, 4]
+    toks += [f"<0x{b:02X}>" for b in range(256)]
+    types += [6] * 256
+    words = ["\u2581", "a", "b", "c", "ab", "abc", "\u2581a", "\u2581ab", "de", "\u2581de", "日", "本"]
+    toks += words
+    types += [1] * len(words)
+    scores = [-1000.0] * 8 + [0.0] * 256 + [-float(i) for i in range(len(words))]
+    w.add("tokenizer.ggml.tokens", ARR, (STR, toks))
+    w.add("tokenizer.ggml.scores", ARR, (F32, scores))
+    w.add("tokenizer.ggml.token_type", ARR, (I32, types))
+    w.add("tokenizer.ggml.bos_token_id", U32, 2)
+    w.add("tokenizer.ggml.eos_token_id", U32, 1)
+    w.add("tokenizer.ggml.unknown_token_id", U32, 3)
+    w.add("tokenizer.ggml.add_bos_token", BOOL, True)
+    w.add("tokenizer.ggml.add_space_prefix", BOOL, False)
+    w.tensor("token_embd.weight", [8, len(toks)], 0, b"\0" * (32 * len(toks)))
+    return w.bytes()
+
+
 def metadata(path, want):
     """The string values of the keys in `want`, from a GGUF file's header."""
     found = {}
@@ -174,11 +208,14 @@ def main():
     for v in (1, 2, 3):
         put("gguf_header", f"every_type_v{v}.gguf", every_type(v))
     put("gguf_header", "tokenizer.gguf", with_tokenizer())
+    put("gguf_header", "gemma3_spm.gguf", with_spm_tokenizer())
+    put("gguf_tokenizer", "tokenizer_spm.gguf", with_spm_tokenizer())
     for pre in ("qwen2", "smollm", "llama3", None):
         put("gguf_tokenizer", f"tokenizer_{pre or 'gpt2'}.gguf", with_tokenizer(pre))
     for i, t in enumerate(TEXTS):
         put("tokenizer", f"smol_{i}", b"\x00" + t.encode())
         put("tokenizer", f"qwen_{i}", b"\x01" + t.encode())
+        put("tokenizer", f"gemma_{i}", b"\x04" + t.encode())
     templates = list(SMALL_TEMPLATES)
     for model, sel in [("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", 1), ("SmolLM2-135M-Instruct.Q4_1.gguf", 3)]:
         p = os.path.join(a.models, model)

@@ -120,16 +120,19 @@ def test_reference_lane_follows_an_independent_numpy_forward(gemma, np_gemma):
 
 def test_reference_lane_greedy_equals_numpy_token_for_token_except_at_near_ties(gemma, np_gemma):
     toks = gemma.tokenize("def fibonacci(n):")
-    ties = 0
+    start = len(toks)
     for _ in range(32):
-        want = np_gemma.last_logits(toks)
-        got = gemma._native.logits(toks, "reference")
+        toks.append(int(gemma._native.logits(toks, "reference").argmax()))
+    # One numpy forward over the whole text gives its choice at every step.
+    h = np_gemma.hidden_states(toks)
+    ties = 0
+    for i in range(start, len(toks)):
+        want = np_gemma.logits_of(h[i - 1])
         top2 = np.sort(want)[-2:]
         if top2[1] - top2[0] < 1e-3:
             ties += 1  # the reference's own near-tie: either token is right
         else:
-            assert int(got.argmax()) == int(want.argmax()), (len(toks), top2)
-        toks.append(int(got.argmax()))
+            assert toks[i] == int(want.argmax()), (i - start, top2)
     assert ties <= 2
 
 
@@ -159,9 +162,10 @@ def test_seeded_sampling_and_the_probe_on_gemma(gemma):
 
 def test_the_gate_holds_a_lane_that_is_not_invariant_on_gemma(gemma):
     prompts = ["Once upon a time", "The capital of France is", "def add(a, b):", "My favourite food is"]
-    f16 = Model.load(GEMMA, mode="split_k_f16")
-    alone = [Engine(f16, gate="gated", tau=2.0).generate([p], max_new_tokens=16)[0] for p in prompts]
-    eng = Engine(f16, gate="gated", tau=2.0)
+    # Candle's own kernels pick their order from the row count; every step under tau rechecks.
+    kw = dict(mode="native", gate="gated", tau=2.0)
+    alone = [Engine(gemma, **kw).generate([p], max_new_tokens=16)[0] for p in prompts]
+    eng = Engine(gemma, **kw)
     together = eng.generate(prompts, max_new_tokens=16)
     assert eng.gate_stats()["rechecks"] > 0
     for a, t in zip(alone, together):

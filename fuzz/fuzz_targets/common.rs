@@ -31,6 +31,13 @@ pub fn qwen() -> &'static GgufTokenizer {
     T.get_or_init(|| load("FUZZ_QWEN_GGUF", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"))
 }
 
+/// Gemma 3's tokenizer (SentencePiece, byte fallback, BOS added): `$FUZZ_GEMMA_GGUF` or the
+/// cached 270M file.
+pub fn gemma() -> &'static GgufTokenizer {
+    static T: OnceLock<GgufTokenizer> = OnceLock::new();
+    T.get_or_init(|| load("FUZZ_GEMMA_GGUF", "gemma-3-270m-q4_k_m.gguf"))
+}
+
 /// The bytes that some token of the vocabulary spells alone.
 pub fn spellable(tok: &GgufTokenizer) -> &'static [bool; 256] {
     static S: OnceLock<[bool; 256]> = OnceLock::new();
