@@ -172,13 +172,42 @@ mod avx512 {
         acc.map(|a| hsum_halves(a))
     }
 
-    /// One row (its blocks, each [`Rows2`] holding it twice) against `2P` adjacent columns, every
-    /// element exactly [`super::avx2::column`]'s, column pair by pair.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
-    pub unsafe fn columns<const P: usize>(w: [[&[Q80]; 2]; P], y: &[Rows2]) -> [[f32; 2]; P] {
+    /// One row (its blocks, each [`Rows2`] holding it twice, and its scales `yd`) against `2P`
+    /// adjacent columns, every element exactly [`super::avx2::column`]'s, column pair by pair.
+    /// The scale products `d_x·d_y` (the same f32 multiply) are made eight blocks at a time and
+    /// read back as broadcasts, as the AVX2 tier does: converting and combining two scalar
+    /// scales per block was ten of its twenty-odd instructions, and a one-row GEMV's memory
+    /// stream waits on this loop's instructions.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+    pub unsafe fn columns<const P: usize>(w: [[&[Q80]; 2]; P], y: &[Rows2], yd: &[f32]) -> [[f32; 2]; P] {
         let mut acc = [_mm512_setzero_ps(); P];
         let offset = _mm512_set1_epi8(-128);
-        for (b, yb) in y.iter().enumerate() {
+        let kb = y.len();
+        assert!(yd.len() >= kb && w.iter().all(|[a, b]| a.len() >= kb && b.len() >= kb));
+        let mut b0 = 0;
+        while b0 + 8 <= kb {
+            let ydv = _mm256_loadu_ps(yd.as_ptr().add(b0));
+            for (a, [wa, wb]) in acc.iter_mut().zip(w) {
+                let (pa, pb) = (wa.as_ptr().add(b0), wb.as_ptr().add(b0));
+                let mut d = [[0f32; 8]; 2];
+                let da = super::super::avx2::f16x8(|i| pa.add(i) as *const u8);
+                let db = super::super::avx2::f16x8(|i| pb.add(i) as *const u8);
+                _mm256_storeu_ps(d[0].as_mut_ptr(), _mm256_mul_ps(da, ydv));
+                _mm256_storeu_ps(d[1].as_mut_ptr(), _mm256_mul_ps(db, ydv));
+                // Kept in memory, so that each scale is one broadcast load, not a lane permute.
+                let d = std::hint::black_box(&d);
+                for i in 0..8 {
+                    let (xa, xb) = (&*pa.add(i), &*pb.add(i));
+                    prefetch_ahead(xa);
+                    prefetch_ahead(xb);
+                    let xu = _mm512_xor_si512(halves(&xa.qs, &xb.qs), offset);
+                    let dv = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d[0][i]), _mm512_set1_ps(d[1][i]));
+                    *a = step(*a, xu, y.get_unchecked(b0 + i), dv);
+                }
+            }
+            b0 += 8;
+        }
+        for (b, yb) in y.iter().enumerate().skip(b0) {
             for (a, [wa, wb]) in acc.iter_mut().zip(w) {
                 let (xa, xb) = (wa.get_unchecked(b), wb.get_unchecked(b));
                 prefetch_ahead(xa);
@@ -260,7 +289,7 @@ pub fn matmul(w: &[BlockQ8_0], xq: &[BlockQ8_0], m: usize, k: usize, n: usize, o
                     let w2: [[&[Q80]; 2]; ONE_ROW_PAIRS] =
                         std::array::from_fn(|i| [col(c + 2 * i), col(c + 2 * i + 1)]);
                     // SAFETY: AVX-512 F/BW and VNNI are part of the tier (`wide`).
-                    let got = unsafe { avx512::columns::<ONE_ROW_PAIRS>(w2, &pairs[0]) };
+                    let got = unsafe { avx512::columns::<ONE_ROW_PAIRS>(w2, &pairs[0], &yd[..kb]) };
                     for (i, &v) in got.as_flattened().iter().enumerate() {
                         // SAFETY: (0, c + i) belongs to this task alone.
                         unsafe { *p.0.add(c + i) = v };
