@@ -80,11 +80,13 @@ class NumpyGemma3:
     output, then the same sandwich around a GELU(tanh)-gated FFN; tied output embeddings. Shares
     no code with candle-gate (tests/test_gemma.py)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, reader=None):
+        """``reader``: a ``gguf.GGUFReader`` of ``path`` already open (reading a 262k-token
+        vocabulary's metadata takes seconds)."""
         from gguf import GGUFReader
         from gguf.quants import dequantize
 
-        r = GGUFReader(path)
+        r = reader or GGUFReader(path)
         meta = {k: f.contents() for k, f in r.fields.items() if k.startswith("gemma3.")}
         self.n_layer = int(meta["gemma3.block_count"])
         self.hidden = int(meta["gemma3.embedding_length"])

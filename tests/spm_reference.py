@@ -10,10 +10,10 @@ import heapq
 
 
 class SpmReference:
-    def __init__(self, path: str):
+    def __init__(self, path: str, reader=None):
         from gguf import GGUFReader
 
-        r = GGUFReader(path)
+        r = reader or GGUFReader(path)
         tokens = r.fields["tokenizer.ggml.tokens"].contents()
         scores = r.fields["tokenizer.ggml.scores"].contents()
         types = r.fields["tokenizer.ggml.token_type"].contents()

@@ -49,7 +49,8 @@ def _run(model, prompts, spec=None, max_new=40, sampling=None, **engine):
 def test_any_number_of_drafts_changes_no_bit(qwen, sampling):
     prompts = _prompts("code_edits.json", 2) + _prompts("heldout_chats.json", 2)
     _, plain = _run(qwen, prompts, sampling=sampling)
-    for k in (1, 3, 5, 8):
+    # One draft, a few, and the most the default n-gram window proposes.
+    for k in (1, 3, 8):
         eng, spec = _run(qwen, prompts, dict(method="ngram", num_speculative_tokens=k), sampling=sampling)
         for p, s in zip(plain, spec):
             assert _bits(s) == _bits(p), (k, s.text, p.text)

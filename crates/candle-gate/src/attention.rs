@@ -584,7 +584,15 @@ pub fn attend_rows(
         for (k, qk) in qs.iter().enumerate() {
             for s in qk.splits() {
                 let p = &parts[at + s - s0];
-                fold(s == qk.first_split(), p.m[k], p.l[k], &p.o[k * hd..(k + 1) * hd], &mut big_m, &mut big_l, &mut big_o);
+                fold(
+                    s == qk.first_split(),
+                    p.m[k],
+                    p.l[k],
+                    &p.o[k * hd..(k + 1) * hd],
+                    &mut big_m,
+                    &mut big_l,
+                    &mut big_o,
+                );
             }
             write(t, k, &big_o, big_l);
         }

@@ -586,7 +586,8 @@ impl Decoder {
         if let Some(scale) = cfg.embed_scale {
             x.iter_mut().for_each(|v| *v *= scale);
         }
-        let tables = [(&cfg.inv_freq, &mut s.cos, &mut s.sin), (&cfg.inv_freq_local, &mut s.cos_local, &mut s.sin_local)];
+        let tables =
+            [(&cfg.inv_freq, &mut s.cos, &mut s.sin), (&cfg.inv_freq_local, &mut s.cos_local, &mut s.sin_local)];
         for (inv_freq, cos, sin) in tables.into_iter().filter(|t| !t.0.is_empty()) {
             let (cos, sin) = (sized(cos, r * half), sized(sin, r * half));
             for (i, &p) in rows.pos.iter().enumerate() {

@@ -343,12 +343,12 @@ impl GgufTokenizer {
     }
 
     fn template(&self) -> Result<&ChatTemplate> {
-        self.chat_template
-            .as_ref()
-            .ok_or_else(|| Error::invalid(
+        self.chat_template.as_ref().ok_or_else(|| {
+            Error::invalid(
                 "messages",
                 "the model has no chat template in its metadata (a base model): send a completion, not a chat",
-            ))
+            )
+        })
     }
 
     fn render(&self, messages: &serde_json::Value, tools: Option<&serde_json::Value>) -> Result<crate::chat::Rendered> {
