@@ -100,7 +100,7 @@ enum Model {
     Bpe(Box<Tokenizer>),
     /// SentencePiece-style (`"llama"`: Gemma, Llama 2); `add_space_prefix` puts a space before
     /// each run of text, as llama.cpp does.
-    Spm { spm: Spm, add_space_prefix: bool },
+    Spm { spm: Box<Spm>, add_space_prefix: bool },
 }
 
 fn bpe_model(f: &GgufFile) -> Result<Tokenizer> {
@@ -154,7 +154,7 @@ impl GgufTokenizer {
         let spm = kind == "llama";
         let inner = if spm {
             let scores = f32_array(f, "tokenizer.ggml.scores");
-            let spm = Spm::new(&tokens, &scores, &types, id_of("tokenizer.ggml.unknown_token_id"));
+            let spm = Box::new(Spm::new(&tokens, &scores, &types, id_of("tokenizer.ggml.unknown_token_id")));
             // llama.cpp's defaults for SentencePiece vocabularies when the metadata is silent.
             Model::Spm { spm, add_space_prefix: flag("tokenizer.ggml.add_space_prefix").unwrap_or(true) }
         } else {
