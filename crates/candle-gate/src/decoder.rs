@@ -260,12 +260,13 @@ fn plain_inv_freq(base: f32, head_dim: usize) -> Vec<f32> {
 /// per-frequency divisors applied.
 fn inv_freq(f: &mut GgufFile, key: &dyn Fn(&str) -> String, base: f32, head_dim: usize) -> Result<Vec<f32>> {
     let mut inv = plain_inv_freq(base, head_dim);
+    let kind = f.get_str(&key("rope.scaling.type")).unwrap_or_else(|_| "linear".into());
+    if !matches!(kind.as_str(), "linear" | "none") {
+        return Err(Error::Unsupported(format!("rope scaling `{kind}`")));
+    }
     if let Some(factor) = f.opt_f32(&key("rope.scaling.factor"))? {
-        let kind = f.get_str(&key("rope.scaling.type")).unwrap_or_else(|_| "linear".into());
-        match kind.as_str() {
-            "linear" if factor > 0.0 => inv.iter_mut().for_each(|x| *x /= factor),
-            "none" => {}
-            other => return Err(Error::Unsupported(format!("rope scaling `{other}`"))),
+        if kind == "linear" && factor > 0.0 {
+            inv.iter_mut().for_each(|x| *x /= factor);
         }
     }
     if f.has_tensor("rope_freqs.weight") {
@@ -778,5 +779,85 @@ impl Decoder {
         debug_assert!(first + m <= cache.len());
         let rows = Rows { seq: vec![0; m], pos: (first..first + m).collect(), tokens: tokens.to_vec() };
         self.run_layers(&how, &mut [cache], &rows, &[m - 1], trace)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::quantized::gguf_file;
+
+    /// A Gemma 3 header (no weights but the embedding's shape) with `extra` metadata.
+    fn gemma_config(extra: &[(&str, Value)]) -> Result<DecoderConfig> {
+        let mut md: Vec<(String, Value)> = vec![("general.architecture".into(), Value::String("gemma3".into()))];
+        for (k, v) in [
+            ("context_length", 32768u32),
+            ("embedding_length", 64),
+            ("block_count", 12),
+            ("feed_forward_length", 128),
+            ("attention.head_count", 2),
+            ("attention.head_count_kv", 1),
+            ("attention.key_length", 64),
+            ("attention.sliding_window", 16),
+        ] {
+            md.push((format!("gemma3.{k}"), Value::U32(v)));
+        }
+        md.push(("gemma3.rope.freq_base".into(), Value::F32(1e6)));
+        md.extend(extra.iter().map(|(k, v)| (format!("gemma3.{k}"), v.clone())));
+        let embd = QTensor::quantize(
+            &Tensor::zeros((10, 64), candle_core::DType::F32, &Device::Cpu)?,
+            candle_core::quantized::GgmlDType::F32,
+        )?;
+        let md: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        let mut w = std::io::Cursor::new(Vec::new());
+        gguf_file::write(&mut w, &md, &[("token_embd.weight", &embd)])?;
+        // One file per call: the tests run side by side.
+        static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let path = std::env::temp_dir().join(format!("candle-gate-gemma-config-{}-{n}.gguf", std::process::id()));
+        std::fs::write(&path, w.into_inner())?;
+        let got = DecoderConfig::from_gguf(&mut GgufFile::open(&path)?);
+        let _ = std::fs::remove_file(&path);
+        got
+    }
+
+    #[test]
+    fn gemma3_config_local_layers_windows_and_rope() {
+        let c = gemma_config(&[]).unwrap();
+        assert_eq!((c.head_dim, c.q_dim(), c.sliding_window), (64, 128, Some(16)));
+        // Five local layers to one global.
+        let globals: Vec<usize> = (0..12).filter(|&i| !c.local_layers[i]).collect();
+        assert_eq!(globals, vec![5, 11]);
+        assert_eq!(c.heads(0).window, Some(16));
+        assert_eq!(c.heads(5).window, None);
+        assert_eq!(c.embed_scale, Some(8.0));
+        assert_eq!(c.attn_scale, 0.125);
+        assert_eq!(c.inv_freq_local[1], 1.0 / crate::detmath::powf(10000.0, 2.0 / 64.0));
+        // The larger files' linear scaling applies to the global layers only.
+        let s = gemma_config(&[
+            ("rope.scaling.type", Value::String("linear".into())),
+            ("rope.scaling.factor", Value::F32(8.0)),
+        ])
+        .unwrap();
+        assert_eq!(s.inv_freq[1], c.inv_freq[1] / 8.0);
+        assert_eq!(s.inv_freq_local, c.inv_freq_local);
+        // A pattern from the metadata: a period, or one flag per layer.
+        let p = gemma_config(&[("attention.sliding_window_pattern", Value::U32(3))]).unwrap();
+        assert_eq!((0..12).filter(|&i| !p.local_layers[i]).collect::<Vec<_>>(), vec![2, 5, 8, 11]);
+        let flags: Vec<Value> = (0..12).map(|i| Value::Bool(i % 2 == 0)).collect();
+        let p = gemma_config(&[("attention.sliding_window_pattern", Value::Array(flags))]).unwrap();
+        assert!(p.local_layers[0] && !p.local_layers[1]);
+    }
+
+    #[test]
+    fn gemma3_what_is_not_supported_is_refused_by_name() {
+        for (key, v, needle) in [
+            ("rope.scaling.type", Value::String("yarn".into()), "rope scaling `yarn`"),
+            ("final_logit_softcapping", Value::F32(30.0), "final_logit_softcapping"),
+            ("attention.value_length", Value::U32(32), "value heads"),
+        ] {
+            let e = gemma_config(&[(key, v)]).err().expect("refused").to_string();
+            assert!(e.contains(needle), "{key}: {e}");
+        }
     }
 }
