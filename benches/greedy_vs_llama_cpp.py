@@ -25,12 +25,9 @@ import numpy as np
 
 import candle_gate
 from candle_gate import Engine, Model
+from candle_gate.bench import chat_ids
 
 HELDOUT = Path(__file__).parent / "prompts" / "heldout_chats.json"
-
-
-def prompt_ids(model: Model, chat):
-    return model.encode_chat(chat) if model.chat_template is not None else model.tokenize(chat[-1]["content"])
 
 
 def llama_greedy(llm, ids, n):
@@ -68,7 +65,7 @@ def main(argv=None) -> int:
     llm = llama_cpp.Llama(str(model.path), n_ctx=1024, n_threads=a.threads, logits_all=True, verbose=False)
     rows = []
     for i, chat in enumerate(chats):
-        ids = prompt_ids(model, chat)
+        ids = chat_ids(model, chat)
         ours = Engine(model, mode="invariant", threads=a.threads).generate([ids], max_new_tokens=a.new_tokens)[0]
         mine = [int(t) for t in ours.token_ids]
         theirs, their_margins = llama_greedy(llm, ids, a.new_tokens)

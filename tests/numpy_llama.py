@@ -5,10 +5,28 @@ from __future__ import annotations
 import numpy as np
 
 
-class NumpyLlama:
+def load_weights(r, keep_f32=()) -> dict:
+    """Every tensor of GGUF reader ``r``, dequantized by the `gguf` package, as float64 arrays in
+    their [rows, cols] shape (those named in ``keep_f32`` stay float32: a large embedding)."""
+    from gguf.quants import dequantize
+
+    w = {}
+    for t in r.tensors:
+        a = dequantize(t.data, t.tensor_type).astype(np.float32 if t.name in keep_f32 else np.float64)
+        w[t.name] = a.reshape([int(d) for d in reversed(t.shape)]) if a.ndim > 1 else a
+    return w
+
+
+class RmsNorm:
+    eps: float
+
+    def _norm(self, x, w):
+        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + self.eps) * w
+
+
+class NumpyLlama(RmsNorm):
     def __init__(self, path: str):
         from gguf import GGUFReader
-        from gguf.quants import dequantize
 
         r = GGUFReader(path)
         meta = {}
@@ -23,15 +41,9 @@ class NumpyLlama:
         self.eps = float(meta["llama.attention.layer_norm_rms_epsilon"])
         base = float(meta["llama.rope.freq_base"])
         self.inv_freq = 1.0 / base ** (np.arange(0, self.hd, 2, dtype=np.float64) / self.hd)
-        self.w = {}
-        for t in r.tensors:
-            a = dequantize(t.data, t.tensor_type).astype(np.float64)
-            self.w[t.name] = a.reshape([int(d) for d in reversed(t.shape)]) if a.ndim > 1 else a
+        self.w = load_weights(r)
         if "output.weight" not in self.w:
             self.w["output.weight"] = self.w["token_embd.weight"]
-
-    def _norm(self, x, w):
-        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + self.eps) * w
 
     def _rope(self, x, pos):
         # x: [T, H, hd], interleaved pairs (GGUF llama layout)
@@ -73,7 +85,7 @@ class NumpyLlama:
         return x @ self.w["output.weight"].T
 
 
-class NumpyGemma3:
+class NumpyGemma3(RmsNorm):
     """Gemma 3 in plain numpy (float64), from llama.cpp's `gemma3` graph: embeddings times
     √hidden; per layer RMSNorm, attention with RMSNorm on each q and k head and NeoX RoPE (local
     layers: a sliding window and base 10,000; every sixth layer global), a norm on the attention
@@ -84,7 +96,6 @@ class NumpyGemma3:
         """``reader``: a ``gguf.GGUFReader`` of ``path`` already open (reading a 262k-token
         vocabulary's metadata takes seconds)."""
         from gguf import GGUFReader
-        from gguf.quants import dequantize
 
         r = reader or GGUFReader(path)
         meta = {k: f.contents() for k, f in r.fields.items() if k.startswith("gemma3.")}
@@ -98,15 +109,8 @@ class NumpyGemma3:
         self.local = [i % 6 < 5 for i in range(self.n_layer)]
         freqs = np.arange(0, self.hd, 2, dtype=np.float64) / self.hd
         self.inv_freq = {False: 1.0 / float(meta["gemma3.rope.freq_base"]) ** freqs, True: 1.0 / 10000.0 ** freqs}
-        self.w = {}
-        for t in r.tensors:
-            # The 262k-row embedding stays float32 (1.3 GB in float64); rows are widened on use.
-            dtype = np.float32 if t.name == "token_embd.weight" else np.float64
-            a = dequantize(t.data, t.tensor_type).astype(dtype)
-            self.w[t.name] = a.reshape([int(d) for d in reversed(t.shape)]) if a.ndim > 1 else a
-
-    def _norm(self, x, w):
-        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + self.eps) * w
+        # The 262k-row embedding stays float32 (1.3 GB in float64); rows are widened on use.
+        self.w = load_weights(r, keep_f32={"token_embd.weight"})
 
     def _rope(self, x, pos, local):
         ang = pos[:, None] * self.inv_freq[local][None, :]

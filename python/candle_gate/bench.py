@@ -45,11 +45,15 @@ def bench_prompt(i: int) -> List[Dict[str, str]]:
     return [{"role": "user", "content": f"Write a long, detailed essay about {topic}{extra}."}]
 
 
-def bench_ids(model: Model, i: int) -> List[int]:
-    """Request ``i``'s prompt as token ids: the chat through the model's template, or for a base
-    model (no template) the same request as plain text."""
-    chat = bench_prompt(i)
+def chat_ids(model: Model, chat: List[Dict[str, str]]) -> List[int]:
+    """A chat as token ids: through the model's template, or for a base model (no template) its
+    last message as plain text."""
     return model.encode_chat(chat) if model.chat_template is not None else model.tokenize(chat[-1]["content"])
+
+
+def bench_ids(model: Model, i: int) -> List[int]:
+    """Request ``i``'s prompt as token ids (:func:`chat_ids`)."""
+    return chat_ids(model, bench_prompt(i))
 
 
 def parse_concurrency(spec: Union[str, int, Sequence[int]]) -> List[int]:
