@@ -2,14 +2,15 @@
 
     pip install ".[ray,test]"
     python benches/ray_serve.py [--model NAME] [--concurrency 1,8] [--prompts 8] [--max-tokens 32]
-        [--conversations 8] [--turns 4] [--turn-tokens 200] [--json OUT]
+        [--rounds 1] [--conversations 8] [--turns 4] [--turn-tokens 200] [--json OUT]
 
 Two parts, every request a streamed chat completion at temperature 0 through the official
 ``openai`` client, every server started here on loopback:
 
 * **overhead and scaling** (``benches/serve_load.py``'s request set and measures): ``candle-gate
   serve`` with 2 threads; the Ray app with 1 replica of 2 threads (the cost of Ray's proxy and
-  router); the Ray app with 2 replicas of 1 thread each. On a 2-core machine the two replicas
+  router), with candle-gate's Ray Serve settings (``candle_gate.ray.SERVE_ENV``) and with Ray's
+  defaults; the Ray app with 2 replicas of 1 thread each. On a 2-core machine the two replicas
   share the two cores: that measures the fleet's mechanics, not added capacity.
 * **routing**: the 2-replica app, ``--conversations`` multi-turn chats (each turn about
   ``--turn-tokens`` tokens of prose plus the answer, one client per conversation, each sending its
@@ -24,9 +25,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import candle_gate  # noqa: E402
@@ -36,11 +38,11 @@ from prefix_cache import pct, run_chats  # noqa: E402
 from serve_load import free_port, level, one_request, stop, wait_ready  # noqa: E402
 
 
-def start(label: str, model: str, port: int, extra: List[str]) -> Any:
+def start(label: str, model: str, port: int, extra: List[str], env: Optional[Dict[str, str]] = None) -> Any:
     import subprocess
     cmd = [sys.executable, "-m", "candle_gate", "serve", "--model", model, "--port", str(port),
            "--served-model-name", "bench-model", "--max-num-seqs", "16", "--max-queue", "1024", *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **(env or {})})
     try:
         wait_ready(f"http://127.0.0.1:{port}/health", proc, 600)
     except BaseException:
@@ -48,6 +50,13 @@ def start(label: str, model: str, port: int, extra: List[str]) -> Any:
         raise
     print(f"# {label}: {' '.join(cmd[3:])}", flush=True)
     return proc
+
+
+#: Ray Serve's own defaults for the settings ``candle_gate.ray.SERVE_ENV`` changes: the setup that
+#: shows what those settings buy
+RAY_DEFAULTS = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "0", "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1",
+                "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1", "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1",
+                "RAY_SERVE_LOG_TO_STDERR": "1"}
 
 
 def client(port: int, session: str = ""):
@@ -61,30 +70,39 @@ def overhead(a: argparse.Namespace) -> Dict[str, Any]:
     cs = parse_concurrency(a.concurrency)
     chats = [bench_prompt(i) for i in range(a.prompts)]
     order = [i for i in range(a.prompts) for _ in range(a.repeats)]
-    setups = [("serve, 2 threads", ["--threads", "2"]),
-              ("ray, 1 replica x 2 threads", ["--replicas", "1", "--threads", "2"]),
-              ("ray, 2 replicas x 1 thread", ["--replicas", "2", "--threads", "1"])]
-    rows: Dict[str, Any] = {}
-    for label, extra in setups:
-        port = free_port()
-        proc = start(label, a.model, port, extra)
-        try:
-            c = client(port)
-            one_request(c, "bench-model", chats[0], 4)  # warm-up
-            rows[label] = []
-            for n in cs:
-                r = level(c, "bench-model", chats, order, n, a.max_tokens)
-                r.pop("texts")
-                rows[label].append(r)
-                print(f"  {label:28s} c={n:<3} {r['tok_per_s']:7.1f} tok/s  TTFT p50 {1e3 * r['ttft_p50']:7.1f} ms "
-                      f"p99 {1e3 * r['ttft_p99']:7.1f} ms  ITL p50 {1e3 * r['itl_p50']:6.1f} ms", flush=True)
-        finally:
-            stop(proc, 120)
+    setups = [("serve, 2 threads", ["--threads", "2"], None),
+              ("ray, 1 replica x 2 threads", ["--replicas", "1", "--threads", "2"], None),
+              ("ray defaults, 1 x 2 threads", ["--replicas", "1", "--threads", "2"], RAY_DEFAULTS),
+              ("ray, 2 replicas x 1 thread", ["--replicas", "2", "--threads", "1"], None)]
+    # rows[label][round][level]: the setups alternate within each round, so that each ratio pairs
+    # runs minutes apart rather than a whole bench apart (this host's bandwidth drifts).
+    rows: Dict[str, List[List[Dict[str, Any]]]] = {label: [] for label, _, _ in setups}
+    for rnd in range(a.rounds):
+        for label, extra, env in setups:
+            port = free_port()
+            proc = start(label, a.model, port, extra, env)
+            try:
+                c = client(port)
+                one_request(c, "bench-model", chats[0], 4)  # warm-up
+                rows[label].append([])
+                for n in cs:
+                    r = level(c, "bench-model", chats, order, n, a.max_tokens)
+                    r.pop("texts")
+                    rows[label][-1].append(r)
+                    print(f"  round {rnd + 1} {label:28s} c={n:<3} {r['tok_per_s']:7.1f} tok/s  TTFT p50 "
+                          f"{1e3 * r['ttft_p50']:7.1f} ms p99 {1e3 * r['ttft_p99']:7.1f} ms  ITL p50 "
+                          f"{1e3 * r['itl_p50']:6.1f} ms", flush=True)
+            finally:
+                stop(proc, 120)
     base = rows["serve, 2 threads"]
-    for label, rs in rows.items():
-        for b, r in zip(base, rs):
-            print(f"  {label:28s} c={r['concurrency']:<3} tok/s {r['tok_per_s'] / b['tok_per_s']:.2f}x serve's, "
-                  f"TTFT p50 {1e3 * (r['ttft_p50'] - b['ttft_p50']):+.1f} ms")
+    print("# against `candle-gate serve` in the same round: the median over rounds (and each round)")
+    for label, rounds in rows.items():
+        for i, n in enumerate(cs):
+            ratio = [r[i]["tok_per_s"] / b[i]["tok_per_s"] for b, r in zip(base, rounds)]
+            ttft = [1e3 * (r[i]["ttft_p50"] - b[i]["ttft_p50"]) for b, r in zip(base, rounds)]
+            print(f"  {label:28s} c={n:<3} tok/s {statistics.median(ratio):.2f}x serve's "
+                  f"({', '.join(f'{x:.2f}' for x in ratio)}), TTFT p50 {statistics.median(ttft):+.1f} ms "
+                  f"({', '.join(f'{x:+.0f}' for x in ttft)})")
     return rows
 
 
@@ -121,6 +139,7 @@ def main() -> int:
     ap.add_argument("--concurrency", default="1,8")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=1, help="alternating rounds of the overhead setups")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--conversations", type=int, default=8)
     ap.add_argument("--turns", type=int, default=4)

@@ -118,6 +118,25 @@ def test_metrics_name_the_replica(fleet):
     assert f'candle_gate:replica_info{{replica="{r.headers[REPLICA]}"}} 1.0' in r.text
 
 
+def test_replicas_and_proxy_run_with_the_serve_settings(fleet, monkeypatch):
+    """``candle_gate.ray.SERVE_ENV`` reaches the replica and the proxy processes (read from their
+    environment: the replica names its pid), and the environment overrides it."""
+    from candle_gate.ray import SERVE_ENV, serve_env
+
+    def environ(pid):
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return dict(kv.split("=", 1) for kv in f.read().decode(errors="replace").split("\0") if "=" in kv)
+
+    pid = httpx.get(fleet.url + "/health", timeout=60).headers[REPLICA].rsplit("/", 1)[1]
+    proxies = [p for p in os.listdir("/proc") if p.isdigit() and b"ProxyActor" in open(f"/proc/{p}/cmdline", "rb").read()]
+    assert proxies
+    for p in [pid, *proxies]:
+        env = environ(p)
+        assert {k: env.get(k) for k in SERVE_ENV} == SERVE_ENV, p
+    monkeypatch.setenv("RAY_SERVE_USE_GRPC_BY_DEFAULT", "0")
+    assert serve_env() == {**SERVE_ENV, "RAY_SERVE_USE_GRPC_BY_DEFAULT": "0"}
+
+
 def test_endpoint_probe_finds_one_completion_per_prompt(fleet):
     prompts = ["The capital of France is", [{"role": "user", "content": "Name three colors."}]]
     r = ep.probe_endpoint(fleet.url + "/v1", M, prompts, repeats=2, concurrency="1,4", max_tokens=12,
