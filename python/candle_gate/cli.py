@@ -134,21 +134,31 @@ def cmd_serve(a: argparse.Namespace) -> int:
     except ImportError as e:  # fastapi/uvicorn are the `serve` extra
         print(f"candle-gate serve: {e}; install with: pip install 'candle-gate[serve]'", file=sys.stderr)
         return 2
-    if a.replicas is None:
+    if a.replicas is None and a.autoscaling_config is None:
         if a.ray_address:
-            print("candle-gate serve: --ray-address needs --replicas N", file=sys.stderr)
+            print("candle-gate serve: --ray-address needs --replicas N or --autoscaling-config", file=sys.stderr)
             return 2
         return server.serve(a)
-    if a.replicas < 1:
+    if a.replicas is not None and a.autoscaling_config is not None:
+        print("candle-gate serve: give --replicas N or --autoscaling-config, not both", file=sys.stderr)
+        return 2
+    if a.replicas is not None and a.replicas < 1:
         print("candle-gate serve: --replicas must be at least 1", file=sys.stderr)
         return 2
     try:
-        from .ray import serve_replicas
+        from .ray import parse_autoscaling_config, serve_replicas
     except ImportError as e:  # ray[serve] is the `ray` extra
         print(f"candle-gate serve: {e}; install with: pip install 'candle-gate[ray]'", file=sys.stderr)
         return 2
+    autoscaling = None
+    if a.autoscaling_config is not None:
+        try:
+            autoscaling = parse_autoscaling_config(a.autoscaling_config)
+        except ValueError as e:
+            print(f"candle-gate serve: --autoscaling-config: {e}", file=sys.stderr)
+            return 2
     return serve_replicas(server.Settings.from_args(a), a.replicas, a.ray_address, a.num_cpus_per_replica,
-                          a.routing)
+                          a.routing, autoscaling)
 
 
 def _add_generate(sub) -> None:
@@ -287,6 +297,9 @@ def _add_serve(sub) -> None:
     r = s.add_argument_group("replicas on Ray Serve (docs/RAY.md; the `ray` extra)")
     r.add_argument("--replicas", type=int, default=None,
                    help="serve N replicas of this app, one engine each, on a Ray cluster (local unless --ray-address)")
+    r.add_argument("--autoscaling-config", default=None, metavar="JSON",
+                   help="instead of --replicas: Ray Serve's autoscaling_config, passed through "
+                        "(e.g. '{\"min_replicas\": 1, \"max_replicas\": 4, \"target_ongoing_requests\": 8}')")
     r.add_argument("--ray-address", default=None, help="join this Ray cluster (e.g. 10.0.0.1:6379 or auto)")
     r.add_argument("--num-cpus-per-replica", type=float, default=1.0, help="Ray CPUs each replica reserves")
     r.add_argument("--routing", default="session", choices=["session", "pow2"],

@@ -158,11 +158,36 @@ def application(settings: Settings, num_replicas: Optional[int] = 1, *, num_cpus
     return serve.deployment(CandleGateReplica).options(**options).bind(fields)
 
 
-def serve_replicas(settings: Settings, replicas: int, ray_address: Optional[str] = None, num_cpus: float = 1.0,
-                   routing: str = "session") -> int:
-    """``candle-gate serve --replicas N``: starts (or joins, ``ray_address``) a Ray cluster, deploys
-    the app on ``settings.host:settings.port`` and serves until SIGTERM or Ctrl-C, then tears the
-    deployment down (draining each replica) and leaves the cluster; 0 once done."""
+def parse_autoscaling_config(text: str) -> Dict[str, Any]:
+    """``--autoscaling-config``'s JSON as Ray Serve's ``autoscaling_config``, checked by Ray's own
+    model; ``ValueError`` naming what is wrong."""
+    import json
+    from ray.serve.config import AutoscalingConfig
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"expected a JSON object (min_replicas, max_replicas, ...), got {text!r}")
+    known = set(getattr(AutoscalingConfig, "model_fields", None) or AutoscalingConfig.__fields__)
+    unknown = sorted(set(config) - known)
+    if unknown:
+        raise ValueError(f"unknown key(s) {', '.join(unknown)}; Ray Serve's are {', '.join(sorted(known))}")
+    try:
+        AutoscalingConfig(**config)
+    except Exception as e:  # pydantic's ValidationError, or a TypeError for a key of another type
+        raise ValueError(" ".join(str(e).split())) from None
+    return config
+
+
+def serve_replicas(settings: Settings, replicas: Optional[int], ray_address: Optional[str] = None,
+                   num_cpus: float = 1.0, routing: str = "session",
+                   autoscaling_config: Optional[Dict[str, Any]] = None) -> int:
+    """``candle-gate serve --replicas N`` (or ``--autoscaling-config``, Ray Serve's autoscaling
+    between its ``min_replicas`` and ``max_replicas``): starts (or joins, ``ray_address``) a Ray
+    cluster, deploys the app on ``settings.host:settings.port`` and serves until SIGTERM or
+    Ctrl-C, then tears the deployment down (draining each replica) and leaves the cluster; 0 once
+    done."""
     import ray
     # Ray's processes (controller, proxy, replicas) inherit these from the cluster this starts.
     os.environ.update(serve_env())
@@ -175,11 +200,15 @@ def serve_replicas(settings: Settings, replicas: int, ray_address: Optional[str]
         signal.signal(sig, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": settings.host, "port": settings.port})
-        print(f"candle-gate serve: deploying {replicas} replica(s) of {settings.model} on Ray "
+        count = (f"{replicas}" if autoscaling_config is None else
+                 f"{autoscaling_config.get('min_replicas', 1)} to {autoscaling_config.get('max_replicas', 1)} "
+                 f"(autoscaling)")
+        print(f"candle-gate serve: deploying {count} replica(s) of {settings.model} on Ray "
               f"({ray.get_runtime_context().gcs_address}), routing {routing}", flush=True)
-        serve.run(application(settings, replicas, num_cpus=num_cpus, routing=routing), name=APP_NAME,
-                  route_prefix="/", blocking=False)
-        print(f"candle-gate serve: {replicas} replica(s) ready at http://{settings.host}:{settings.port}/v1",
+        app = application(settings, replicas, num_cpus=num_cpus, routing=routing,
+                          autoscaling_config=autoscaling_config)
+        serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+        print(f"candle-gate serve: {count} replica(s) ready at http://{settings.host}:{settings.port}/v1",
               flush=True)
         stop.wait()
         print("candle-gate serve: shutting down (draining the replicas)", flush=True)
