@@ -155,10 +155,16 @@ impl Scheduler {
             let to_emit = s.req.params.max_new_tokens.saturating_sub(s.steps.len() + 1);
             let room = self.context_length.saturating_sub(s.target() + 2);
             let window = if s.draft_window == 0 { spec.num_speculative_tokens } else { s.draft_window };
-            let limit = left.min(to_emit).min(room).min(window).min(spec.num_speculative_tokens);
+            let limit = left.min(to_emit).min(room).min(spec.num_speculative_tokens);
             let work = match spec.method {
-                SpeculativeMethod::Ngram => Work::Verify(spec.lookup(&s.history(s.computed + 1), limit)),
-                SpeculativeMethod::Draft => Work::Draft(limit),
+                SpeculativeMethod::Ngram => {
+                    // A match at least as long as the window is a copy in progress: it drafts
+                    // past the window (a cut-short run shrank it), up to its own length.
+                    let (mut drafts, matched) = spec.lookup(&s.history(s.computed + 1), limit);
+                    drafts.truncate(window.max(matched));
+                    Work::Verify(drafts)
+                }
+                SpeculativeMethod::Draft => Work::Draft(limit.min(window)),
             };
             if work.rows() > 1 {
                 left -= work.rows() - 1;
