@@ -28,7 +28,7 @@ def _spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", default=None,
                    help="the draft model of --speculative-method draft: a known model name or a .gguf path")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
-                   help="drafts per sequence and step (default: ngram 5, draft 3)")
+                   help="drafts per sequence and step (default: ngram 12, draft 3)")
     p.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
                    help="no drafts in a step with more decoding sequences than this (default: ngram 8, draft 1)")
 

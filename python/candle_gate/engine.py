@@ -263,7 +263,7 @@ class Engine:
     @property
     def speculative(self) -> Optional[str]:
         """The engine's speculative decoding in one line (None: off), e.g.
-        ``"ngram;k=5;lookup=2..64;max_batch=8"`` or
+        ``"ngram;k=12;lookup=2..64;max_batch=8"`` or
         ``"draft;k=3;max_batch=1;draft_model=FILE.gguf"``. Speculation changes how many tokens a step
         emits, never which."""
         return self._native.speculative

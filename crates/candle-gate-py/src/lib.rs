@@ -624,7 +624,7 @@ impl Engine {
         d.set_item("draft_failures", self.with(py, |e| e.draft_failures())?)?;
         Ok(d)
     }
-    /// The engine's speculation as given (None: off), e.g. `ngram;k=5;lookup=2..64;max_batch=8`.
+    /// The engine's speculation as given (None: off), e.g. `ngram;k=12;lookup=2..64;max_batch=8`.
     #[getter]
     fn speculative(&self, py: Python<'_>) -> PyResult<Option<String>> {
         self.with(py, |e| e.describe_speculation())

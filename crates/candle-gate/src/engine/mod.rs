@@ -287,7 +287,7 @@ impl Engine {
     pub fn speculative(&self) -> Option<&SpeculativeConfig> {
         self.cfg.speculative.as_ref()
     }
-    /// The engine's speculation in one line (None: off), e.g. `ngram;k=5;lookup=2..64;max_batch=8`
+    /// The engine's speculation in one line (None: off), e.g. `ngram;k=12;lookup=2..64;max_batch=8`
     /// or `draft;k=3;max_batch=1;draft_model=FILE`.
     pub fn describe_speculation(&self) -> Option<String> {
         let spec = self.cfg.speculative.as_ref()?.describe();
