@@ -32,6 +32,7 @@ from typing import Any, Dict, List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import candle_gate  # noqa: E402
+import candle_gate.ray  # noqa: E402
 from candle_gate.bench import bench_prompt, parse_concurrency  # noqa: E402
 import prefix_cache  # noqa: E402
 from prefix_cache import pct, run_chats  # noqa: E402
@@ -57,6 +58,7 @@ def start(label: str, model: str, port: int, extra: List[str], env: Optional[Dic
 RAY_DEFAULTS = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "0", "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1",
                 "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1", "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1",
                 "RAY_SERVE_LOG_TO_STDERR": "1"}
+assert set(RAY_DEFAULTS) == set(candle_gate.ray.SERVE_ENV), "RAY_DEFAULTS must undo every SERVE_ENV setting"
 
 
 def client(port: int, session: str = ""):
