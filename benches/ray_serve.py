@@ -2,16 +2,17 @@
 
     pip install ".[ray,test]"
     python benches/ray_serve.py [--model NAME] [--concurrency 1,8] [--prompts 8] [--max-tokens 32]
-        [--rounds 1] [--conversations 8] [--turns 4] [--turn-tokens 200] [--json OUT]
+        [--rounds 1] [--setups serve,ray,...] [--conversations 8] [--turns 4] [--turn-tokens 200] [--json OUT]
 
 Two parts, every request a streamed chat completion at temperature 0 through the official
 ``openai`` client, every server started here on loopback:
 
 * **overhead and scaling** (``benches/serve_load.py``'s request set and measures): ``candle-gate
   serve`` with 2 threads; the Ray app with 1 replica of 2 threads (the cost of Ray's proxy and
-  router), with candle-gate's Ray Serve settings (``candle_gate.ray.SERVE_ENV``) and with Ray's
-  defaults; the Ray app with 2 replicas of 1 thread each. On a 2-core machine the two replicas
-  share the two cores: that measures the fleet's mechanics, not added capacity.
+  router) with candle-gate's settings (``candle_gate.ray.SERVE_ENV`` and a 50 ms stream
+  interval), with the stream interval at 0, and with Ray's defaults; the Ray app with 2 replicas
+  of 1 thread each. On a 2-core machine the two replicas share the two cores: that measures the
+  fleet's mechanics, not added capacity. ``--setups`` picks some of them.
 * **routing**: the 2-replica app, ``--conversations`` multi-turn chats (each turn about
   ``--turn-tokens`` tokens of prose plus the answer, one client per conversation, each sending its
   own ``x-session-id``), with ``--routing session`` (a session keeps its replica) and ``--routing
@@ -61,6 +62,18 @@ RAY_DEFAULTS = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "0", "RAY_SERVE_RUN_USER_CODE_I
 assert set(RAY_DEFAULTS) == set(candle_gate.ray.SERVE_ENV), "RAY_DEFAULTS must undo every SERVE_ENV setting"
 
 
+#: (key, label, serve flags, environment): ``candle-gate serve``, the Ray app with candle-gate's
+#: settings, without its stream interval, with Ray's defaults (and no stream interval), with two
+#: replicas
+SETUPS = [("serve", "serve, 2 threads", ["--threads", "2"], None),
+          ("ray", "ray, 1 replica x 2 threads", ["--replicas", "1", "--threads", "2"], None),
+          ("ray-unbatched", "ray, 1 x 2, stream interval 0", ["--replicas", "1", "--threads", "2",
+                                                              "--stream-interval-ms", "0"], None),
+          ("ray-defaults", "ray defaults, 1 x 2 threads", ["--replicas", "1", "--threads", "2",
+                                                           "--stream-interval-ms", "0"], RAY_DEFAULTS),
+          ("ray-2x1", "ray, 2 replicas x 1 thread", ["--replicas", "2", "--threads", "1"], None)]
+
+
 def client(port: int, session: str = ""):
     import openai
     headers = {"x-session-id": session} if session else None
@@ -72,10 +85,10 @@ def overhead(a: argparse.Namespace) -> Dict[str, Any]:
     cs = parse_concurrency(a.concurrency)
     chats = [bench_prompt(i) for i in range(a.prompts)]
     order = [i for i in range(a.prompts) for _ in range(a.repeats)]
-    setups = [("serve, 2 threads", ["--threads", "2"], None),
-              ("ray, 1 replica x 2 threads", ["--replicas", "1", "--threads", "2"], None),
-              ("ray defaults, 1 x 2 threads", ["--replicas", "1", "--threads", "2"], RAY_DEFAULTS),
-              ("ray, 2 replicas x 1 thread", ["--replicas", "2", "--threads", "1"], None)]
+    setups = [s for s in SETUPS if s[0] in a.setups.split(",")]
+    if not setups or setups[0][0] != "serve":
+        raise SystemExit(f"--setups: serve first, then any of {', '.join(s[0] for s in SETUPS[1:])}")
+    setups = [(label, extra, env) for _, label, extra, env in setups]
     # rows[label][round][level]: the setups alternate within each round, so that each ratio pairs
     # runs minutes apart rather than a whole bench apart (this host's bandwidth drifts).
     rows: Dict[str, List[List[Dict[str, Any]]]] = {label: [] for label, _, _ in setups}
@@ -96,7 +109,7 @@ def overhead(a: argparse.Namespace) -> Dict[str, Any]:
                           f"{1e3 * r['itl_p50']:6.1f} ms", flush=True)
             finally:
                 stop(proc, 120)
-    base = rows["serve, 2 threads"]
+    base = rows[setups[0][0]]
     print("# against `candle-gate serve` in the same round: the median over rounds (and each round)")
     for label, rounds in rows.items():
         for i, n in enumerate(cs):
@@ -147,6 +160,8 @@ def main() -> int:
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--turn-tokens", type=int, default=200)
     ap.add_argument("--parts", default="overhead,routing")
+    ap.add_argument("--setups", default=",".join(s[0] for s in SETUPS),
+                    help="the overhead part's setups: serve, then any of " + ", ".join(s[0] for s in SETUPS[1:]))
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     print(f"# {a.model}, {os.cpu_count()} CPUs", flush=True)

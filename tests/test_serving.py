@@ -72,6 +72,8 @@ class FakeWorker:
         self.fail = None
         self.engine_failure = None
         self.hold_back = 0
+        #: seconds after submit at which each step's list arrives (default: all at once)
+        self.delays = None
         self.next_id = 1
 
     def submit(self, ids, params, queue, max_queue):
@@ -79,8 +81,11 @@ class FakeWorker:
             raise self.fail
         rid, self.next_id = self.next_id, self.next_id + 1
         self.submitted.append((ids, params))
-        for items in self.deliveries(rid, ids, params):
-            self.loop.call_soon_threadsafe(self.deliver, queue, items)
+        for s, items in enumerate(self.deliveries(rid, ids, params)):
+            if self.delays is None:
+                self.loop.call_soon_threadsafe(self.deliver, queue, items)
+            else:
+                self.loop.call_soon_threadsafe(self.loop.call_later, self.delays[s], self.deliver, queue, items)
         return rid
 
     def deliver(self, queue, items):
@@ -419,6 +424,42 @@ def test_chat_stream_opens_with_the_role_and_ends_with_the_held_back_text(api):
     assert [c.get("seed") for c in last] == [None, 7, None, 7]
 
 
+def _writes(client, path, req):
+    """A stream's writes, each as its list of SSE events (JSON, less the per-request id and time)."""
+    with client.stream("POST", path, json=req) as r:
+        writes = [w.decode() for w in r.iter_raw()]
+    strip = lambda e: "[DONE]" if e == "[DONE]" else {k: v for k, v in json.loads(e).items()
+                                                      if k not in ("id", "created")}
+    return [[strip(b[6:]) for b in w.split("\n\n") if b] for w in writes]
+
+
+@pytest.mark.parametrize("path,req", [
+    ("/v1/completions", {"prompt": "abcd", "max_tokens": 6, "logprobs": 1, "stream": True,
+                         "stream_options": {"include_usage": True}}),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 6, "n": 2, "stream": True})])
+def test_a_stream_interval_merges_writes_not_events(path, req):
+    """``stream_interval_ms``: the same events, fewer writes; the first token is never held."""
+    writes = {}
+    for ms in (0, 300, 60_000):
+        app, workers = _app(stream_interval_ms=ms)
+        with TestClient(app) as client:
+            assert app.state.server.loaded.wait(10)
+            if ms == 300:
+                # steps at 0, 10 ms, then 1 s: the first is written at once, the second waits for
+                # its due write (300 ms), alone; the third, after a quiet spell, goes at once and
+                # the others that come with it wait for the end
+                workers[0].delays = [0, 0.01, 1.0, 1.0, 1.0, 1.0]
+            writes[ms] = _writes(client, path, req)
+    events = [e for w in writes[0] for e in w]
+    opening = 1 if "messages" in req else 0
+    assert len(writes[0]) == opening + 6  # one write per step (the last one carries the finish)
+    for ms in (300, 60_000):
+        assert [e for w in writes[ms] for e in w] == events
+    sizes = lambda ws: [len(w) for w in ws][opening:]
+    assert sizes(writes[300]) == [1, 1, 1, len(events) - opening - 3]
+    assert sizes(writes[60_000]) == [1, len(events) - opening - 1]
+
+
 def test_an_engine_failure(api):
     client, worker, _ = api
     worker.engine_failure = "engine error: boom"
@@ -487,3 +528,4 @@ def test_settings_from_the_cli_flags():
     s = Settings.from_args(a)
     assert (s.port, s.api_key, s.enable_prefix_caching, s.max_model_len, s.max_queue) == (9, "k", False, 40, 3)
     assert Settings.from_args(build_parser().parse_args(["serve"])).enable_prefix_caching
+    assert Settings.from_args(build_parser().parse_args(["serve", "--stream-interval-ms", "20"])).stream_interval_ms == 20

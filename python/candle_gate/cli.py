@@ -134,6 +134,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
     except ImportError as e:  # fastapi/uvicorn are the `serve` extra
         print(f"candle-gate serve: {e}; install with: pip install 'candle-gate[serve]'", file=sys.stderr)
         return 2
+    if a.stream_interval_ms is not None and a.stream_interval_ms < 0:
+        print("candle-gate serve: --stream-interval-ms must be 0 or more", file=sys.stderr)
+        return 2
     if a.replicas is None and a.autoscaling_config is None:
         if a.ray_address:
             print("candle-gate serve: --ray-address needs --replicas N or --autoscaling-config", file=sys.stderr)
@@ -289,6 +292,10 @@ def _add_serve(sub) -> None:
     s.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 and /tokenize")
     s.add_argument("--served-model-name", default=None,
                    help="the model's name in the API (default: the known-model name, else the file stem)")
+    s.add_argument("--stream-interval-ms", type=int, default=None, metavar="MS",
+                   help="write a stream's events that arrive within MS of its last write together, the first "
+                        "token at once (default: 0; 50 with --replicas, where each write is a message "
+                        "through Ray's proxy)")
     s.add_argument("--threads", type=int, default=None)
     s.add_argument("--drain-timeout", type=int, default=30,
                    help="seconds SIGTERM waits for in-flight requests before cancelling them")

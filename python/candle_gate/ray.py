@@ -55,8 +55,15 @@ SERVE_ENV = {
     "RAY_SERVE_LOG_TO_STDERR": "0",
 }
 
-__all__ = ["APP_NAME", "REPLICA_HEADER", "ROUTINGS", "SERVE_ENV", "SESSION_HEADER", "SessionAffinityRouter",
-           "application", "serve_env", "serve_replicas"]
+#: a replica's ``stream_interval_ms`` unless set: a stream's events that arrive within 50 ms of
+#: its last write go out as one message through the proxy (the first token at once). Each message
+#: wakes the replica's loop, the proxy and the client's connection; on the 2-core host one client
+#: streamed 0.89x of ``candle-gate serve``'s tok/s with it, 0.81x without (docs/BENCHMARKS.md).
+#: Ray Serve LLM's ``stream_batching_interval_ms`` defaults to 50 ms too.
+REPLICA_STREAM_INTERVAL_MS = 50
+
+__all__ = ["APP_NAME", "REPLICA_HEADER", "REPLICA_STREAM_INTERVAL_MS", "ROUTINGS", "SERVE_ENV", "SESSION_HEADER",
+           "SessionAffinityRouter", "application", "serve_env", "serve_replicas"]
 
 
 def serve_env() -> Dict[str, str]:
@@ -154,6 +161,8 @@ def application(settings: Settings, num_replicas: Optional[int] = 1, *, num_cpus
     if routing == "session":
         options["request_router_config"] = RequestRouterConfig(
             request_router_class=SessionAffinityRouter, request_router_kwargs={"max_imbalance": max_imbalance})
+    if settings.stream_interval_ms is None:
+        settings = dataclasses.replace(settings, stream_interval_ms=REPLICA_STREAM_INTERVAL_MS)
     fields = {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)}
     return serve.deployment(CandleGateReplica).options(**options).bind(fields)
 

@@ -206,31 +206,53 @@ class OpenAIServing:
     # -- streaming -------------------------------------------------------------------------------
 
     async def stream(self, call: Call) -> AsyncIterator[str]:
-        """The request's events as SSE chunks, then its finish chunk (and usage), then [DONE]."""
+        """The request's events as SSE chunks, then its finish chunk (and usage), then [DONE].
+
+        With ``stream_interval_ms`` > 0 the events that arrive within that interval after a write
+        go out as one write: each write is a message through a proxy (Ray Serve's), and on few
+        cores every message's wake-ups take CPU from the engine. The first token is written as
+        soon as it is there, and the events themselves are the same either way."""
         state = StreamState.of(call.n)
+        interval = (self.st.settings.stream_interval_ms or 0) / 1e3
+        buf: List[str] = []
+        due = 0.0  # when buf must be written: time.monotonic()
         try:
             opening = self.opening(call.n)
             if opening:
                 yield self.sse(call, opening)
             res = None
             while res is None:
-                tokens, res, error = take(await call.queue.get())
+                if buf:  # written when due, with whatever arrived until then
+                    try:
+                        item = await asyncio.wait_for(call.queue.get(), max(due - time.monotonic(), 0.0))
+                    except asyncio.TimeoutError:
+                        yield "".join(buf)
+                        buf.clear()
+                        due = time.monotonic() + interval
+                        continue
+                else:
+                    item = await call.queue.get()
+                tokens, res, error = take(item)
                 if error is not None:
                     call.finished = True
-                    yield f"data: {json.dumps(error_body(500, error, code='engine_error'))}\n\n"
-                    yield DONE
+                    yield "".join(buf) + f"data: {json.dumps(error_body(500, error, code='engine_error'))}\n\n" + DONE
                     return
                 call.timing.tokens(len(tokens))
                 out = self.pieces(tokens, call, state)
                 if out:
-                    yield self.sse(call, out)
+                    buf.append(self.sse(call, out))
+                if buf and res is None and time.monotonic() >= due:
+                    yield "".join(buf)
+                    buf.clear()
+                    due = time.monotonic() + interval
             call.finished = True
             call.timing.done()
             prompt = {"prompt_token_ids": [int(t) for t in call.prep.ids]} if call.return_token_ids else {}
-            yield self.sse(call, self.finish(res, call, state), **prompt)
+            buf.append(self.sse(call, self.finish(res, call, state), **prompt))
             if call.include_usage:
-                yield self.sse(call, [], usage(res))
-            yield DONE
+                buf.append(self.sse(call, [], usage(res)))
+            buf.append(DONE)
+            yield "".join(buf)
         finally:
             if not call.finished:  # the client went away (or the task was cancelled): free the KV now
                 self.st.worker.cancel(call.rid)

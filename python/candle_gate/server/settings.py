@@ -46,6 +46,10 @@ class Settings:
     api_key: Optional[str] = None
     #: the model's id in the API; None: the known-model name, else the file stem
     served_model_name: Optional[str] = None
+    #: a stream's events arriving within this many ms of its last write go out in one write (the
+    #: first token at once); None: 0 for ``serve``, ``candle_gate.ray.REPLICA_STREAM_INTERVAL_MS``
+    #: for a replica, whose every write is a message through Ray's proxy
+    stream_interval_ms: Optional[int] = None
     # -- the HTTP server -------------------------------------------------------------------------
     host: str = "127.0.0.1"
     port: int = 8000
