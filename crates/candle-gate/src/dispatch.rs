@@ -192,8 +192,14 @@ impl Policy {
 /// belongs to a [`Policy`] instead of the row count: embedding candle-gate in a Candle project
 /// is `use candle_gate::QMatMul` in place of `use candle_core::quantized::QMatMul`.
 pub struct QMatMul {
+    /// The weight as given, or (`packed`) its bytes repacked for the CPU's invariant kernels
+    /// (`kernels::cpu::pack`), which then replace the GGUF layout rather than sit beside it.
     weight: Arc<QTensor>,
-    native: CandleQMatMul,
+    packed: bool,
+    /// A packed weight in GGUF layout, made the first time another reader needs it.
+    plain: OnceLock<Arc<QTensor>>,
+    /// Candle's own matmul (the `native` lane), made on first use.
+    native: OnceLock<CandleQMatMul>,
     dense: OnceLock<Tensor>,
     dense_f16: OnceLock<Tensor>,
     half: OnceLock<Vec<half::f16>>,
@@ -223,14 +229,35 @@ impl QMatMul {
     }
 
     /// A matmul over `weight` whose kernels `policy` chooses (shared by a model's layers).
+    ///
+    /// In `invariant` mode on a host whose kernels run AVX-512, a Q4_K weight nobody else holds
+    /// (this is its only `Arc`) is repacked in place for the sixteen-column kernel
+    /// ([`QMatMul::is_packed`]): the same bits, at about the memory rate at one row where the
+    /// GGUF layout's transposes or per-element sums cost compute. `CANDLE_GATE_PACK=0` keeps
+    /// the GGUF layout.
     pub fn new(weight: Arc<QTensor>, policy: Arc<Policy>) -> Result<Self> {
+        let pack = policy.mode == Mode::Invariant
+            && kernels::isa() == kernels::Isa::Avx512
+            && Arc::strong_count(&weight) == 1
+            && std::env::var("CANDLE_GATE_PACK").map_or(true, |v| v != "0");
+        Self::with_layout(weight, policy, pack)
+    }
+
+    /// [`QMatMul::new`] with the layout chosen: `pack` repacks the weight when the packed
+    /// kernels take its dtype and shape (`kernels::cpu::packable`), whoever else holds it and
+    /// whatever the host (the kernel tiers without AVX-512 unpack a copy on each call: the
+    /// differential tests use that).
+    pub fn with_layout(weight: Arc<QTensor>, policy: Arc<Policy>, pack: bool) -> Result<Self> {
         if weight.rank() != 2 {
             return Err(Error::BadInput(format!("a matmul weight must be rank 2, got shape {:?}", weight.shape())));
         }
-        let native = CandleQMatMul::from_arc(weight.clone())?;
+        let packed = if pack { kernels::cpu::pack(&weight)?.map(Arc::new) } else { None };
+        let is_packed = packed.is_some();
         Ok(QMatMul {
-            weight,
-            native,
+            weight: packed.unwrap_or(weight),
+            packed: is_packed,
+            plain: OnceLock::new(),
+            native: OnceLock::new(),
             dense: OnceLock::new(),
             dense_f16: OnceLock::new(),
             half: OnceLock::new(),
@@ -241,6 +268,8 @@ impl QMatMul {
     pub fn with_policy(&self, policy: Arc<Policy>) -> Self {
         QMatMul {
             weight: self.weight.clone(),
+            packed: self.packed,
+            plain: self.plain.clone(),
             native: self.native.clone(),
             dense: OnceLock::new(),
             dense_f16: OnceLock::new(),
@@ -249,8 +278,34 @@ impl QMatMul {
         }
     }
 
+    /// The weight in GGUF layout. For a packed weight that is a copy, made on the first call
+    /// and kept (as it is for Candle's lane and the dense lanes, which read it).
     pub fn weight(&self) -> &Arc<QTensor> {
-        &self.weight
+        self.plain().expect("unpacking a Q4_K weight cannot fail once it was packed")
+    }
+
+    /// Whether the CPU's invariant kernels read this weight repacked ([`QMatMul::new`]).
+    pub fn is_packed(&self) -> bool {
+        self.packed
+    }
+
+    fn plain(&self) -> Result<&Arc<QTensor>> {
+        if !self.packed {
+            return Ok(&self.weight);
+        }
+        if let Some(p) = self.plain.get() {
+            return Ok(p);
+        }
+        let p = Arc::new(kernels::cpu::unpack(&self.weight)?);
+        Ok(self.plain.get_or_init(|| p))
+    }
+
+    fn native(&self) -> Result<&CandleQMatMul> {
+        if let Some(n) = self.native.get() {
+            return Ok(n);
+        }
+        let n = CandleQMatMul::from_arc(self.plain()?.clone())?;
+        Ok(self.native.get_or_init(|| n))
     }
     pub fn policy(&self) -> &Arc<Policy> {
         &self.policy
@@ -274,7 +329,7 @@ impl QMatMul {
             return Ok(t);
         }
         let dev = self.weight.device();
-        let t = self.weight.dequantize_f16(&dev)?;
+        let t = self.plain()?.dequantize_f16(&dev)?;
         let t = if dev.is_cpu() { t.to_dtype(DType::F32)? } else { t };
         Ok(self.dense_f16.get_or_init(|| t))
     }
@@ -285,7 +340,7 @@ impl QMatMul {
             return Ok(h);
         }
         // Not through `dense()`: that would keep an f32 copy alive beside the f16 one.
-        let wd = self.weight.dequantize(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?;
+        let wd = self.plain()?.dequantize(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?;
         let h = wd.into_iter().map(half::f16::from_f32).collect();
         Ok(self.half.get_or_init(|| h))
     }
@@ -294,7 +349,7 @@ impl QMatMul {
         if let Some(t) = self.dense.get() {
             return Ok(t);
         }
-        let t = self.weight.dequantize(&self.weight.device())?;
+        let t = self.plain()?.dequantize(&self.weight.device())?;
         Ok(self.dense.get_or_init(|| t))
     }
 
@@ -339,7 +394,8 @@ impl QMatMul {
                 let n = self.dims().0;
                 let out = crate::scratch::sized(out, m * n);
                 match kernel {
-                    Kernel::GemvRowSplit => kernels::cpu::gemv_rows_into(&self.weight, x, m, out),
+                    Kernel::GemvRowSplit => kernels::cpu::gemv_rows_into(self.plain()?, x, m, out),
+                    _ if self.packed => kernels::cpu::invariant_packed_into(&self.weight, x, m, out),
                     _ => kernels::cpu::invariant_into(&self.weight, x, m, out),
                 }
             }
@@ -357,9 +413,14 @@ impl QMatMul {
         }
         let (n, k) = self.dims();
         match kernel {
-            Kernel::GemvRowSplit => kernels::cpu::gemv_rows(&self.weight, x, m),
+            Kernel::GemvRowSplit => kernels::cpu::gemv_rows(self.plain()?, x, m),
+            Kernel::Invariant if self.packed => {
+                let mut out = vec![0f32; m * n];
+                kernels::cpu::invariant_packed_into(&self.weight, x, m, &mut out)?;
+                Ok(out)
+            }
             Kernel::Invariant => kernels::cpu::invariant(&self.weight, x, m),
-            Kernel::Canonical => kernels::canonical::matmul(&self.weight, x, m),
+            Kernel::Canonical => kernels::canonical::matmul(self.plain()?, x, m),
             Kernel::SplitKF16 => {
                 kernels::cpu::check(&self.weight, x, m)?;
                 Ok(kernels::cpu_split_k::matmul(self.half()?, x, m, k, n))
@@ -371,7 +432,7 @@ impl QMatMul {
                     Kernel::GemmF16 => {
                         Tensor::from_vec(round_f16(x), (m, k), &Device::Cpu)?.matmul(&self.dense_f16()?.t()?)?
                     }
-                    _ => self.native.forward(&Tensor::from_slice(x, (m, k), &Device::Cpu)?)?,
+                    _ => self.native()?.forward(&Tensor::from_slice(x, (m, k), &Device::Cpu)?)?,
                 };
                 debug_assert_eq!(ys.dims(), &[m, n]);
                 let mut y = ys.flatten_all()?.to_vec1::<f32>()?;
@@ -416,13 +477,14 @@ impl Module for QMatMul {
                 Tensor::from_vec(y, (m, n), &Device::Cpu)?
             }
             Backend::Cuda | Backend::Metal => {
+                let native = self.native().map_err(candle_core::Error::wrap)?;
                 let row_split = |x: &Tensor| match backend {
-                    Backend::Cuda => kernels::cuda::row_split(&self.native, x),
-                    _ => kernels::metal::row_split(&self.native, x),
+                    Backend::Cuda => kernels::cuda::row_split(native, x),
+                    _ => kernels::metal::row_split(native, x),
                 };
                 match kernel {
                     Kernel::Invariant | Kernel::Canonical if backend == Backend::Cuda => {
-                        match kernels::cuda::canonical(&self.weight, &xs2)? {
+                        match kernels::cuda::canonical(self.plain().map_err(candle_core::Error::wrap)?, &xs2)? {
                             Some(ys) => ys,
                             // A dtype canonical.cu does not decode: one mat-vec launch per row
                             // is invariant too, only slower, but it is not the canonical order.
@@ -438,7 +500,7 @@ impl Module for QMatMul {
                     // No multi-row invariant Metal kernel yet: one mat-vec launch per row is
                     // invariant by construction, only slower.
                     Kernel::GemvRowSplit | Kernel::Invariant => row_split(&xs2)?,
-                    Kernel::Candle => self.native.forward(&xs2)?,
+                    Kernel::Candle => native.forward(&xs2)?,
                     Kernel::Gemm => xs2.matmul(&self.dense().map_err(candle_core::Error::wrap)?.t()?)?,
                     // On a GPU the half-precision GEMM library picks its own split-K from the
                     // row count: that is the lane split_k_f16 stands in for on the CPU.

@@ -332,3 +332,53 @@ pub fn dequantize_rows(w: &QTensor, rows: std::ops::Range<usize>) -> Result<Vec<
     });
     Ok(out)
 }
+
+/// Whether [`pack`] takes `w`: Q4_K with whole groups of sixteen columns.
+pub fn packable(w: &QTensor) -> bool {
+    match w.shape().dims2() {
+        Ok((n, k)) => {
+            w.dtype() == GgmlDType::Q4K
+                && w.device().is_cpu()
+                && n % super::cpu_kquant::PACK_COLS == 0
+                && k % 256 == 0
+                && k > 0
+        }
+        Err(_) => false,
+    }
+}
+
+/// `w`'s bytes repacked for [`invariant_packed_into`] (same dtype, shape and size; only the
+/// packed kernels may read them): Q4_K sixteen columns to a tile, as the sixteen-column
+/// kernel reads them, so that it needs no transposes. `None` where [`packable`] is false.
+pub fn pack(w: &QTensor) -> Result<Option<QTensor>> {
+    if !packable(w) {
+        return Ok(None);
+    }
+    let (n, k) = w.shape().dims2()?;
+    let packed = super::cpu_kquant::pack_q4k(&w.data()?, n, k / 256);
+    let storage = candle_core::quantized::QStorage::from_data(std::borrow::Cow::Owned(packed), &candle_core::Device::Cpu, GgmlDType::Q4K)?;
+    Ok(Some(QTensor::new(storage, (n, k))?))
+}
+
+/// [`pack`] undone: the GGUF layout every other reader takes.
+pub fn unpack(w: &QTensor) -> Result<QTensor> {
+    let (n, k) = w.shape().dims2()?;
+    let blocks = super::cpu_kquant::unpack_q4k(&w.data()?, n, k / 256);
+    // SAFETY: plain-old-data blocks viewed as their bytes.
+    let bytes = unsafe { std::slice::from_raw_parts(blocks.as_ptr() as *const u8, std::mem::size_of_val(&blocks[..])) };
+    let storage = candle_core::quantized::QStorage::from_data(std::borrow::Cow::Borrowed(bytes), &candle_core::Device::Cpu, GgmlDType::Q4K)?;
+    Ok(QTensor::new(storage, (n, k))?)
+}
+
+/// [`invariant_into`] over a weight [`pack`] made: the same bits.
+pub fn invariant_packed_into(w: &QTensor, x: &[f32], m: usize, out: &mut [f32]) -> Result<()> {
+    let (n, k) = check_out(w, x, m, out)?;
+    if !packable(w) {
+        return Err(Error::BadInput(format!("a packed weight must be Q4_K with n a multiple of 16, got {:?} [{n}, {k}]", w.dtype())));
+    }
+    let data = w.data()?;
+    let wb = blocks_of::<BlockQ4K>(&data)?;
+    let xq = quantize_rows::<BlockQ4K>(x, m, k);
+    super::cpu_kquant::matmul_q4k_packed(wb, &xq, m, k, n, out);
+    Ok(())
+}
