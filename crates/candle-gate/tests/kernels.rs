@@ -113,34 +113,37 @@ fn every_isa_tier_gives_the_portable_bits() {
     set_isa(Isa::best());
 }
 
-/// Q4_K weights repacked for the sixteen-column kernel (`QMatMul::with_layout`) give the GGUF
+/// K-quant weights packed for the sixteen-column kernels (`QMatMul::with_layout`) give the GGUF
 /// layout's bits at every row count, on every kernel tier this host has (tiers without AVX-512
 /// unpack a copy), and `weight()` gives back the GGUF bytes. Shapes whose columns are not whole
 /// groups of sixteen stay unpacked.
 #[test]
-fn packed_q4k_gives_the_gguf_layouts_bits() {
+fn packed_k_quants_give_the_gguf_layouts_bits() {
     use candle_gate::kernels::{set_isa, Isa};
     let policy = Arc::new(Policy::default());
-    for (n, k) in shapes(GgmlDType::Q4K) {
-        let w = pseudo_random(n * k, 3 + n as u64);
-        let q = Arc::new(QTensor::quantize(&Tensor::from_vec(w, (n, k), &Device::Cpu).unwrap(), GgmlDType::Q4K).unwrap());
-        let plain = QMatMul::with_layout(q.clone(), policy.clone(), false).unwrap();
-        let packed = QMatMul::with_layout(q.clone(), policy.clone(), true).unwrap();
-        assert_eq!(packed.is_packed(), n % 16 == 0, "[{n},{k}]");
-        assert_eq!(packed.weight().data().unwrap(), q.data().unwrap(), "[{n},{k}]: unpacked bytes");
-        let x = pseudo_random(64 * k, 9 + k as u64);
-        for isa in Isa::available() {
-            assert_eq!(set_isa(isa), isa);
-            for m in rows_for(n) {
-                let want = plain.run_cpu(Kernel::Invariant, &x[..m * k], m).unwrap();
-                let got = packed.run_cpu(Kernel::Invariant, &x[..m * k], m).unwrap();
-                assert!(bits_equal(&got, &want), "[{n},{k}] m={m} {isa:?}: packed != GGUF layout");
-                let mut into = Vec::new();
-                packed.forward_rows_into(&policy, &x[..m * k], m, &mut into).unwrap();
-                assert!(bits_equal(&into, &want), "[{n},{k}] m={m} {isa:?}: forward_rows_into");
+    for d in [GgmlDType::Q4K, GgmlDType::Q6K] {
+        // Q6_K is not packed (`kernels::cpu::packable`): the same checks hold with_layout(true).
+        for (n, k) in shapes(d) {
+            let w = pseudo_random(n * k, 3 + n as u64);
+            let q = Arc::new(QTensor::quantize(&Tensor::from_vec(w, (n, k), &Device::Cpu).unwrap(), d).unwrap());
+            let plain = QMatMul::with_layout(q.clone(), policy.clone(), false).unwrap();
+            let packed = QMatMul::with_layout(q.clone(), policy.clone(), true).unwrap();
+            assert_eq!(packed.is_packed(), d == GgmlDType::Q4K && n % 16 == 0, "{d:?} [{n},{k}]");
+            assert_eq!(packed.weight().data().unwrap(), q.data().unwrap(), "{d:?} [{n},{k}]: unpacked bytes");
+            let x = pseudo_random(64 * k, 9 + k as u64);
+            for isa in Isa::available() {
+                assert_eq!(set_isa(isa), isa);
+                for m in rows_for(n) {
+                    let want = plain.run_cpu(Kernel::Invariant, &x[..m * k], m).unwrap();
+                    let got = packed.run_cpu(Kernel::Invariant, &x[..m * k], m).unwrap();
+                    assert!(bits_equal(&got, &want), "{d:?} [{n},{k}] m={m} {isa:?}: packed != GGUF layout");
+                    let mut into = Vec::new();
+                    packed.forward_rows_into(&policy, &x[..m * k], m, &mut into).unwrap();
+                    assert!(bits_equal(&into, &want), "{d:?} [{n},{k}] m={m} {isa:?}: forward_rows_into");
+                }
             }
+            set_isa(Isa::best());
         }
-        set_isa(Isa::best());
     }
 }
 

@@ -713,37 +713,6 @@ mod avx512 {
     use super::{KBlock, TILE_ROWS, Y_QS};
     use std::arch::x86_64::*;
 
-    /// Lane i: the sum of `v[i]`'s sixteen i32 lanes (wrapping, as every i32 sum here: exact
-    /// totals do not depend on the order).
-    #[inline]
-    #[target_feature(enable = "avx512f,avx2")]
-    pub unsafe fn totals8(v: &[__m512i; 8]) -> __m256i {
-        // Pairs, then quads, interleaved within each 128-bit lane: lane block L of `b0` holds
-        // the partial sums of v[0..4] over their block L, of `b1` those of v[4..8].
-        let pair = |a: __m512i, b: __m512i| _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
-        let (a01, a23, a45, a67) = (pair(v[0], v[1]), pair(v[2], v[3]), pair(v[4], v[5]), pair(v[6], v[7]));
-        let b0 = _mm512_add_epi32(_mm512_unpacklo_epi64(a01, a23), _mm512_unpackhi_epi64(a01, a23));
-        let b1 = _mm512_add_epi32(_mm512_unpacklo_epi64(a45, a67), _mm512_unpackhi_epi64(a45, a67));
-        // Blocks (b0.0 + b0.1, b0.2 + b0.3, b1.0 + b1.1, b1.2 + b1.3), then each pair of those.
-        let c = _mm512_add_epi32(
-            _mm512_shuffle_i32x4::<0b10_00_10_00>(b0, b1),
-            _mm512_shuffle_i32x4::<0b11_01_11_01>(b0, b1),
-        );
-        let d = _mm512_add_epi32(c, _mm512_shuffle_i32x4::<0b10_11_00_01>(c, c));
-        _mm512_castsi512_si256(_mm512_shuffle_i32x4::<0b00_00_10_00>(d, d))
-    }
-
-    /// Lane i: the sum of `v[i]`'s eight i32 lanes.
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    pub unsafe fn totals8_256(v: &[__m256i; 8]) -> __m256i {
-        let pair = |a: __m256i, b: __m256i| _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
-        let (a01, a23, a45, a67) = (pair(v[0], v[1]), pair(v[2], v[3]), pair(v[4], v[5]), pair(v[6], v[7]));
-        let b0 = _mm256_add_epi32(_mm256_unpacklo_epi64(a01, a23), _mm256_unpackhi_epi64(a01, a23));
-        let b1 = _mm256_add_epi32(_mm256_unpacklo_epi64(a45, a67), _mm256_unpackhi_epi64(a45, a67));
-        _mm256_add_epi32(_mm256_permute2x128_si256::<0x20>(b0, b1), _mm256_permute2x128_si256::<0x31>(b0, b1))
-    }
-
     /// i16 lane l of the result: lane `first + l / run` of `v` (`run` a power of two): each
     /// scale repeated over the products it multiplies.
     #[inline]
@@ -872,11 +841,12 @@ mod avx512 {
         assert!(group.len() >= 16 * kb);
         let base = group.as_ptr() as *const u8;
         let segments = |b: usize, s: usize| {
-            let p = base.add(b * super::PACKED_TILE + 256 * s);
+            const TILE: usize = 16 * std::mem::size_of::<super::Q4K>();
+            let p = base.add(b * TILE + 256 * s);
             if s == 0 {
                 // The tile after the next: the stream runs ahead of the prefetcher's warm-up.
-                for l in (0..super::PACKED_TILE).step_by(64) {
-                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(2 * super::PACKED_TILE + l) as *const i8);
+                for l in (0..TILE).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(2 * TILE + l) as *const i8);
                 }
             }
             std::array::from_fn(|t| _mm512_loadu_si512(p.add(64 * t) as *const _))
@@ -1098,47 +1068,25 @@ unsafe fn element_avx2<W: KBlock>(wc: &[W], y: &[Q8K]) -> f32 {
 /// bits. Each super-block is read and unpacked once for all the rows (the unpacking is the same
 /// pure arithmetic on the same bytes, which the compiler computes once); then each row takes
 /// its own integer sums and its own float step. One row is the AVX-512 one-row kernel.
-///
-/// The integer partials of [`GROUP`] super-blocks are summed across their lanes together
-/// ([`avx512::totals8`], [`avx512::totals8_256`]: a transposing tree, about three operations a
-/// vector where reducing each alone takes eight or nine); the float steps then run in order.
-/// Integer sums do not depend on their grouping, so the bits are those of one block at a time.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn elements_avx512<W: KBlock, const R: usize>(wc: &[W], y: &[Q8K], kb: usize) -> [f32; R] {
-    use std::arch::x86_64::*;
+    use std::arch::x86_64::_mm512_reduce_add_epi32;
     assert!(y.len() >= R * kb && wc.len() >= kb);
     let mut acc = [0f32; R];
-    let mut g0 = 0;
-    while g0 < kb {
-        let g = (kb - g0).min(GROUP);
-        let mut p = [[_mm512_setzero_si512(); GROUP]; R];
-        let mut q = [[_mm256_setzero_si256(); GROUP]; R];
-        for i in 0..g {
-            let x = wc.get_unchecked(g0 + i);
-            super::prefetch_ahead(x);
-            for r in 0..R {
-                (p[r][i], q[r][i]) = x.partials_avx512(y.get_unchecked(r * kb + g0 + i));
-            }
-        }
+    for (b, x) in wc[..kb].iter().enumerate() {
+        super::prefetch_ahead(x);
+        let (xd, xdmin) = (x.d(), x.dmin());
         for (r, acc) in acc.iter_mut().enumerate() {
-            let (mut ps, mut qs) = ([0i32; GROUP], [0i32; GROUP]);
-            _mm256_storeu_si256(ps.as_mut_ptr() as *mut __m256i, avx512::totals8(&p[r]));
-            _mm256_storeu_si256(qs.as_mut_ptr() as *mut __m256i, avx512::totals8_256(&q[r]));
-            for i in 0..g {
-                let (x, yb) = (wc.get_unchecked(g0 + i), y.get_unchecked(r * kb + g0 + i));
-                let (isum, imin) = if W::HAS_MIN { (ps[i], qs[i]) } else { (ps[i] - W::OFFSET * qs[i], 0) };
-                *acc = step::<W>(*acc, isum, imin, x.d(), x.dmin(), yb.d);
-            }
+            let yb = y.get_unchecked(r * kb + b);
+            let (p, q) = x.partials_avx512(yb);
+            let (p, q) = (_mm512_reduce_add_epi32(p), avx2::hsum(q));
+            let (isum, imin) = if W::HAS_MIN { (p, q) } else { (p - W::OFFSET * q, 0) };
+            *acc = step::<W>(*acc, isum, imin, xd, xdmin, yb.d);
         }
-        g0 += g;
     }
     acc
 }
-
-/// Super-blocks whose integer partials [`elements_avx512`] sums across lanes together.
-#[cfg(target_arch = "x86_64")]
-const GROUP: usize = 8;
 
 /// Rows `0..m` (at most [`FEW_ROWS_MAX`]) of column `wc` through [`elements_avx512`].
 #[cfg(target_arch = "x86_64")]
@@ -1303,53 +1251,54 @@ pub fn matmul_q6k(w: &[BlockQ6K], xq: &[BlockQ8K], m: usize, k: usize, n: usize,
     matmul(w, xq, m, k, n, out)
 }
 
-/// Columns per packed Q4_K group.
+/// Columns per packed group of a K-quant weight.
 pub const PACK_COLS: usize = 16;
-/// Bytes of one packed tile: sixteen columns' super-block b.
-const PACKED_TILE: usize = PACK_COLS * std::mem::size_of::<Q4K>();
 
-/// Where byte `o` of column `l`'s super-block b lies inside its group's packed tiles: every
-/// 144-byte block is nine 16-byte segments, and segment s of the sixteen columns is stored as
-/// the four vectors the sixteen-column kernel would transpose it into (vector t, lane l: the
-/// column's dword t of the segment).
+/// A K-quant block as packed ([`pack`]): its first `16 · SEGMENTS` bytes in 16-byte segments,
+/// each stored for the group's sixteen columns as the four vectors the sixteen-column kernel
+/// would transpose it into (vector t, lane l: column l's dword t of the segment); the bytes
+/// after those (Q6_K's `d`) column after column.
+pub(crate) trait Packable: KBlock + Sized {
+    const SEGMENTS: usize;
+    /// Candle's block type.
+    type Gguf: candle_core::quantized::k_quants::GgmlType + Clone;
+}
+impl Packable for Q4K {
+    const SEGMENTS: usize = 9;
+    type Gguf = BlockQ4K;
+}
+
+/// Where byte `o` of column `l`'s super-block b lies in its group's packed bytes.
 #[inline(always)]
-fn packed_offset(b: usize, l: usize, o: usize) -> usize {
-    let (seg, t, j) = (o / 16, (o % 16) / 4, o % 4);
-    b * PACKED_TILE + seg * 256 + t * 64 + l * 4 + j
+fn packed_offset<W: Packable>(b: usize, l: usize, o: usize) -> usize {
+    let (block, head) = (std::mem::size_of::<W>(), 16 * W::SEGMENTS);
+    b * PACK_COLS * block
+        + if o < head {
+            (o / 16) * 256 + ((o % 16) / 4) * 64 + l * 4 + o % 4
+        } else {
+            PACK_COLS * head + l * (block - head) + (o - head)
+        }
 }
 
-/// Q4_K weights (`n` columns of `kb` super-blocks, GGUF order) repacked for the sixteen-column
-/// kernel without its transposes: the same bytes, permuted within each group of
-/// [`PACK_COLS`] columns (which keeps its byte range). `n` must be a multiple of [`PACK_COLS`].
-pub fn pack_q4k(plain: &[u8], n: usize, kb: usize) -> Vec<u8> {
-    let mut out = vec![0u8; plain.len()];
-    permute_q4k(plain, &mut out, n, kb, true);
-    out
-}
-
-/// [`pack_q4k`] undone: the GGUF blocks again.
-pub fn unpack_q4k(packed: &[u8], n: usize, kb: usize) -> Vec<BlockQ4K> {
-    use candle_core::quantized::k_quants::GgmlType;
-    let mut out = vec![BlockQ4K::zeros(); n * kb];
-    // SAFETY: plain-old-data blocks viewed as their bytes.
-    let bytes = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr() as *mut u8, std::mem::size_of_val(&out[..])) };
-    permute_q4k(packed, bytes, n, kb, false);
-    out
-}
-
-fn permute_q4k(src: &[u8], dst: &mut [u8], n: usize, kb: usize, pack: bool) {
-    const BLOCK: usize = std::mem::size_of::<Q4K>();
+/// K-quant weights (`n` columns of `kb` super-blocks; `plain` in GGUF order, or packed)
+/// permuted into the other layout: the same bytes, each group of [`PACK_COLS`] columns keeping
+/// its byte range, so that the sixteen-column kernels load what they would otherwise transpose.
+fn permute<W: Packable>(src: &[u8], n: usize, kb: usize, pack: bool) -> Vec<W::Gguf> {
+    let block = std::mem::size_of::<W>();
     assert!(
-        n % PACK_COLS == 0 && src.len() == n * kb * BLOCK && dst.len() == src.len(),
-        "Q4_K packing: {n} columns of {kb} blocks in {} bytes",
+        n.is_multiple_of(PACK_COLS) && src.len() == n * kb * block,
+        "K-quant packing: {n} columns of {kb} blocks in {} bytes",
         src.len()
     );
-    let group = PACK_COLS * kb * BLOCK;
+    let mut out = vec![<W::Gguf as candle_core::quantized::k_quants::GgmlType>::zeros(); n * kb];
+    // SAFETY: plain-old-data blocks viewed as their bytes.
+    let dst = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr() as *mut u8, src.len()) };
+    let group = PACK_COLS * kb * block;
     for (s, d) in src.chunks_exact(group).zip(dst.chunks_exact_mut(group)) {
         for l in 0..PACK_COLS {
             for b in 0..kb {
-                for o in 0..BLOCK {
-                    let (plain, packed) = ((l * kb + b) * BLOCK + o, packed_offset(b, l, o));
+                for o in 0..block {
+                    let (plain, packed) = ((l * kb + b) * block + o, packed_offset::<W>(b, l, o));
                     if pack {
                         d[packed] = s[plain];
                     } else {
@@ -1359,18 +1308,41 @@ fn permute_q4k(src: &[u8], dst: &mut [u8], n: usize, kb: usize, pack: bool) {
             }
         }
     }
+    out
 }
 
-/// [`matmul_q4k`] over weights [`pack_q4k`] packed: the same bits. The AVX-512 tier reads the
-/// tiles directly, at every row count; the other tiers (forced, or a host without AVX-512
-/// that was handed packed weights) unpack a copy and run their own kernels on it.
-pub fn matmul_q4k_packed(w: &[BlockQ4K], xq: &[BlockQ8K], m: usize, k: usize, n: usize, out: &mut [f32]) {
+fn bytes_of<T>(v: &[T]) -> &[u8] {
+    // SAFETY: plain-old-data blocks viewed as their bytes.
+    unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
+}
+
+/// Q4_K blocks in GGUF order, packed ([`Packable`]).
+pub fn pack_q4k(plain: &[BlockQ4K], n: usize, kb: usize) -> Vec<BlockQ4K> {
+    permute::<Q4K>(bytes_of(plain), n, kb, true)
+}
+/// [`pack_q4k`] undone.
+pub fn unpack_q4k(packed: &[BlockQ4K], n: usize, kb: usize) -> Vec<BlockQ4K> {
+    permute::<Q4K>(bytes_of(packed), n, kb, false)
+}
+/// A sixteen-column kernel over one packed group: `(group, kb, rows' activations, rows, out)`.
+type PackedTile<W> = unsafe fn(&[W], usize, &[Q8K], usize, &mut [[f32; 16]]);
+
+/// [`matmul`] over packed weights, the same bits: the AVX-512 tier's sixteen-column kernel
+/// `tile` reads the groups directly, at every row count; the other tiers (forced, or a host
+/// without AVX-512 handed packed weights) unpack a copy and run their own kernels.
+fn matmul_packed<W: Packable>(
+    w: &[W],
+    xq: &[Q8K],
+    m: usize,
+    k: usize,
+    n: usize,
+    out: &mut [f32],
+    #[allow(unused)] tile: PackedTile<W>,
+) {
     let kb = k / 256;
-    assert!(n % PACK_COLS == 0 && w.len() == n * kb && out.len() == m * n);
+    assert!(n.is_multiple_of(PACK_COLS) && w.len() == n * kb && out.len() == m * n);
     #[cfg(target_arch = "x86_64")]
     if super::isa() == super::Isa::Avx512 {
-        // SAFETY: mirror types of the same size, alignment and layout (asserted above).
-        let (w, xq) = unsafe { (mirror::<_, Q4K>(w), mirror::<_, Q8K>(xq)) };
         let ptr = OutPtr(out.as_mut_ptr());
         return super::parallel_for(n / PACK_COLS, |g| {
             let p = ptr;
@@ -1381,7 +1353,7 @@ pub fn matmul_q4k_packed(w: &[BlockQ4K], xq: &[BlockQ8K], m: usize, k: usize, n:
                 // SAFETY: the AVX-512 tier was detected at run time; each (row, column) of this
                 // group's columns is written by this task alone, inside `out`.
                 unsafe {
-                    avx512::q4k_sixteen_packed(group, kb, &xq[r0 * kb..], rows, &mut got);
+                    tile(group, kb, &xq[r0 * kb..], rows, &mut got);
                     for (i, row) in got[..rows].iter().enumerate() {
                         let o = p.0.add((r0 + i) * n + g * PACK_COLS);
                         std::ptr::copy_nonoverlapping(row.as_ptr(), o, PACK_COLS);
@@ -1390,9 +1362,20 @@ pub fn matmul_q4k_packed(w: &[BlockQ4K], xq: &[BlockQ8K], m: usize, k: usize, n:
             }
         });
     }
-    // SAFETY: blocks viewed as their bytes.
-    let bytes = unsafe { std::slice::from_raw_parts(w.as_ptr() as *const u8, std::mem::size_of_val(w)) };
-    matmul_q4k(&unpack_q4k(bytes, n, kb), xq, m, k, n, out)
+    let plain = permute::<W>(bytes_of(w), n, kb, false);
+    // SAFETY: Candle's block type and its mirror: the same size, alignment and layout.
+    matmul(unsafe { mirror::<_, W>(&plain) }, xq, m, k, n, out)
+}
+
+/// [`matmul_q4k`] over weights [`pack_q4k`] packed: the same bits.
+pub fn matmul_q4k_packed(w: &[BlockQ4K], xq: &[BlockQ8K], m: usize, k: usize, n: usize, out: &mut [f32]) {
+    // SAFETY: mirror types of the same size, alignment and layout (asserted above).
+    let (w, xq) = unsafe { (mirror::<_, Q4K>(w), mirror::<_, Q8K>(xq)) };
+    #[cfg(target_arch = "x86_64")]
+    let tile = avx512::q4k_sixteen_packed as PackedTile<Q4K>;
+    #[cfg(not(target_arch = "x86_64"))]
+    let tile = |_: &[Q4K], _: usize, _: &[Q8K], _: usize, _: &mut [[f32; 16]]| unreachable!();
+    matmul_packed(w, xq, m, k, n, out, tile)
 }
 
 /// The portable definition for `m` rows (what the AVX2 paths must equal bit for bit).
