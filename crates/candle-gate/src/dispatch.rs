@@ -284,6 +284,16 @@ impl QMatMul {
         self.plain().expect("unpacking a Q4_K weight cannot fail once it was packed")
     }
 
+    /// Rows `rows` of the weight dequantized to f32, row-major (a packed weight unpacks only
+    /// the groups that hold them).
+    pub fn dequantize_rows(&self, rows: std::ops::Range<usize>) -> Result<Vec<f32>> {
+        if self.packed {
+            kernels::cpu::dequantize_rows_packed(&self.weight, rows)
+        } else {
+            kernels::cpu::dequantize_rows(&self.weight, rows)
+        }
+    }
+
     /// Whether the CPU's invariant kernels read this weight repacked ([`QMatMul::new`]).
     pub fn is_packed(&self) -> bool {
         self.packed
@@ -298,6 +308,16 @@ impl QMatMul {
         }
         let p = Arc::new(kernels::cpu::unpack(&self.weight)?);
         Ok(self.plain.get_or_init(|| p))
+    }
+
+    /// The weight in GGUF layout for a reader that keeps what it makes of it (a dense copy):
+    /// the kept unpacked copy if there is one, else a temporary.
+    fn unpacked(&self) -> Result<Arc<QTensor>> {
+        match self.plain.get() {
+            Some(p) => Ok(p.clone()),
+            None if self.packed => Ok(Arc::new(kernels::cpu::unpack(&self.weight)?)),
+            None => Ok(self.weight.clone()),
+        }
     }
 
     fn native(&self) -> Result<&CandleQMatMul> {
@@ -329,7 +349,7 @@ impl QMatMul {
             return Ok(t);
         }
         let dev = self.weight.device();
-        let t = self.plain()?.dequantize_f16(&dev)?;
+        let t = self.unpacked()?.dequantize_f16(&dev)?;
         let t = if dev.is_cpu() { t.to_dtype(DType::F32)? } else { t };
         Ok(self.dense_f16.get_or_init(|| t))
     }
@@ -340,7 +360,7 @@ impl QMatMul {
             return Ok(h);
         }
         // Not through `dense()`: that would keep an f32 copy alive beside the f16 one.
-        let wd = self.plain()?.dequantize(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?;
+        let wd = self.unpacked()?.dequantize(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?;
         let h = wd.into_iter().map(half::f16::from_f32).collect();
         Ok(self.half.get_or_init(|| h))
     }
@@ -349,7 +369,7 @@ impl QMatMul {
         if let Some(t) = self.dense.get() {
             return Ok(t);
         }
-        let t = self.plain()?.dequantize(&self.weight.device())?;
+        let t = self.unpacked()?.dequantize(&self.weight.device())?;
         Ok(self.dense.get_or_init(|| t))
     }
 

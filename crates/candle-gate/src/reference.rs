@@ -8,7 +8,6 @@ use rayon::prelude::*;
 
 use crate::dispatch::{Lane, QMatMul};
 use crate::error::{Error, Result};
-use crate::kernels::cpu::dequantize_rows;
 use crate::ops::{dot, dot4};
 
 /// Output rows dequantized at a time when no dense copy is kept: 64 rows of k=4096 is 1 MiB.
@@ -87,7 +86,7 @@ pub fn matmul_rows(w: &QMatMul, how: ReferenceWeights, xs: &[f32], m: usize) -> 
         ReferenceWeights::Blockwise => {
             yt.par_chunks_mut(ROWS_PER_BLOCK * m).enumerate().try_for_each(|(b, ys)| -> Result<()> {
                 let r0 = b * ROWS_PER_BLOCK;
-                let wd = dequantize_rows(w.weight(), r0..r0 + ys.len() / m)?;
+                let wd = w.dequantize_rows(r0..r0 + ys.len() / m)?;
                 block(ys, &wd);
                 Ok(())
             })?;

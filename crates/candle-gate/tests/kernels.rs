@@ -129,6 +129,11 @@ fn packed_k_quants_give_the_gguf_layouts_bits() {
             let plain = QMatMul::with_layout(q.clone(), policy.clone(), false).unwrap();
             let packed = QMatMul::with_layout(q.clone(), policy.clone(), true).unwrap();
             assert_eq!(packed.is_packed(), d == GgmlDType::Q4K && n % 16 == 0, "{d:?} [{n},{k}]");
+            for rows in [0..n, 0..1, n / 2..n, n / 3..n / 3 + 1, n - 1..n] {
+                let (got, want) =
+                    (packed.dequantize_rows(rows.clone()).unwrap(), plain.dequantize_rows(rows.clone()).unwrap());
+                assert!(bits_equal(&got, &want), "{d:?} [{n},{k}] rows {rows:?}: dequantized");
+            }
             assert_eq!(packed.weight().data().unwrap(), q.data().unwrap(), "{d:?} [{n},{k}]: unpacked bytes");
             let x = pseudo_random(64 * k, 9 + k as u64);
             for isa in Isa::available() {

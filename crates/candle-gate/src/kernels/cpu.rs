@@ -380,6 +380,24 @@ fn permuted(w: &QTensor, pack: bool) -> Result<QTensor> {
     Ok(QTensor::new(QStorage::Cpu(blocks), (n, k))?)
 }
 
+/// [`dequantize_rows`] of a weight [`pack`] made: only the groups of sixteen rows that hold
+/// `rows` are unpacked, into a temporary.
+pub fn dequantize_rows_packed(w: &QTensor, rows: std::ops::Range<usize>) -> Result<Vec<f32>> {
+    const G: usize = super::cpu_kquant::PACK_COLS;
+    let (n, k) = w.shape().dims2()?;
+    if rows.end > n || !packable(w) {
+        return Err(Error::BadInput(format!("rows {rows:?} of a packed [{n}, {k}] {:?} weight", w.dtype())));
+    }
+    let data = w.data()?;
+    let (kb, g0, g1) = (k / 256, rows.start / G, rows.end.div_ceil(G));
+    let groups = &blocks_of::<BlockQ4K>(&data)?[g0 * G * kb..g1 * G * kb];
+    let plain = super::cpu_kquant::unpack_q4k(groups, (g1 - g0) * G, kb);
+    let first = rows.start - g0 * G;
+    let mut out = vec![0f32; rows.len() * k];
+    BlockQ4K::to_float(&plain[first * kb..(first + rows.len()) * kb], &mut out);
+    Ok(out)
+}
+
 /// [`invariant_into`] over a weight [`pack`] made: the same bits.
 pub fn invariant_packed_into(w: &QTensor, x: &[f32], m: usize, out: &mut [f32]) -> Result<()> {
     let (n, k) = check_out(w, x, m, out)?;
