@@ -841,14 +841,10 @@ mod avx512 {
         assert!(group.len() >= 16 * kb);
         let base = group.as_ptr() as *const u8;
         let segments = |b: usize, s: usize| {
+            // A group is one run of bytes, read in order: the hardware prefetcher follows it
+            // (software prefetches 2-8 tiles ahead changed nothing measurable).
             const TILE: usize = 16 * std::mem::size_of::<super::Q4K>();
             let p = base.add(b * TILE + 256 * s);
-            if s == 0 {
-                // The tile after the next: the stream runs ahead of the prefetcher's warm-up.
-                for l in (0..TILE).step_by(64) {
-                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(2 * TILE + l) as *const i8);
-                }
-            }
             std::array::from_fn(|t| _mm512_loadu_si512(p.add(64 * t) as *const _))
         };
         q4k_tile_rows(segments, kb, ys, rows, out)
