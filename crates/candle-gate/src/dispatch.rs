@@ -330,6 +330,10 @@ impl QMatMul {
     pub fn policy(&self) -> &Arc<Policy> {
         &self.policy
     }
+    /// The weight's GGML dtype (whatever its layout).
+    pub fn dtype(&self) -> GgmlDType {
+        self.weight.dtype()
+    }
     /// `(n, k)`: output features, input features.
     pub fn dims(&self) -> (usize, usize) {
         let d = self.weight.shape().dims();

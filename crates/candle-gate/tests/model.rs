@@ -144,7 +144,7 @@ fn native_cpu_path_is_also_exact_for_q4_1() {
     let (m, p) = model(Mode::Native);
     use candle_core::quantized::GgmlDType as D;
     for w in m.decoder.layers.iter().flat_map(|l| l.linears()).chain([&m.decoder.lm_head]) {
-        let (d, k) = (w.weight().dtype(), w.dims().1);
+        let (d, k) = (w.dtype(), w.dims().1);
         assert!(
             !(matches!(d, D::Q4K | D::Q6K | D::Q8_0) && k % 256 == 0),
             "{w:?} could take Candle's host-dispatched repacked path"
