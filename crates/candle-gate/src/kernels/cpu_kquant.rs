@@ -1247,98 +1247,68 @@ pub fn matmul_q6k(w: &[BlockQ6K], xq: &[BlockQ8K], m: usize, k: usize, n: usize,
     matmul(w, xq, m, k, n, out)
 }
 
-/// Columns per packed group of a K-quant weight.
+/// Columns per packed group of a Q4_K weight.
 pub const PACK_COLS: usize = 16;
+/// 16-byte segments of a Q4_K block: `d`, `dmin` and the scales, then `qs` in eight.
+const SEGMENTS: usize = std::mem::size_of::<Q4K>() / 16;
+const _: () = assert!(SEGMENTS * 16 == std::mem::size_of::<Q4K>());
 
-/// A K-quant block as packed ([`pack`]): its first `16 · SEGMENTS` bytes in 16-byte segments,
-/// each stored for the group's sixteen columns as the four vectors the sixteen-column kernel
-/// would transpose it into (vector t, lane l: column l's dword t of the segment); the bytes
-/// after those (Q6_K's `d`) column after column.
-pub(crate) trait Packable: KBlock + Sized {
-    const SEGMENTS: usize;
-    /// Candle's block type.
-    type Gguf: candle_core::quantized::k_quants::GgmlType + Clone;
-}
-impl Packable for Q4K {
-    const SEGMENTS: usize = 9;
-    type Gguf = BlockQ4K;
-}
-
-/// Where byte `o` of column `l`'s super-block b lies in its group's packed bytes.
-#[inline(always)]
-fn packed_offset<W: Packable>(b: usize, l: usize, o: usize) -> usize {
-    let (block, head) = (std::mem::size_of::<W>(), 16 * W::SEGMENTS);
-    b * PACK_COLS * block
-        + if o < head {
-            (o / 16) * 256 + ((o % 16) / 4) * 64 + l * 4 + o % 4
-        } else {
-            PACK_COLS * head + l * (block - head) + (o - head)
-        }
-}
-
-/// K-quant weights (`n` columns of `kb` super-blocks; `plain` in GGUF order, or packed)
-/// permuted into the other layout: the same bytes, each group of [`PACK_COLS`] columns keeping
-/// its byte range, so that the sixteen-column kernels load what they would otherwise transpose.
-fn permute<W: Packable>(src: &[u8], n: usize, kb: usize, pack: bool) -> Vec<W::Gguf> {
-    let block = std::mem::size_of::<W>();
-    assert!(
-        n.is_multiple_of(PACK_COLS) && src.len() == n * kb * block,
-        "K-quant packing: {n} columns of {kb} blocks in {} bytes",
-        src.len()
-    );
-    let mut out = vec![<W::Gguf as candle_core::quantized::k_quants::GgmlType>::zeros(); n * kb];
+/// Q4_K weights (`n` columns of `kb` super-blocks; `src` in GGUF order, or packed) permuted into
+/// the other layout. Packed, each group of [`PACK_COLS`] columns keeps its byte range, and its
+/// super-block b is one tile: segment s of the sixteen columns stored as the four vectors the
+/// sixteen-column kernel would transpose it into (vector t, lane l: column l's dword t of the
+/// segment), so that the kernel loads what it would otherwise transpose.
+fn permute_q4k(src: &[BlockQ4K], n: usize, kb: usize, pack: bool) -> Vec<BlockQ4K> {
+    use candle_core::quantized::k_quants::GgmlType;
+    const BLOCK: usize = std::mem::size_of::<Q4K>();
+    assert!(n.is_multiple_of(PACK_COLS) && src.len() == n * kb, "Q4_K packing: {n} columns of {kb} blocks");
+    let mut out = vec![BlockQ4K::zeros(); src.len()];
     // SAFETY: plain-old-data blocks viewed as their bytes.
-    let dst = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr() as *mut u8, src.len()) };
-    let group = PACK_COLS * kb * block;
-    for (s, d) in src.chunks_exact(group).zip(dst.chunks_exact_mut(group)) {
-        for l in 0..PACK_COLS {
-            for b in 0..kb {
-                for o in 0..block {
-                    let (plain, packed) = ((l * kb + b) * block + o, packed_offset::<W>(b, l, o));
-                    if pack {
-                        d[packed] = s[plain];
-                    } else {
-                        d[plain] = s[packed];
-                    }
-                }
-            }
+    let (s, d) = unsafe {
+        (
+            std::slice::from_raw_parts(src.as_ptr() as *const u8, std::mem::size_of_val(src)),
+            std::slice::from_raw_parts_mut(out.as_mut_ptr() as *mut u8, std::mem::size_of_val(src)),
+        )
+    };
+    let group = PACK_COLS * kb * BLOCK;
+    for (s, d) in s.chunks_exact(group).zip(d.chunks_exact_mut(group)) {
+        for (l, b, seg, t) in group_dwords(kb) {
+            let plain = (l * kb + b) * BLOCK + seg * 16 + t * 4;
+            let packed = b * PACK_COLS * BLOCK + seg * 256 + t * 64 + l * 4;
+            let (from, to) = if pack { (plain, packed) } else { (packed, plain) };
+            d[to..to + 4].copy_from_slice(&s[from..from + 4]);
         }
     }
     out
 }
 
-fn bytes_of<T>(v: &[T]) -> &[u8] {
-    // SAFETY: plain-old-data blocks viewed as their bytes.
-    unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
+/// Every (column, super-block, segment, dword) of a group, in the order its GGUF bytes lie.
+fn group_dwords(kb: usize) -> impl Iterator<Item = (usize, usize, usize, usize)> {
+    (0..PACK_COLS).flat_map(move |l| {
+        (0..kb).flat_map(move |b| (0..SEGMENTS).flat_map(move |seg| (0..4).map(move |t| (l, b, seg, t))))
+    })
 }
 
-/// Q4_K blocks in GGUF order, packed ([`Packable`]).
+/// Q4_K blocks in GGUF order, packed ([`permute_q4k`]).
 pub fn pack_q4k(plain: &[BlockQ4K], n: usize, kb: usize) -> Vec<BlockQ4K> {
-    permute::<Q4K>(bytes_of(plain), n, kb, true)
+    permute_q4k(plain, n, kb, true)
 }
+
 /// [`pack_q4k`] undone.
 pub fn unpack_q4k(packed: &[BlockQ4K], n: usize, kb: usize) -> Vec<BlockQ4K> {
-    permute::<Q4K>(bytes_of(packed), n, kb, false)
+    permute_q4k(packed, n, kb, false)
 }
-/// A sixteen-column kernel over one packed group: `(group, kb, rows' activations, rows, out)`.
-type PackedTile<W> = unsafe fn(&[W], usize, &[Q8K], usize, &mut [[f32; 16]]);
 
-/// [`matmul`] over packed weights, the same bits: the AVX-512 tier's sixteen-column kernel
-/// `tile` reads the groups directly, at every row count; the other tiers (forced, or a host
-/// without AVX-512 handed packed weights) unpack a copy and run their own kernels.
-fn matmul_packed<W: Packable>(
-    w: &[W],
-    xq: &[Q8K],
-    m: usize,
-    k: usize,
-    n: usize,
-    out: &mut [f32],
-    #[allow(unused)] tile: PackedTile<W>,
-) {
+/// [`matmul_q4k`] over weights [`pack_q4k`] packed, the same bits: the AVX-512 tier's
+/// sixteen-column kernel reads the groups directly, at every row count; the other tiers
+/// (forced, or a host without AVX-512 handed packed weights) unpack a copy and run their own.
+pub fn matmul_q4k_packed(w: &[BlockQ4K], xq: &[BlockQ8K], m: usize, k: usize, n: usize, out: &mut [f32]) {
     let kb = k / 256;
     assert!(n.is_multiple_of(PACK_COLS) && w.len() == n * kb && out.len() == m * n);
     #[cfg(target_arch = "x86_64")]
     if super::isa() == super::Isa::Avx512 {
+        // SAFETY: mirror types of the same size, alignment and layout (asserted above).
+        let (w, xq) = unsafe { (mirror::<_, Q4K>(w), mirror::<_, Q8K>(xq)) };
         let ptr = OutPtr(out.as_mut_ptr());
         return super::parallel_for(n / PACK_COLS, |g| {
             let p = ptr;
@@ -1349,7 +1319,7 @@ fn matmul_packed<W: Packable>(
                 // SAFETY: the AVX-512 tier was detected at run time; each (row, column) of this
                 // group's columns is written by this task alone, inside `out`.
                 unsafe {
-                    tile(group, kb, &xq[r0 * kb..], rows, &mut got);
+                    avx512::q4k_sixteen_packed(group, kb, &xq[r0 * kb..], rows, &mut got);
                     for (i, row) in got[..rows].iter().enumerate() {
                         let o = p.0.add((r0 + i) * n + g * PACK_COLS);
                         std::ptr::copy_nonoverlapping(row.as_ptr(), o, PACK_COLS);
@@ -1358,20 +1328,7 @@ fn matmul_packed<W: Packable>(
             }
         });
     }
-    let plain = permute::<W>(bytes_of(w), n, kb, false);
-    // SAFETY: Candle's block type and its mirror: the same size, alignment and layout.
-    matmul(unsafe { mirror::<_, W>(&plain) }, xq, m, k, n, out)
-}
-
-/// [`matmul_q4k`] over weights [`pack_q4k`] packed: the same bits.
-pub fn matmul_q4k_packed(w: &[BlockQ4K], xq: &[BlockQ8K], m: usize, k: usize, n: usize, out: &mut [f32]) {
-    // SAFETY: mirror types of the same size, alignment and layout (asserted above).
-    let (w, xq) = unsafe { (mirror::<_, Q4K>(w), mirror::<_, Q8K>(xq)) };
-    #[cfg(target_arch = "x86_64")]
-    let tile = avx512::q4k_sixteen_packed as PackedTile<Q4K>;
-    #[cfg(not(target_arch = "x86_64"))]
-    let tile = |_: &[Q4K], _: usize, _: &[Q8K], _: usize, _: &mut [[f32; 16]]| unreachable!();
-    matmul_packed(w, xq, m, k, n, out, tile)
+    matmul_q4k(&unpack_q4k(w, n, kb), xq, m, k, n, out)
 }
 
 /// The portable definition for `m` rows (what the AVX2 paths must equal bit for bit).
