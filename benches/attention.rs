@@ -56,10 +56,14 @@ fn main() {
                 if tier == Tier::Avx2 && Tier::current() == Tier::Portable {
                     continue;
                 }
+                // On a rayon worker, as the engine's forward runs (`Decoder::forward_in`): from
+                // outside the pool every parallel loop would also pay a sleep and a wake.
                 let decode = |out: &mut [f32]| {
-                    for l in 0..n_layer {
-                        attend_rows(h, l, &q[..qd], &[0], &[ctx - 1], &[&c], &mut out[..qd], tier);
-                    }
+                    rayon::scope(|_| {
+                        for l in 0..n_layer {
+                            attend_rows(h, l, &q[..qd], &[0], &[ctx - 1], &[&c], &mut out[..qd], tier);
+                        }
+                    })
                 };
                 decode(&mut out);
                 let mut best = f64::INFINITY;

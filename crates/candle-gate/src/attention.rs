@@ -115,6 +115,57 @@ impl LayerKv<'_> {
     fn region(&self, b: usize, kvh: usize, values: bool) -> *const u8 {
         self.blocks[b].wrapping_add(self.layout.region(self.layer, kvh, values) * self.stride)
     }
+    /// The same region as a slice of its stored values.
+    fn view(&self, b: usize, kvh: usize, values: bool) -> Block<'_> {
+        let (p, n) = (self.region(b, kvh, values), self.layout.head_dim * KV_BLOCK);
+        // SAFETY: a region of one of the sequence's blocks holds n values of the pool's dtype,
+        // not written while the pool's caches are read.
+        unsafe {
+            match self.layout.dtype {
+                KvDtype::F32 => Block::F32(std::slice::from_raw_parts(p as *const f32, n)),
+                KvDtype::F16 => Block::F16(std::slice::from_raw_parts(p as *const u16, n)),
+            }
+        }
+    }
+}
+
+/// One region's values, as stored or widened to f32.
+#[derive(Clone, Copy)]
+enum Block<'a> {
+    F32(&'a [f32]),
+    F16(&'a [u16]),
+}
+
+/// The most queries one pass of the vector kernels carries (their accumulators in registers).
+const GROUP_MAX: usize = 8;
+
+/// How many of `left` queries the next group takes: all of them when they fit one pass, else
+/// six (the widest group whose accumulators cover two vectors of positions or of `d`).
+fn group_len(left: usize) -> usize {
+    if left <= GROUP_MAX {
+        left
+    } else {
+        6
+    }
+}
+
+/// `o_i[d] += Σ_t p_i[t] · v[t][d]` for a group of queries (`ps[i]` their weights, `o` their
+/// outputs one after another): the vector tier's [`weighted_values`], each value vector read
+/// once for the whole group.
+///
+/// # Safety
+/// The AVX2 tier must be available; `o` holds `ps.len() × hd` values, `v` `ps[0].len()` rows.
+unsafe fn grouped_values(ps: &[&[f32]], v: Block, hd: usize, o: *mut f32) {
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma", target_feature = "f16c"))]
+    match v {
+        Block::F32(v) => avx2::grouped_values(ps, v.as_ptr(), hd, o),
+        Block::F16(v) => avx2::grouped_values(ps, v.as_ptr(), hd, o),
+    }
+    #[cfg(not(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma", target_feature = "f16c")))]
+    {
+        let _ = (ps, v, hd, o);
+        unreachable!("the vector tier is compiled out");
+    }
 }
 
 // SAFETY: the pointers are into blocks of a pool kept alive (and not written) for the call.
@@ -240,14 +291,24 @@ fn split_partials(
         let (blk, values) = ahead(i);
         prefetch_block(kv, kvh, blk, values);
     }
+    // The vector tier reads a block where it lies when its queries fit one group (a decode
+    // row's heads: each value is then converted once either way, and the f32 copy's stores and
+    // loads are saved); a prefill tile's many groups read one widened copy.
+    let grouped = tier == Tier::Avx2 && hd.is_multiple_of(8);
+    let direct = grouped && (kv.layout.dtype == KvDtype::F32 || qs.len() <= GROUP_MAX);
     for b in b0..nb {
         if b - b0 + AHEAD < 2 * cnt {
             let (blk, values) = ahead(b - b0 + AHEAD);
             prefetch_block(kv, kvh, blk, values);
         }
-        widen_block(kv, kvh, first + b, Some(&mut w.kt), None, tier);
-        // Every query against the block while it is in L1 (a few at a time share its loads).
-        scores_block(&q, &w.kt, hd, scale, &mut w.s, |i| i * SPLIT + b * KV_BLOCK, tier);
+        let at = |i: usize| i * SPLIT + b * KV_BLOCK;
+        if direct {
+            scores_block(&q, kv.view(first + b, kvh, false), hd, scale, &mut w.s, at, tier);
+        } else {
+            widen_block(kv, kvh, first + b, Some(&mut w.kt), None, tier);
+            // Every query against the block while it is in L1 (a few at a time share its loads).
+            scores_block(&q, Block::F32(&w.kt), hd, scale, &mut w.s, at, tier);
+        }
     }
     for (i, span) in spans.iter().enumerate() {
         if span.is_empty() {
@@ -266,15 +327,50 @@ fn split_partials(
         if b + AHEAD < nb {
             prefetch_block(kv, kvh, first + b + AHEAD, true);
         }
-        widen_block(kv, kvh, first + b, None, Some(&mut w.v), tier);
-        for (i, span) in spans.iter().enumerate() {
-            // This query's positions in the block: o's chain goes on where the last block left
-            // it. A block wholly before its window is skipped (its weights are all 0).
+        // This query's positions in the block: o's chain goes on where the last block left
+        // it. A block wholly before its window is skipped (its weights are all 0).
+        let n_of = |span: &std::ops::Range<usize>| {
             let n = span.end.saturating_sub(b * KV_BLOCK).min(KV_BLOCK);
-            if n > 0 && span.start < (b + 1) * KV_BLOCK {
-                let p = &w.s[i * SPLIT + b * KV_BLOCK..][..n];
-                weighted_values(p, &w.v, hd, &mut out.o[i * hd..(i + 1) * hd], tier);
+            if span.start < (b + 1) * KV_BLOCK {
+                n
+            } else {
+                0
             }
+        };
+        let v = if direct {
+            kv.view(first + b, kvh, true)
+        } else {
+            widen_block(kv, kvh, first + b, None, Some(&mut w.v), tier);
+            Block::F32(&w.v)
+        };
+        if !grouped {
+            for (i, span) in spans.iter().enumerate() {
+                let n = n_of(span);
+                if n > 0 {
+                    let p = &w.s[i * SPLIT + b * KV_BLOCK..][..n];
+                    weighted_values(p, &w.v, hd, &mut out.o[i * hd..(i + 1) * hd]);
+                }
+            }
+            continue;
+        }
+        // Runs of queries with the same positions in the block (a row's heads always are one)
+        // share each value vector they read, a group at a time.
+        let mut i = 0;
+        while i < spans.len() {
+            let n = n_of(&spans[i]);
+            let run = 1 + spans[i + 1..].iter().take_while(|sp| n_of(sp) == n).count();
+            if n > 0 {
+                let mut j = i;
+                while j < i + run {
+                    let len = group_len(i + run - j);
+                    let ps: Vec<&[f32]> = (j..j + len).map(|k| &w.s[k * SPLIT + b * KV_BLOCK..][..n]).collect();
+                    let os = out.o[j * hd..(j + len) * hd].as_mut_ptr();
+                    // SAFETY: the vector tier was checked (`grouped`); `os` holds len × hd values.
+                    unsafe { grouped_values(&ps, v, hd, os) };
+                    j += len;
+                }
+            }
+            i += run;
         }
     }
 }
@@ -299,20 +395,26 @@ fn prefetch_block(kv: &LayerKv, kvh: usize, b: usize, values: bool) {
 /// `out[at(i)..at(i) + 32]`.
 fn scores_block(
     qs: &[&[f32]],
-    kt: &[f32],
+    kt: Block,
     hd: usize,
     scale: f32,
     out: &mut [f32],
     at: impl Fn(usize) -> usize,
     tier: Tier,
 ) {
-    #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma", target_feature = "f16c"))]
     if tier == Tier::Avx2 {
-        // SAFETY: AVX2/FMA are enabled at compile time; `kt` holds hd × 32 values, each q hd.
-        unsafe { avx2::scores_block(qs, kt, hd, scale, out, at) }
+        // SAFETY: AVX2/FMA/F16C are enabled at compile time; `kt` holds hd × 32 values, each q hd.
+        unsafe {
+            match kt {
+                Block::F32(kt) => avx2::scores_block(qs, kt.as_ptr(), hd, scale, out, at),
+                Block::F16(kt) => avx2::scores_block(qs, kt.as_ptr(), hd, scale, out, at),
+            }
+        }
         return;
     }
     let _ = tier;
+    let Block::F32(kt) = kt else { unreachable!("the portable tier reads widened keys") };
     for (i, q) in qs.iter().enumerate() {
         let o = at(i);
         for t in 0..KV_BLOCK {
@@ -360,15 +462,9 @@ fn lane_sum(a: [f32; 8]) -> f32 {
 }
 
 /// `o[d] += p[t] · v[t][d]` for the block's positions in order (`v`: `[t][head_dim]`): one
-/// fused chain per `d` that goes on from block to block.
-fn weighted_values(p: &[f32], v: &[f32], hd: usize, o: &mut [f32], tier: Tier) {
-    #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
-    if tier == Tier::Avx2 && hd.is_multiple_of(8) {
-        // SAFETY: AVX2/FMA are enabled at compile time; v holds p.len() rows of hd.
-        unsafe { avx2::weighted_values(p, v, hd, o) };
-        return;
-    }
-    let _ = tier;
+/// fused chain per `d` that goes on from block to block. The definition; the vector tier runs
+/// it a group of queries at a time ([`grouped_values`]).
+fn weighted_values(p: &[f32], v: &[f32], hd: usize, o: &mut [f32]) {
     for (t, &pt) in p.iter().enumerate() {
         for (od, &vd) in o.iter_mut().zip(&v[t * hd..(t + 1) * hd]) {
             *od = pt.mul_add(vd, *od);
@@ -642,12 +738,31 @@ mod avx2 {
         a
     }
 
-    /// The block's scores for up to four queries: `P` registers of eight positions per pass,
-    /// `NQ × P` accumulators (at most eight, so none is spilled), one fused chain per lane.
+    /// Stored values, eight at a time as f32 (widening f16 is exact).
+    pub trait Src: Copy {
+        unsafe fn load8(p: *const Self) -> __m256;
+    }
+    impl Src for f32 {
+        #[inline(always)]
+        unsafe fn load8(p: *const f32) -> __m256 {
+            _mm256_loadu_ps(p)
+        }
+    }
+    #[cfg(target_feature = "f16c")]
+    impl Src for u16 {
+        #[inline(always)]
+        unsafe fn load8(p: *const u16) -> __m256 {
+            _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+        }
+    }
+
+    /// The block's scores for `NQ` queries: `P` registers of eight positions per pass from
+    /// `t0`, `NQ × P` accumulators (at most twelve, so none is spilled), one fused chain per
+    /// lane.
     #[inline(always)]
-    unsafe fn scores_pass<const NQ: usize, const P: usize>(
+    unsafe fn scores_pass<T: Src, const NQ: usize, const P: usize>(
         qs: &[&[f32]],
-        kt: &[f32],
+        kt: *const T,
         hd: usize,
         t0: usize,
         scale: __m256,
@@ -655,12 +770,12 @@ mod avx2 {
         at: &impl Fn(usize) -> usize,
     ) {
         let mut acc = [[_mm256_setzero_ps(); P]; NQ];
-        let k = kt.as_ptr().add(t0);
+        let k = kt.add(t0);
         for d in 0..hd {
             let row = k.add(d * KV_BLOCK);
             let mut kv = [_mm256_setzero_ps(); P];
             for (p, v) in kv.iter_mut().enumerate() {
-                *v = _mm256_loadu_ps(row.add(8 * p));
+                *v = T::load8(row.add(8 * p));
             }
             for j in 0..NQ {
                 let qb = _mm256_set1_ps(*qs[j].get_unchecked(d));
@@ -677,34 +792,48 @@ mod avx2 {
         }
     }
 
-    /// Scores of the block's 32 positions for each of `qs`, four queries at a time.
-    pub unsafe fn scores_block(
+    /// Every pass over the block's 32 positions for one group of up to eight queries.
+    #[inline(always)]
+    unsafe fn scores_passes<T: Src, const NQ: usize, const P: usize>(
         qs: &[&[f32]],
-        kt: &[f32],
+        kt: *const T,
+        hd: usize,
+        scale: __m256,
+        out: &mut [f32],
+        at: &impl Fn(usize) -> usize,
+    ) {
+        for t0 in (0..KV_BLOCK).step_by(8 * P) {
+            scores_pass::<T, NQ, P>(qs, kt, hd, t0, scale, out, at);
+        }
+    }
+
+    /// Scores of the block's 32 positions (`kt`: `[hd][32]`) for each of `qs`, a group of
+    /// queries at a time ([`super::group_len`]): each key vector is read once per group.
+    pub unsafe fn scores_block<T: Src>(
+        qs: &[&[f32]],
+        kt: *const T,
         hd: usize,
         scale: f32,
         out: &mut [f32],
         at: impl Fn(usize) -> usize,
     ) {
-        debug_assert!(kt.len() >= hd * KV_BLOCK && qs.iter().all(|q| q.len() >= hd));
+        debug_assert!(qs.iter().all(|q| q.len() >= hd));
         let sc = _mm256_set1_ps(scale);
         let mut j = 0;
         while j < qs.len() {
-            let at_j = |i: usize| at(j + i);
-            let rest = &qs[j..];
-            match rest.len() {
-                1 => scores_pass::<1, 4>(rest, kt, hd, 0, sc, out, &at_j),
-                2 => scores_pass::<2, 4>(rest, kt, hd, 0, sc, out, &at_j),
-                3 => {
-                    scores_pass::<3, 2>(rest, kt, hd, 0, sc, out, &at_j);
-                    scores_pass::<3, 2>(rest, kt, hd, 16, sc, out, &at_j);
-                }
-                _ => {
-                    scores_pass::<4, 2>(rest, kt, hd, 0, sc, out, &at_j);
-                    scores_pass::<4, 2>(rest, kt, hd, 16, sc, out, &at_j);
-                }
+            let n = super::group_len(qs.len() - j);
+            let (g, at_j) = (&qs[j..j + n], |i: usize| at(j + i));
+            match n {
+                1 => scores_passes::<T, 1, 4>(g, kt, hd, sc, out, &at_j),
+                2 => scores_passes::<T, 2, 4>(g, kt, hd, sc, out, &at_j),
+                3 => scores_passes::<T, 3, 2>(g, kt, hd, sc, out, &at_j),
+                4 => scores_passes::<T, 4, 2>(g, kt, hd, sc, out, &at_j),
+                5 => scores_passes::<T, 5, 2>(g, kt, hd, sc, out, &at_j),
+                6 => scores_passes::<T, 6, 2>(g, kt, hd, sc, out, &at_j),
+                7 => scores_passes::<T, 7, 1>(g, kt, hd, sc, out, &at_j),
+                _ => scores_passes::<T, 8, 1>(g, kt, hd, sc, out, &at_j),
             }
-            j += rest.len().min(4);
+            j += n;
         }
     }
 
@@ -726,37 +855,75 @@ mod avx2 {
         (m, super::lane_sum(lanes(sum)))
     }
 
-    /// `o[d0..d0 + 8W] += Σ_t p[t] · v[t][d0..]`, W registers of eight `d` held throughout.
+    /// `o_i[d0..d0 + 8W] += Σ_t p_i[t] · v[t][d0..]` for `NQ` queries: each value vector read
+    /// once feeds every query's chain.
     #[inline(always)]
-    unsafe fn values_pass<const W: usize>(p: &[f32], v: &[f32], hd: usize, d0: usize, o: &mut [f32]) {
-        let mut acc = [_mm256_setzero_ps(); W];
-        for (c, a) in acc.iter_mut().enumerate() {
-            *a = _mm256_loadu_ps(o.as_ptr().add(d0 + 8 * c));
+    unsafe fn grouped_pass<T: Src, const NQ: usize, const W: usize>(
+        ps: &[&[f32]],
+        v: *const T,
+        hd: usize,
+        d0: usize,
+        o: *mut f32,
+    ) {
+        let n = ps[0].len();
+        let mut acc = [[_mm256_setzero_ps(); W]; NQ];
+        for (i, a) in acc.iter_mut().enumerate() {
+            for (c, a) in a.iter_mut().enumerate() {
+                *a = _mm256_loadu_ps(o.add(i * hd + d0 + 8 * c));
+            }
         }
-        let mut row = v.as_ptr().add(d0);
-        for &pt in p {
-            let pb = _mm256_set1_ps(pt);
-            for (c, a) in acc.iter_mut().enumerate() {
-                *a = _mm256_fmadd_ps(pb, _mm256_loadu_ps(row.add(8 * c)), *a);
+        let mut row = v.add(d0);
+        for t in 0..n {
+            let mut vv = [_mm256_setzero_ps(); W];
+            for (c, x) in vv.iter_mut().enumerate() {
+                *x = T::load8(row.add(8 * c));
+            }
+            for (i, a) in acc.iter_mut().enumerate() {
+                let pb = _mm256_set1_ps(*ps[i].get_unchecked(t));
+                for c in 0..W {
+                    a[c] = _mm256_fmadd_ps(pb, vv[c], a[c]);
+                }
             }
             row = row.add(hd);
         }
-        for (c, a) in acc.iter().enumerate() {
-            _mm256_storeu_ps(o.as_mut_ptr().add(d0 + 8 * c), *a);
+        for (i, a) in acc.iter().enumerate() {
+            for (c, a) in a.iter().enumerate() {
+                _mm256_storeu_ps(o.add(i * hd + d0 + 8 * c), *a);
+            }
         }
     }
 
-    /// Eight `d` per register, 64 at a time (eight registers), then the rest eight at a time.
-    pub unsafe fn weighted_values(p: &[f32], v: &[f32], hd: usize, o: &mut [f32]) {
-        debug_assert!(v.len() >= p.len() * hd && o.len() == hd && hd.is_multiple_of(8));
+    /// [`grouped_pass`] over every `d`, sixteen at a time while the group's accumulators fit
+    /// (up to six queries), else eight.
+    #[inline(always)]
+    unsafe fn grouped_passes<T: Src, const NQ: usize>(ps: &[&[f32]], v: *const T, hd: usize, o: *mut f32) {
         let mut d0 = 0;
-        while d0 + 64 <= hd {
-            values_pass::<8>(p, v, hd, d0, o);
-            d0 += 64;
+        if NQ <= 6 {
+            while d0 + 16 <= hd {
+                grouped_pass::<T, NQ, 2>(ps, v, hd, d0, o);
+                d0 += 16;
+            }
         }
         while d0 < hd {
-            values_pass::<1>(p, v, hd, d0, o);
+            grouped_pass::<T, NQ, 1>(ps, v, hd, d0, o);
             d0 += 8;
+        }
+    }
+
+    /// [`super::weighted_values`] for a group of up to eight queries with the same positions
+    /// (`ps[i]`, all of one length), outputs one after another at `o`.
+    pub unsafe fn grouped_values<T: Src>(ps: &[&[f32]], v: *const T, hd: usize, o: *mut f32) {
+        debug_assert!(hd.is_multiple_of(8) && ps.iter().all(|p| p.len() == ps[0].len()));
+        match ps.len() {
+            1 => grouped_passes::<T, 1>(ps, v, hd, o),
+            2 => grouped_passes::<T, 2>(ps, v, hd, o),
+            3 => grouped_passes::<T, 3>(ps, v, hd, o),
+            4 => grouped_passes::<T, 4>(ps, v, hd, o),
+            5 => grouped_passes::<T, 5>(ps, v, hd, o),
+            6 => grouped_passes::<T, 6>(ps, v, hd, o),
+            7 => grouped_passes::<T, 7>(ps, v, hd, o),
+            8 => grouped_passes::<T, 8>(ps, v, hd, o),
+            n => unreachable!("a group of {n} queries"),
         }
     }
 }
@@ -857,9 +1024,13 @@ mod tests {
             // Sliding windows: one ending inside a split, one shorter than a block.
             Heads { window: Some(300), ..Heads::new(4, 1, 256) },
             Heads { window: Some(20), ..Heads::new(2, 1, 36) },
+            // The vector tier's groups: eight queries a pass, and five over a head_dim that
+            // ends in half a pass.
+            Heads::new(16, 2, 64),
+            Heads::new(10, 2, 72),
         ];
         for (si, h) in shapes.into_iter().enumerate() {
-            let len = [600, 530, 300, 280, 600, 280][si];
+            let len = [600, 530, 300, 280, 600, 280, 290, 300][si];
             for dtype in KvDtype::ALL {
                 let a = seq(h, len, 11 + si as u64);
                 let b = seq(h, 90, 23 + si as u64);
