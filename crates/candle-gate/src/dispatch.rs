@@ -253,8 +253,14 @@ impl QMatMul {
         }
         let packed = if pack { kernels::cpu::pack(&weight)?.map(Arc::new) } else { None };
         let is_packed = packed.is_some();
+        let weight = packed.unwrap_or(weight);
+        if weight.device().is_cpu() {
+            if let Ok(std::borrow::Cow::Borrowed(bytes)) = weight.data() {
+                crate::huge_pages::advise(bytes, true);
+            }
+        }
         Ok(QMatMul {
-            weight: packed.unwrap_or(weight),
+            weight,
             packed: is_packed,
             plain: OnceLock::new(),
             native: OnceLock::new(),

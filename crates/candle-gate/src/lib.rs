@@ -24,6 +24,7 @@ pub mod error;
 pub mod gguf;
 pub mod gguf_check;
 pub mod host;
+pub mod huge_pages;
 pub mod kernels;
 pub mod kv_cache;
 pub mod model;
