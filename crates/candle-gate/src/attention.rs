@@ -363,10 +363,14 @@ fn split_partials(
                 let mut j = i;
                 while j < i + run {
                     let len = group_len(i + run - j);
-                    let ps: Vec<&[f32]> = (j..j + len).map(|k| &w.s[k * SPLIT + b * KV_BLOCK..][..n]).collect();
+                    // On the stack: this runs once per block and group.
+                    let mut ps: [&[f32]; GROUP_MAX] = [&[]; GROUP_MAX];
+                    for (p, k) in ps.iter_mut().zip(j..j + len) {
+                        *p = &w.s[k * SPLIT + b * KV_BLOCK..][..n];
+                    }
                     let os = out.o[j * hd..(j + len) * hd].as_mut_ptr();
                     // SAFETY: the vector tier was checked (`grouped`); `os` holds len × hd values.
-                    unsafe { grouped_values(&ps, v, hd, os) };
+                    unsafe { grouped_values(&ps[..len], v, hd, os) };
                     j += len;
                 }
             }
