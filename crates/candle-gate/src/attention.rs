@@ -284,20 +284,24 @@ fn split_partials(
     w.v.resize(bsz, 0.0);
     w.s.resize(qs.len() * SPLIT, 0.0);
     let q: Vec<&[f32]> = qs.iter().map(|q| q.q).collect();
-    // Blocks ahead: the keys of the split's blocks, then its first values.
-    let cnt = nb - b0;
-    let ahead = |i: usize| if i < cnt { (first + b0 + i, false) } else { (first + b0 + i - cnt, true) };
-    for i in 0..AHEAD.min(cnt) {
-        let (blk, values) = ahead(i);
-        prefetch_block(kv, kvh, blk, values);
-    }
     // The vector tier reads a block where it lies when its queries fit one group (a decode
     // row's heads: each value is then converted once either way, and the f32 copy's stores and
     // loads are saved); a prefill tile's many groups read one widened copy.
     let grouped = tier == Tier::Avx2 && hd.is_multiple_of(8);
     let direct = grouped && (kv.layout.dtype == KvDtype::F32 || qs.len() <= GROUP_MAX);
+    // Blocks ahead: the keys of the split's blocks, then its first values. Not for the blocks
+    // read in place: there a block's whole region requested at once (64–128 lines) held up the
+    // loads of the block being computed, and a decode step ran up to 1.6x faster with the
+    // hardware's prefetch alone (docs/BENCHMARKS.md "Decode reads without software prefetch").
+    let prefetch = !direct;
+    let cnt = nb - b0;
+    let ahead = |i: usize| if i < cnt { (first + b0 + i, false) } else { (first + b0 + i - cnt, true) };
+    for i in 0..if prefetch { AHEAD.min(cnt) } else { 0 } {
+        let (blk, values) = ahead(i);
+        prefetch_block(kv, kvh, blk, values);
+    }
     for b in b0..nb {
-        if b - b0 + AHEAD < 2 * cnt {
+        if prefetch && b - b0 + AHEAD < 2 * cnt {
             let (blk, values) = ahead(b - b0 + AHEAD);
             prefetch_block(kv, kvh, blk, values);
         }
@@ -324,7 +328,7 @@ fn split_partials(
         out.o[i * hd..(i + 1) * hd].fill(0.0);
     }
     for b in b0..nb {
-        if b + AHEAD < nb {
+        if prefetch && b + AHEAD < nb {
             prefetch_block(kv, kvh, first + b + AHEAD, true);
         }
         // This query's positions in the block: o's chain goes on where the last block left
@@ -677,7 +681,9 @@ pub fn attend_rows(
             at
         })
         .collect();
-    tasks.par_iter().zip(starts).for_each(|(t, at)| {
+    // The folds are a few hundred values a query: on the calling thread they cost less than
+    // another parallel loop's wake and join.
+    tasks.iter().zip(starts).for_each(|(t, at)| {
         let qs = queries(t);
         let (mut big_m, mut big_l, mut big_o) = (0f32, 0f32, vec![0f32; hd]);
         let s0 = splits_of(t).start;
@@ -777,14 +783,29 @@ mod avx2 {
         let k = kt.add(t0);
         for d in 0..hd {
             let row = k.add(d * KV_BLOCK);
-            let mut kv = [_mm256_setzero_ps(); P];
-            for (p, v) in kv.iter_mut().enumerate() {
-                *v = T::load8(row.add(8 * p));
-            }
-            for j in 0..NQ {
-                let qb = _mm256_set1_ps(*qs[j].get_unchecked(d));
+            // The smaller side is held in registers while the other streams past it: NQ × P
+            // accumulators + min(NQ, P) + 1 fit AVX2's sixteen.
+            if NQ <= P {
+                let mut qb = [_mm256_setzero_ps(); NQ];
+                for (j, b) in qb.iter_mut().enumerate() {
+                    *b = _mm256_set1_ps(*qs[j].get_unchecked(d));
+                }
                 for p in 0..P {
-                    acc[j][p] = _mm256_fmadd_ps(qb, kv[p], acc[j][p]);
+                    let kv = T::load8(row.add(8 * p));
+                    for j in 0..NQ {
+                        acc[j][p] = _mm256_fmadd_ps(qb[j], kv, acc[j][p]);
+                    }
+                }
+            } else {
+                let mut kv = [_mm256_setzero_ps(); P];
+                for (p, v) in kv.iter_mut().enumerate() {
+                    *v = T::load8(row.add(8 * p));
+                }
+                for j in 0..NQ {
+                    let qb = _mm256_set1_ps(*qs[j].get_unchecked(d));
+                    for p in 0..P {
+                        acc[j][p] = _mm256_fmadd_ps(qb, kv[p], acc[j][p]);
+                    }
                 }
             }
         }
@@ -830,7 +851,7 @@ mod avx2 {
             match n {
                 1 => scores_passes::<T, 1, 4>(g, kt, hd, sc, out, &at_j),
                 2 => scores_passes::<T, 2, 4>(g, kt, hd, sc, out, &at_j),
-                3 => scores_passes::<T, 3, 2>(g, kt, hd, sc, out, &at_j),
+                3 => scores_passes::<T, 3, 4>(g, kt, hd, sc, out, &at_j),
                 4 => scores_passes::<T, 4, 2>(g, kt, hd, sc, out, &at_j),
                 5 => scores_passes::<T, 5, 2>(g, kt, hd, sc, out, &at_j),
                 6 => scores_passes::<T, 6, 2>(g, kt, hd, sc, out, &at_j),
@@ -878,14 +899,28 @@ mod avx2 {
         }
         let mut row = v.add(d0);
         for t in 0..n {
-            let mut vv = [_mm256_setzero_ps(); W];
-            for (c, x) in vv.iter_mut().enumerate() {
-                *x = T::load8(row.add(8 * c));
-            }
-            for (i, a) in acc.iter_mut().enumerate() {
-                let pb = _mm256_set1_ps(*ps[i].get_unchecked(t));
+            // As in `scores_pass`: the smaller side stays in registers.
+            if NQ <= W {
+                let mut pb = [_mm256_setzero_ps(); NQ];
+                for (i, b) in pb.iter_mut().enumerate() {
+                    *b = _mm256_set1_ps(*ps[i].get_unchecked(t));
+                }
                 for c in 0..W {
-                    a[c] = _mm256_fmadd_ps(pb, vv[c], a[c]);
+                    let vv = T::load8(row.add(8 * c));
+                    for (i, a) in acc.iter_mut().enumerate() {
+                        a[c] = _mm256_fmadd_ps(pb[i], vv, a[c]);
+                    }
+                }
+            } else {
+                let mut vv = [_mm256_setzero_ps(); W];
+                for (c, x) in vv.iter_mut().enumerate() {
+                    *x = T::load8(row.add(8 * c));
+                }
+                for (i, a) in acc.iter_mut().enumerate() {
+                    let pb = _mm256_set1_ps(*ps[i].get_unchecked(t));
+                    for c in 0..W {
+                        a[c] = _mm256_fmadd_ps(pb, vv[c], a[c]);
+                    }
                 }
             }
             row = row.add(hd);
@@ -897,11 +932,17 @@ mod avx2 {
         }
     }
 
-    /// [`grouped_pass`] over every `d`, sixteen at a time while the group's accumulators fit
-    /// (up to six queries), else eight.
+    /// [`grouped_pass`] over every `d`: thirty-two at a time for up to three queries, sixteen
+    /// for up to six, else eight (the widest whose accumulators fit the registers).
     #[inline(always)]
     unsafe fn grouped_passes<T: Src, const NQ: usize>(ps: &[&[f32]], v: *const T, hd: usize, o: *mut f32) {
         let mut d0 = 0;
+        if NQ <= 3 {
+            while d0 + 32 <= hd {
+                grouped_pass::<T, NQ, 4>(ps, v, hd, d0, o);
+                d0 += 32;
+            }
+        }
         if NQ <= 6 {
             while d0 + 16 <= hd {
                 grouped_pass::<T, NQ, 2>(ps, v, hd, d0, o);
