@@ -12,6 +12,10 @@ rests on.
 
 `--after` defaults to the package this interpreter imports (the work tree's, when installed
 editable). Each run is a fresh process, so the two builds never share one.
+
+With `--context N` each stream's prompt is instead N tokens of running text and each run is
+`benches/vs_llama_cpp.py`'s candle-gate side (the same prompts, prefill in chunks, decode tok/s
+counted once every stream has its first token): long-context decode, two builds side by side.
 """
 import argparse
 import json
@@ -33,8 +37,29 @@ def where(pkg_dir):
                           env=env_for(pkg_dir), check=True, capture_output=True, text=True).stdout.strip()
 
 
+#: one `--context` run in the child process: vs_llama_cpp.py's prompts and measure, this build
+LONG_CONTEXT = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import vs_llama_cpp as v
+from candle_gate import Model
+model, context, new, threads = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+m = Model.load(model, mode=sys.argv[6])
+out = []
+for c in [int(x) for x in sys.argv[7].split(",")]:
+    r = v.candle_gate_run(m, [v.long_prompt(m, context, i) for i in range(c)], new, threads)
+    out.append({"concurrency": c, "tok_per_s": r["decode_tok_s"]})
+print(json.dumps({"results": out}))
+"""
+
+
 def run(pkg_dir, args):
     env = env_for(pkg_dir)
+    if args.context:
+        cmd = [sys.executable, "-c", LONG_CONTEXT, os.path.dirname(os.path.abspath(__file__)), args.model,
+               str(args.context), str(args.max_new_tokens), str(os.cpu_count() or 1), args.mode, args.concurrency]
+        out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
+        return {r["concurrency"]: r["tok_per_s"] for r in json.loads(out.strip().splitlines()[-1])["results"]}
     cmd = [sys.executable, "-m", "candle_gate", "bench", "throughput", "--json", "--model", args.model,
            "--mode", args.mode, "--concurrency", args.concurrency, "--max-new-tokens", str(args.max_new_tokens)]
     out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
@@ -50,6 +75,8 @@ def main():
     ap.add_argument("--concurrency", default="1,8")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--context", type=int, default=0,
+                    help="prompts of this many tokens of running text (default: the short chat prompts)")
     ap.add_argument("--json", help="also write the table here")
     args = ap.parse_args()
     best = {"before": {}, "after": {}}
@@ -60,7 +87,8 @@ def main():
             for c, v in got.items():
                 best[side][c] = max(best[side].get(c, 0.0), v)
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
-    print(f"{args.model}, {args.mode}, decode tok/s, best of {args.rounds} alternating rounds")
+    what = f", {args.context}-token prompts" if args.context else ""
+    print(f"{args.model}, {args.mode}{what}, decode tok/s, best of {args.rounds} alternating rounds")
     print(f"  before: {paths['before']}\n  after:  {paths['after']}")
     print(f"{'concurrency':>12} {'before':>10} {'after':>10} {'after/before':>13}")
     rows = []
@@ -70,7 +98,8 @@ def main():
         print(f"{c:>12} {b:>10.1f} {a:>10.1f} {a / b:>12.2f}x")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "mode": args.mode, "rounds": args.rounds, "rows": rows}, f, indent=1)
+            json.dump({"model": args.model, "mode": args.mode, "context": args.context or None, "rounds": args.rounds,
+                       "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
