@@ -1069,13 +1069,14 @@ mod tests {
             // Sliding windows: one ending inside a split, one shorter than a block.
             Heads { window: Some(300), ..Heads::new(4, 1, 256) },
             Heads { window: Some(20), ..Heads::new(2, 1, 36) },
-            // The vector tier's groups: eight queries a pass, and five over a head_dim that
-            // ends in half a pass.
+            // The vector tier's groups: eight queries a pass, five over a head_dim that ends in
+            // half a pass, and three over one that takes a pass of 32 values, then of 16.
             Heads::new(16, 2, 64),
             Heads::new(10, 2, 72),
+            Heads::new(3, 1, 48),
         ];
         for (si, h) in shapes.into_iter().enumerate() {
-            let len = [600, 530, 300, 280, 600, 280, 290, 300][si];
+            let len = [600, 530, 300, 280, 600, 280, 290, 300, 290][si];
             for dtype in KvDtype::ALL {
                 let a = seq(h, len, 11 + si as u64);
                 let b = seq(h, 90, 23 + si as u64);
