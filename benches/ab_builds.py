@@ -37,27 +37,25 @@ def where(pkg_dir):
                           env=env_for(pkg_dir), check=True, capture_output=True, text=True).stdout.strip()
 
 
-#: one `--context` run in the child process: vs_llama_cpp.py's prompts and measure, this build
-LONG_CONTEXT = """
-import json, sys
-sys.path.insert(0, sys.argv[1])
-import vs_llama_cpp as v
-from candle_gate import Model
-model, context, new, threads = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-m = Model.load(model, mode=sys.argv[6])
-out = []
-for c in [int(x) for x in sys.argv[7].split(",")]:
-    r = v.candle_gate_run(m, [v.long_prompt(m, context, i) for i in range(c)], new, threads)
-    out.append({"concurrency": c, "tok_per_s": r["decode_tok_s"]})
-print(json.dumps({"results": out}))
-"""
+def long_context_child(argv):
+    """One `--context` run, in a child process that imports the build under test:
+    vs_llama_cpp.py's prompts and measure; prints the results as JSON."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import vs_llama_cpp as v
+    from candle_gate import Model
+    model, context, new, threads, concurrency = argv[0], int(argv[1]), int(argv[2]), int(argv[3]), argv[4]
+    m = Model.load(model, mode="invariant")
+    out = [{"concurrency": c, "tok_per_s": v.candle_gate_run(m, [v.long_prompt(m, context, i) for i in range(c)],
+                                                             new, threads)["decode_tok_s"]}
+           for c in [int(x) for x in concurrency.split(",")]]
+    print(json.dumps({"results": out}))
 
 
 def run(pkg_dir, args):
     env = env_for(pkg_dir)
     if args.context:
-        cmd = [sys.executable, "-c", LONG_CONTEXT, os.path.dirname(os.path.abspath(__file__)), args.model,
-               str(args.context), str(args.max_new_tokens), str(os.cpu_count() or 1), args.mode, args.concurrency]
+        cmd = [sys.executable, os.path.abspath(__file__), "--long-context-child", args.model, str(args.context),
+               str(args.max_new_tokens), str(os.cpu_count() or 1), args.concurrency]
         out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
         return {r["concurrency"]: r["tok_per_s"] for r in json.loads(out.strip().splitlines()[-1])["results"]}
     cmd = [sys.executable, "-m", "candle_gate", "bench", "throughput", "--json", "--model", args.model,
@@ -79,6 +77,8 @@ def main():
                     help="prompts of this many tokens of running text (default: the short chat prompts)")
     ap.add_argument("--json", help="also write the table here")
     args = ap.parse_args()
+    if args.context and args.mode != "invariant":
+        ap.error("--context runs vs_llama_cpp.py's engine, which is `invariant` mode")
     best = {"before": {}, "after": {}}
     paths = {"before": where(args.before), "after": where(args.after)}
     for r in range(args.rounds):
@@ -103,4 +103,7 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--long-context-child"]:
+        long_context_child(sys.argv[2:])
+    else:
+        main()

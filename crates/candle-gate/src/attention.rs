@@ -296,9 +296,11 @@ fn split_partials(
     let prefetch = !direct;
     let cnt = nb - b0;
     let ahead = |i: usize| if i < cnt { (first + b0 + i, false) } else { (first + b0 + i - cnt, true) };
-    for i in 0..if prefetch { AHEAD.min(cnt) } else { 0 } {
-        let (blk, values) = ahead(i);
-        prefetch_block(kv, kvh, blk, values);
+    if prefetch {
+        for i in 0..AHEAD.min(cnt) {
+            let (blk, values) = ahead(i);
+            prefetch_block(kv, kvh, blk, values);
+        }
     }
     for b in b0..nb {
         if prefetch && b - b0 + AHEAD < 2 * cnt {
