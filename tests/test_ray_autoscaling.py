@@ -1,7 +1,7 @@
 """``candle-gate serve --autoscaling-config JSON``: Ray Serve's autoscaling passed through. Bad
-configs are refused before any cluster starts; a real one starts at one replica and Ray adds the
-second under load (a local Ray cluster on loopback, started and stopped here, after
-``test_ray.py``'s)."""
+configs (and model names) are refused before any cluster starts; a real one starts at one
+replica and Ray adds the second under load (a local Ray cluster on loopback, started and stopped
+here, after ``test_ray.py``'s)."""
 import concurrent.futures as cf
 import json
 import os
@@ -34,6 +34,16 @@ def test_a_bad_autoscaling_config_is_refused_before_ray_starts(config, message):
     r = serve_exits("--autoscaling-config", config)
     assert r.returncode == 2
     assert "--autoscaling-config: " in r.stderr and message in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("args", [[], ["--replicas", "1"]])
+@pytest.mark.parametrize("flag", ["--model", "--draft-model"])
+def test_a_model_that_is_neither_known_nor_a_file_is_refused_before_serving(args, flag):
+    """Not a server that answers 503 on /health, nor a Ray cluster whose replicas fail to deploy."""
+    r = serve_exits(*args, flag, "no-such-model.gguf", "--port", "1")
+    assert r.returncode == 2, r.stderr
+    assert f"{flag}: 'no-such-model.gguf' is neither a file nor a known model name" in r.stderr, r.stderr
+    assert "Ray" not in r.stdout + r.stderr
 
 
 def test_replicas_and_autoscaling_are_exclusive():

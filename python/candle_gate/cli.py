@@ -8,7 +8,7 @@ from typing import List, Optional
 
 from . import _native
 from .engine import DEFAULT_MAX_NEW_TOKENS, ENGINE_DEFAULTS, GATES, MODES, SPECULATIVE_METHODS, speculative_options
-from .models import DEFAULT_MODEL
+from .models import DEFAULT_MODEL, resolve
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -137,6 +137,18 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if a.stream_interval_ms is not None and a.stream_interval_ms < 0:
         print("candle-gate serve: --stream-interval-ms must be 0 or more", file=sys.stderr)
         return 2
+    remote = a.ray_address and (a.replicas is not None or a.autoscaling_config is not None)
+    for flag, name in (("--model", a.model), ("--draft-model", a.draft_model)):
+        # A name that is neither known nor a file here would only fail once the server (or each
+        # replica, behind Ray's "Failed to update the deployments") tries to load it. A path on a
+        # cluster joined by --ray-address is the replicas' to find, on their own nodes.
+        if name is None or remote:
+            continue
+        try:
+            resolve(name, download=False)
+        except FileNotFoundError as e:
+            print(f"candle-gate serve: {flag}: {e}", file=sys.stderr)
+            return 2
     if a.replicas is None and a.autoscaling_config is None:
         if a.ray_address:
             print("candle-gate serve: --ray-address needs --replicas N or --autoscaling-config", file=sys.stderr)
