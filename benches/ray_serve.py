@@ -2,9 +2,10 @@
 
     pip install ".[ray,test]"
     python benches/ray_serve.py [--model NAME] [--concurrency 1,8] [--prompts 8] [--max-tokens 32]
-        [--rounds 1] [--setups serve,ray,...] [--conversations 8] [--turns 4] [--turn-tokens 200] [--json OUT]
+        [--rounds 1] [--setups serve,ray,...] [--conversations 8] [--turns 4] [--turn-tokens 200]
+        [--parts overhead,routing,idle] [--json OUT]
 
-Two parts, every request a streamed chat completion at temperature 0 through the official
+Two parts (and a third, below), every request a streamed chat completion at temperature 0 through the official
 ``openai`` client, every server started here on loopback:
 
 * **overhead and scaling** (``benches/serve_load.py``'s request set and measures): ``candle-gate
@@ -12,12 +13,17 @@ Two parts, every request a streamed chat completion at temperature 0 through the
   router) with candle-gate's settings (``candle_gate.ray.SERVE_ENV`` and a 50 ms stream
   interval), with the stream interval at 0, and with Ray's defaults; the Ray app with 2 replicas
   of 1 thread each. On a 2-core machine the two replicas share the two cores: that measures the
-  fleet's mechanics, not added capacity. ``--setups`` picks some of them.
+  fleet's mechanics, not added capacity. ``--setups`` picks some of them. Beside the client's
+  measures, the server's own mean inter-token time (its ``/metrics``): a ratio above 1 there is
+  time lost inside the engine's process (CPU shared with Ray's), not in the proxy.
 * **routing**: the 2-replica app, ``--conversations`` multi-turn chats (each turn about
   ``--turn-tokens`` tokens of prose plus the answer, one client per conversation, each sending its
   own ``x-session-id``), with ``--routing session`` (a session keeps its replica) and ``--routing
   pow2`` (Ray's default): total time, TTFT per turn, and the share of prompt tokens served from
   a prefix cache (``usage.prompt_tokens_details.cached_tokens``).
+
+``--parts idle`` measures what an idle Ray app's processes take from the machine's CPU (every
+process's time from /proc, in cores), with candle-gate's control loop interval and Ray's default.
 
 Numbers are printed, never asserted; run it with nothing else on the machine.
 """
@@ -58,7 +64,7 @@ def start(label: str, model: str, port: int, extra: List[str], env: Optional[Dic
 #: shows what those settings buy
 RAY_DEFAULTS = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "0", "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1",
                 "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1", "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1",
-                "RAY_SERVE_LOG_TO_STDERR": "1"}
+                "RAY_SERVE_LOG_TO_STDERR": "1", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1"}
 assert set(RAY_DEFAULTS) == set(candle_gate.ray.SERVE_ENV), "RAY_DEFAULTS must undo every SERVE_ENV setting"
 
 
@@ -81,6 +87,19 @@ def client(port: int, session: str = ""):
                          default_headers=headers)
 
 
+def server_itl(port: int) -> tuple:
+    """The server's own ``candle_gate:inter_token_latency_seconds`` (sum, count) from its
+    /metrics (through Ray's proxy, the one replica's): where a token's time goes inside the
+    engine's process, before any proxy."""
+    import httpx
+    sums = {}
+    for line in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text.splitlines():
+        name = line.split("{", 1)[0]
+        if name in ("candle_gate:inter_token_latency_seconds_sum", "candle_gate:inter_token_latency_seconds_count"):
+            sums[name.rsplit("_", 1)[1]] = float(line.rsplit(" ", 1)[1])
+    return sums.get("sum", 0.0), sums.get("count", 0.0)
+
+
 def overhead(a: argparse.Namespace) -> Dict[str, Any]:
     cs = parse_concurrency(a.concurrency)
     chats = [bench_prompt(i) for i in range(a.prompts)]
@@ -101,12 +120,16 @@ def overhead(a: argparse.Namespace) -> Dict[str, Any]:
                 one_request(c, "bench-model", chats[0], 4)  # warm-up
                 rows[label].append([])
                 for n in cs:
+                    s0, c0 = server_itl(port)
                     r = level(c, "bench-model", chats, order, n, a.max_tokens)
+                    s1, c1 = server_itl(port)
+                    r["server_itl_mean"] = (s1 - s0) / max(c1 - c0, 1)
                     r.pop("texts")
                     rows[label][-1].append(r)
                     print(f"  round {rnd + 1} {label:28s} c={n:<3} {r['tok_per_s']:7.1f} tok/s  TTFT p50 "
                           f"{1e3 * r['ttft_p50']:7.1f} ms p99 {1e3 * r['ttft_p99']:7.1f} ms  ITL p50 "
-                          f"{1e3 * r['itl_p50']:6.1f} ms", flush=True)
+                          f"{1e3 * r['itl_p50']:6.1f} ms  server's ITL mean {1e3 * r['server_itl_mean']:6.1f} ms",
+                          flush=True)
             finally:
                 stop(proc, 120)
     base = rows[setups[0][0]]
@@ -115,10 +138,50 @@ def overhead(a: argparse.Namespace) -> Dict[str, Any]:
         for i, n in enumerate(cs):
             ratio = [r[i]["tok_per_s"] / b[i]["tok_per_s"] for b, r in zip(base, rounds)]
             ttft = [1e3 * (r[i]["ttft_p50"] - b[i]["ttft_p50"]) for b, r in zip(base, rounds)]
+            itl = [r[i]["server_itl_mean"] / b[i]["server_itl_mean"] for b, r in zip(base, rounds)]
             print(f"  {label:28s} c={n:<3} tok/s {statistics.median(ratio):.2f}x serve's "
                   f"({', '.join(f'{x:.2f}' for x in ratio)}), TTFT p50 {statistics.median(ttft):+.1f} ms "
-                  f"({', '.join(f'{x:+.0f}' for x in ttft)})")
+                  f"({', '.join(f'{x:+.0f}' for x in ttft)}), server's own ITL {statistics.median(itl):.2f}x "
+                  f"({', '.join(f'{x:.2f}' for x in itl)})")
     return rows
+
+
+def cpu_seconds() -> Dict[int, float]:
+    """Every process's user + system CPU seconds so far (Linux /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        out[int(pid)] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def idle(a: argparse.Namespace) -> Dict[str, Any]:
+    """The CPU an idle Ray app takes from the machine (every process but this one, in cores),
+    with ``SERVE_ENV``'s control loop interval and with Ray's default, alternating rounds."""
+    setups = [("control loop 0.5 s (SERVE_ENV)", None),
+              ("control loop 0.1 s (Ray's default)", {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1"})]
+    out: Dict[str, List[float]] = {label: [] for label, _ in setups}
+    for rnd in range(a.rounds):
+        for label, env in setups:
+            proc = start(label, a.model, free_port(), ["--replicas", "1", "--threads", "2"], env)
+            try:
+                time.sleep(10)  # past the deployment's start
+                t0, c0 = time.monotonic(), cpu_seconds()
+                time.sleep(a.idle_seconds)
+                t1, c1 = time.monotonic(), cpu_seconds()
+            finally:
+                stop(proc, 120)
+            used = sum(c1[p] - c0.get(p, 0.0) for p in c1 if p != os.getpid()) / (t1 - t0)
+            out[label].append(used)
+            print(f"  round {rnd + 1} {label:36s} idle: {100 * used:5.1f}% of one core", flush=True)
+    for label, used in out.items():
+        print(f"  {label:36s} median {100 * statistics.median(used):5.1f}% of one core", flush=True)
+    return out
 
 
 def routing(a: argparse.Namespace) -> Dict[str, Any]:
@@ -159,7 +222,8 @@ def main() -> int:
     ap.add_argument("--conversations", type=int, default=8)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--turn-tokens", type=int, default=200)
-    ap.add_argument("--parts", default="overhead,routing")
+    ap.add_argument("--parts", default="overhead,routing", help="any of overhead, routing, idle")
+    ap.add_argument("--idle-seconds", type=float, default=20.0, help="the idle part's sampling window")
     ap.add_argument("--setups", default=",".join(s[0] for s in SETUPS),
                     help="the overhead part's setups: serve, then any of " + ", ".join(s[0] for s in SETUPS[1:]))
     ap.add_argument("--json", default=None)
@@ -170,6 +234,8 @@ def main() -> int:
         report["overhead"] = overhead(a)
     if "routing" in a.parts:
         report["routing"] = routing(a)
+    if "idle" in a.parts:
+        report["idle"] = idle(a)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -119,8 +119,8 @@ def test_metrics_name_the_replica(fleet):
 
 
 def test_replicas_and_proxy_run_with_the_serve_settings(fleet, monkeypatch):
-    """``candle_gate.ray.SERVE_ENV`` reaches the replica and the proxy processes (read from their
-    environment: the replica names its pid), and the environment overrides it."""
+    """``candle_gate.ray.SERVE_ENV`` reaches the replica, the proxy and the controller processes
+    (read from their environment: the replica names its pid), and the environment overrides it."""
     from candle_gate.ray import SERVE_ENV, serve_env
 
     def environ(pid):
@@ -128,9 +128,12 @@ def test_replicas_and_proxy_run_with_the_serve_settings(fleet, monkeypatch):
             return dict(kv.split("=", 1) for kv in f.read().decode(errors="replace").split("\0") if "=" in kv)
 
     pid = httpx.get(fleet.url + "/health", timeout=60).headers[REPLICA].rsplit("/", 1)[1]
-    proxies = [p for p in os.listdir("/proc") if p.isdigit() and b"ProxyActor" in open(f"/proc/{p}/cmdline", "rb").read()]
-    assert proxies
-    for p in [pid, *proxies]:
+    def actors(name):
+        return [p for p in os.listdir("/proc") if p.isdigit() and name in open(f"/proc/{p}/cmdline", "rb").read()]
+
+    proxies, controllers = actors(b"ProxyActor"), actors(b"ServeController")
+    assert proxies and controllers
+    for p in [pid, *proxies, *controllers]:
         env = environ(p)
         assert {k: env.get(k) for k in SERVE_ENV} == SERVE_ENV, p
     monkeypatch.setenv("RAY_SERVE_USE_GRPC_BY_DEFAULT", "0")
