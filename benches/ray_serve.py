@@ -68,16 +68,21 @@ RAY_DEFAULTS = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "0", "RAY_SERVE_RUN_USER_CODE_I
 assert set(RAY_DEFAULTS) == set(candle_gate.ray.SERVE_ENV), "RAY_DEFAULTS must undo every SERVE_ENV setting"
 
 
-#: (key, label, serve flags, environment): ``candle-gate serve``, the Ray app with candle-gate's
-#: settings, without its stream interval, with Ray's defaults (and no stream interval), with two
-#: replicas
-SETUPS = [("serve", "serve, 2 threads", ["--threads", "2"], None),
-          ("ray", "ray, 1 replica x 2 threads", ["--replicas", "1", "--threads", "2"], None),
-          ("ray-unbatched", "ray, 1 x 2, stream interval 0", ["--replicas", "1", "--threads", "2",
-                                                              "--stream-interval-ms", "0"], None),
-          ("ray-defaults", "ray defaults, 1 x 2 threads", ["--replicas", "1", "--threads", "2",
-                                                           "--stream-interval-ms", "0"], RAY_DEFAULTS),
-          ("ray-2x1", "ray, 2 replicas x 1 thread", ["--replicas", "2", "--threads", "1"], None)]
+def setups_for(threads: int) -> List[tuple]:
+    """(key, label, serve flags, environment): ``candle-gate serve``, the Ray app with
+    candle-gate's settings, without its stream interval, with Ray's defaults (and no stream
+    interval), each with ``threads`` engine threads; and two replicas of one thread."""
+    t = str(threads)
+    return [("serve", f"serve, {t} threads", ["--threads", t], None),
+            ("ray", f"ray, 1 replica x {t} threads", ["--replicas", "1", "--threads", t], None),
+            ("ray-unbatched", f"ray, 1 x {t}, stream interval 0",
+             ["--replicas", "1", "--threads", t, "--stream-interval-ms", "0"], None),
+            ("ray-defaults", f"ray defaults, 1 x {t} threads",
+             ["--replicas", "1", "--threads", t, "--stream-interval-ms", "0"], RAY_DEFAULTS),
+            ("ray-2x1", "ray, 2 replicas x 1 thread", ["--replicas", "2", "--threads", "1"], None)]
+
+
+SETUPS = setups_for(2)
 
 
 def client(port: int, session: str = ""):
@@ -104,7 +109,7 @@ def overhead(a: argparse.Namespace) -> Dict[str, Any]:
     cs = parse_concurrency(a.concurrency)
     chats = [bench_prompt(i) for i in range(a.prompts)]
     order = [i for i in range(a.prompts) for _ in range(a.repeats)]
-    setups = [s for s in SETUPS if s[0] in a.setups.split(",")]
+    setups = [s for s in setups_for(a.threads) if s[0] in a.setups.split(",")]
     if not setups or setups[0][0] != "serve":
         raise SystemExit(f"--setups: serve first, then any of {', '.join(s[0] for s in SETUPS[1:])}")
     setups = [(label, extra, env) for _, label, extra, env in setups]
@@ -226,6 +231,9 @@ def main() -> int:
     ap.add_argument("--idle-seconds", type=float, default=20.0, help="the idle part's sampling window")
     ap.add_argument("--setups", default=",".join(s[0] for s in SETUPS),
                     help="the overhead part's setups: serve, then any of " + ", ".join(s[0] for s in SETUPS[1:]))
+    ap.add_argument("--threads", type=int, default=2,
+                    help="the engine's threads in the overhead part's serve and one-replica setups (1 leaves "
+                         "Ray's processes a core of their own on a 2-core machine)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     print(f"# {a.model}, {os.cpu_count()} CPUs", flush=True)
