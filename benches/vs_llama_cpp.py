@@ -16,7 +16,8 @@ candle-gate (``invariant`` mode) and llama.cpp run in alternation, and each repo
 
 With ``--context N,...`` each stream's prompt is instead N tokens of running text (the same ids to
 both engines, a different text per stream), prefilled in chunks of 512 by both, and llama.cpp runs
-twice per round, flash attention off and on, keeping its better figure of the two. The bandwidth
+twice per round, flash attention off and on, keeping its better figure of the two
+(``--llama-flash-attn off`` or ``on`` runs only that one). The bandwidth
 line then counts the K/V bytes each decode step reads at that context (f16, both engines' default)
 on top of the weights.
 
@@ -199,6 +200,10 @@ class LlamaCpp:
                 "decode_tok_s": n / dt if dt > 0 else 0.0}
 
 
+#: ``--llama-flash-attn``: which of llama.cpp's flash-attention settings a long-context run tries
+FLASH_ATTN = {"both": (False, True), "off": (False,), "on": (True,)}
+
+
 def compare(model: Model, name: str, ctx: int, c: int, a: argparse.Namespace, bw: float):
     """One model at one context (0: the short chat prompts) and stream count, both engines in
     alternating rounds; returns the table row and the best bandwidth seen."""
@@ -206,8 +211,9 @@ def compare(model: Model, name: str, ctx: int, c: int, a: argparse.Namespace, bw
     n_ctx = max(len(t) for t in toks) + a.new_tokens + 8
     chunk = 512 if ctx else 4096
     # Long contexts: llama.cpp with flash attention off and on, its better figure kept.
+    fas = FLASH_ATTN[a.llama_flash_attn] if ctx else (False,)
     peers = [(f"llama.cpp{' fa' if fa else ''}", LlamaCpp(model.path, c, a.threads, n_ctx, n_batch=512 if ctx else 0, flash_attn=fa))
-             for fa in ((False, True) if ctx else (False,))]
+             for fa in fas]
     ours_best: Dict[str, float] = {}
     peer_best: Dict[str, float] = {}
     # Single stream: each candle-gate round's decode rate over the bandwidth read just
@@ -259,6 +265,10 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", default=None)
     ap.add_argument("--context", default="", help="prompt lengths in tokens, e.g. 1024,4096,16384 (default: short chat prompts)")
+    ap.add_argument("--llama-flash-attn", default="both", choices=sorted(FLASH_ATTN),
+                    help="llama.cpp's flash attention at --context: both (its better figure kept), or only off or "
+                         "on, which halves its time where one setting is known to win (off won Qwen2.5's decode "
+                         "at 4k and 16k on the 2-core Zen 4)")
     a = ap.parse_args(argv)
     contexts = [int(x) for x in a.context.split(",") if x] or [0]
     try:
