@@ -5,8 +5,8 @@
         [--rounds 1] [--setups serve,ray,...] [--conversations 8] [--turns 4] [--turn-tokens 200]
         [--parts overhead,routing,idle] [--json OUT]
 
-Two parts (and a third, below), every request a streamed chat completion at temperature 0 through the official
-``openai`` client, every server started here on loopback:
+Two parts (and a third, below), every request a streamed chat completion at temperature 0
+through the official ``openai`` client, every server started here on loopback:
 
 * **overhead and scaling** (``benches/serve_load.py``'s request set and measures): ``candle-gate
   serve`` with 2 threads; the Ray app with 1 replica of 2 threads (the cost of Ray's proxy and
@@ -92,17 +92,20 @@ def client(port: int, session: str = ""):
                          default_headers=headers)
 
 
+#: the server histogram whose mean is a stream's inter-token time
+ITL = "candle_gate:inter_token_latency_seconds"
+
+
 def server_itl(port: int) -> tuple:
     """The server's own ``candle_gate:inter_token_latency_seconds`` (sum, count) from its
     /metrics (through Ray's proxy, the one replica's): where a token's time goes inside the
     engine's process, before any proxy."""
     import httpx
-    sums = {}
-    for line in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text.splitlines():
-        name = line.split("{", 1)[0]
-        if name in ("candle_gate:inter_token_latency_seconds_sum", "candle_gate:inter_token_latency_seconds_count"):
-            sums[name.rsplit("_", 1)[1]] = float(line.rsplit(" ", 1)[1])
-    return sums.get("sum", 0.0), sums.get("count", 0.0)
+    from prometheus_client.parser import text_string_to_metric_families
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    got = {s.name: s.value for fam in text_string_to_metric_families(text)
+           if fam.name == ITL for s in fam.samples}
+    return got.get(f"{ITL}_sum", 0.0), got.get(f"{ITL}_count", 0.0)
 
 
 def overhead(a: argparse.Namespace) -> Dict[str, Any]:
@@ -168,8 +171,9 @@ def cpu_seconds() -> Dict[int, float]:
 def idle(a: argparse.Namespace) -> Dict[str, Any]:
     """The CPU an idle Ray app takes from the machine (every process but this one, in cores),
     with ``SERVE_ENV``'s control loop interval and with Ray's default, alternating rounds."""
-    setups = [("control loop 0.5 s (SERVE_ENV)", None),
-              ("control loop 0.1 s (Ray's default)", {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1"})]
+    key = "RAY_SERVE_CONTROL_LOOP_INTERVAL_S"
+    setups = [(f"control loop {candle_gate.ray.SERVE_ENV[key]} s (SERVE_ENV)", None),
+              (f"control loop {RAY_DEFAULTS[key]} s (Ray's default)", {key: RAY_DEFAULTS[key]})]
     out: Dict[str, List[float]] = {label: [] for label, _ in setups}
     for rnd in range(a.rounds):
         for label, env in setups:

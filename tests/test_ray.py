@@ -127,9 +127,17 @@ def test_replicas_and_proxy_run_with_the_serve_settings(fleet, monkeypatch):
         with open(f"/proc/{pid}/environ", "rb") as f:
             return dict(kv.split("=", 1) for kv in f.read().decode(errors="replace").split("\0") if "=" in kv)
 
-    pid = httpx.get(fleet.url + "/health", timeout=60).headers[REPLICA].rsplit("/", 1)[1]
+    def cmdline(pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                return f.read()
+        except OSError:  # a process that ended meanwhile
+            return b""
+
     def actors(name):
-        return [p for p in os.listdir("/proc") if p.isdigit() and name in open(f"/proc/{p}/cmdline", "rb").read()]
+        return [p for p in os.listdir("/proc") if p.isdigit() and name in cmdline(p)]
+
+    pid = httpx.get(fleet.url + "/health", timeout=60).headers[REPLICA].rsplit("/", 1)[1]
 
     proxies, controllers = actors(b"ProxyActor"), actors(b"ServeController")
     assert proxies and controllers
