@@ -146,6 +146,64 @@ mod avx512 {
         }
     }
 
+    /// One activation block of one row, for [`column1`]: the offset form in 256 bits.
+    pub struct Row1 {
+        qs: __m256i,
+        /// −128 · Σ of each four `qs`: where each lane's sum starts.
+        start: __m256i,
+    }
+
+    impl Row1 {
+        #[target_feature(enable = "avx512f,avx512vl,avx512vnni,avx2")]
+        pub unsafe fn of(y: &Q80) -> Row1 {
+            let qs = _mm256_loadu_si256(y.qs.as_ptr() as *const __m256i);
+            let sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(-128), qs);
+            Row1 { qs, start: _mm256_sub_epi32(_mm256_setzero_si256(), sums) }
+        }
+    }
+
+    /// One row against one weight column, exactly [`super::avx2::column`]'s element (the same
+    /// eight lanes, scale products and horizontal sum) with the integer sums from VNNI's offset
+    /// form in 256 bits: a block is a load, an xor, a `dpbusd`, a conversion and an FMA, against
+    /// the AVX2 tier's seven, and the matrix is read in its own order, one column after the
+    /// next. The path before, two columns side by side in one 512-bit vector, read it in two
+    /// interleaved streams with a blend and two broadcasts per block, and took 7.0–7.3 ms on the
+    /// 151936 × 896 output on the 2-core Zen 4 (which splits each 512-bit operation in two),
+    /// against 3.9–4.2 for the AVX2 tier and 4.0–4.2 for this one.
+    #[target_feature(enable = "avx512f,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub unsafe fn column1(w: &[Q80], y: &[Row1], yd: &[f32]) -> f32 {
+        let kb = w.len();
+        assert!(y.len() >= kb && yd.len() >= kb);
+        let x = w.as_ptr();
+        let offset = _mm256_set1_epi8(-128);
+        let mut acc = _mm256_setzero_ps();
+        let mut b = 0;
+        while b + 8 <= kb {
+            let xd = super::super::avx2::f16x8(|i| x.add(b + i) as *const u8);
+            let mut d = [0f32; 8];
+            _mm256_storeu_ps(d.as_mut_ptr(), _mm256_mul_ps(xd, _mm256_loadu_ps(yd.as_ptr().add(b))));
+            // Kept in memory, so that each scale is one broadcast load, not a lane permute.
+            let d = std::hint::black_box(&d);
+            for i in 0..8 {
+                let xb = &*x.add(b + i);
+                prefetch_ahead(xb);
+                let xu = _mm256_xor_si256(_mm256_loadu_si256(xb.qs.as_ptr() as *const __m256i), offset);
+                let yb = y.get_unchecked(b + i);
+                let sums = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(yb.start, xu, yb.qs));
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(d[i]), sums, acc);
+            }
+            b += 8;
+        }
+        for b in b..kb {
+            let xb = &*x.add(b);
+            let xu = _mm256_xor_si256(_mm256_loadu_si256(xb.qs.as_ptr() as *const __m256i), offset);
+            let yb = y.get_unchecked(b);
+            let sums = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(yb.start, xu, yb.qs));
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(xb.d.to_f32() * *yd.get_unchecked(b)), sums, acc);
+        }
+        super::avx2::hsum(acc)
+    }
+
     /// Candle's per-block step on two elements at once: `acc + (d_x·d_y) · Σ x·y`, one FMA per
     /// lane, with the exact integer lanes from the offset form.
     #[inline]
@@ -171,53 +229,6 @@ mod avx512 {
         }
         acc.map(|a| hsum_halves(a))
     }
-
-    /// One row (its blocks, each [`Rows2`] holding it twice, and its scales `yd`) against `2P`
-    /// adjacent columns, every element exactly [`super::avx2::column`]'s, column pair by pair.
-    /// The scale products `d_x·d_y` (the same f32 multiply) are made eight blocks at a time and
-    /// read back as broadcasts, as the AVX2 tier does: converting and combining two scalar
-    /// scales per block was ten of its twenty-odd instructions, and a one-row GEMV's memory
-    /// stream waits on this loop's instructions.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-    pub unsafe fn columns<const P: usize>(w: [[&[Q80]; 2]; P], y: &[Rows2], yd: &[f32]) -> [[f32; 2]; P] {
-        let mut acc = [_mm512_setzero_ps(); P];
-        let offset = _mm512_set1_epi8(-128);
-        let kb = y.len();
-        assert!(yd.len() >= kb && w.iter().all(|[a, b]| a.len() >= kb && b.len() >= kb));
-        let mut b0 = 0;
-        while b0 + 8 <= kb {
-            let ydv = _mm256_loadu_ps(yd.as_ptr().add(b0));
-            for (a, [wa, wb]) in acc.iter_mut().zip(w) {
-                let (pa, pb) = (wa.as_ptr().add(b0), wb.as_ptr().add(b0));
-                let mut d = [[0f32; 8]; 2];
-                let da = super::super::avx2::f16x8(|i| pa.add(i) as *const u8);
-                let db = super::super::avx2::f16x8(|i| pb.add(i) as *const u8);
-                _mm256_storeu_ps(d[0].as_mut_ptr(), _mm256_mul_ps(da, ydv));
-                _mm256_storeu_ps(d[1].as_mut_ptr(), _mm256_mul_ps(db, ydv));
-                // Kept in memory, so that each scale is one broadcast load, not a lane permute.
-                let d = std::hint::black_box(&d);
-                for i in 0..8 {
-                    let (xa, xb) = (&*pa.add(i), &*pb.add(i));
-                    prefetch_ahead(xa);
-                    prefetch_ahead(xb);
-                    let xu = _mm512_xor_si512(halves(&xa.qs, &xb.qs), offset);
-                    let dv = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d[0][i]), _mm512_set1_ps(d[1][i]));
-                    *a = step(*a, xu, y.get_unchecked(b0 + i), dv);
-                }
-            }
-            b0 += 8;
-        }
-        for (b, yb) in y.iter().enumerate().skip(b0) {
-            for (a, [wa, wb]) in acc.iter_mut().zip(w) {
-                let (xa, xb) = (wa.get_unchecked(b), wb.get_unchecked(b));
-                prefetch_ahead(xa);
-                prefetch_ahead(xb);
-                let xu = _mm512_xor_si512(halves(&xa.qs, &xb.qs), offset);
-                *a = step(*a, xu, yb, _mm512_mul_ps(halves_ps(xa.d.to_f32(), xb.d.to_f32()), yb.d));
-            }
-        }
-        acc.map(|a| hsum_halves(a))
-    }
 }
 
 /// `got` copied to the front of `buf`, which is returned cut to it.
@@ -226,11 +237,6 @@ fn fill<'a>(buf: &'a mut [f32], got: &[f32]) -> &'a [f32] {
     &buf[..got.len()]
 }
 
-/// Column pairs side by side in the AVX-512 one-row path, two columns per vector. One pair
-/// keeps the read order closest to the layout's, which is what a matrix that streams from
-/// memory needs: on the 2-core Xeon the 151936 × 896 output took 5.0 ms with one pair against
-/// 5.8 with two (hot in cache, more pairs hide more latency: 25 against 21 GB/s at 1024 × 896).
-const ONE_ROW_PAIRS: usize = 1;
 /// Columns handed to a worker at once.
 const COLS_PER_TASK: usize = 16;
 /// Rows sharing one pass over a weight column (AVX-512: as many pairs, two per vector; AVX2:
@@ -259,9 +265,8 @@ pub fn matmul(w: &[BlockQ8_0], xq: &[BlockQ8_0], m: usize, k: usize, n: usize, o
         let (w, xq) = unsafe { (mirror::<_, Q80>(w), mirror::<_, Q80>(xq)) };
         let yd: Vec<f32> = xq.iter().map(|y| y.d.to_f32()).collect();
         let row = |r: usize| (&xq[r * kb..(r + 1) * kb], &yd[r * kb..(r + 1) * kb]);
-        // AVX-512's activations, built once: row pairs (2p, 2p + 1), or at one row the row twice.
-        #[cfg(target_arch = "x86_64")]
-        let pairs: Vec<Vec<avx512::Rows2>> = if !wide {
+        // AVX-512's activations, built once: row pairs (2p, 2p + 1), or at one row the row alone.
+        let pairs: Vec<Vec<avx512::Rows2>> = if !wide || m == 1 {
             Vec::new()
         } else {
             let pair = |lo: usize, hi: usize| -> Vec<avx512::Rows2> {
@@ -269,11 +274,13 @@ pub fn matmul(w: &[BlockQ8_0], xq: &[BlockQ8_0], m: usize, k: usize, n: usize, o
                 // SAFETY: AVX-512 F/BW and VNNI are part of the tier (`wide`).
                 (0..kb).map(|b| unsafe { avx512::Rows2::of(&yl[b], dl[b], &yh[b], dh[b]) }).collect()
             };
-            if m == 1 {
-                vec![pair(0, 0)]
-            } else {
-                (0..m / 2).map(|p| pair(2 * p, 2 * p + 1)).collect()
-            }
+            (0..m / 2).map(|p| pair(2 * p, 2 * p + 1)).collect()
+        };
+        let ones: Vec<avx512::Row1> = if wide && m == 1 {
+            // SAFETY: AVX-512 VL and VNNI are part of the tier (`wide`).
+            xq[..kb].iter().map(|y| unsafe { avx512::Row1::of(y) }).collect()
+        } else {
+            Vec::new()
         };
         let ptr = OutPtr(out.as_mut_ptr());
         let col_tasks = n.div_ceil(COLS_PER_TASK);
@@ -281,21 +288,16 @@ pub fn matmul(w: &[BlockQ8_0], xq: &[BlockQ8_0], m: usize, k: usize, n: usize, o
             let p = ptr;
             let mut cols = task * COLS_PER_TASK..n.min((task + 1) * COLS_PER_TASK);
             let col = |c: usize| &w[c * kb..(c + 1) * kb];
-            // One row with AVX-512: columns in pairs, two per vector; a last odd column, and
-            // every other case, goes through the row-group loop below.
+            // One row with AVX-512: column after column ([`avx512::column1`]); every other case
+            // goes through the row-group loop below.
             if m == 1 && wide {
-                while cols.start + 2 * ONE_ROW_PAIRS <= cols.end {
-                    let c = cols.start;
-                    let w2: [[&[Q80]; 2]; ONE_ROW_PAIRS] =
-                        std::array::from_fn(|i| [col(c + 2 * i), col(c + 2 * i + 1)]);
-                    // SAFETY: AVX-512 F/BW and VNNI are part of the tier (`wide`).
-                    let got = unsafe { avx512::columns::<ONE_ROW_PAIRS>(w2, &pairs[0], &yd[..kb]) };
-                    for (i, &v) in got.as_flattened().iter().enumerate() {
-                        // SAFETY: (0, c + i) belongs to this task alone.
-                        unsafe { *p.0.add(c + i) = v };
-                    }
-                    cols.start += 2 * ONE_ROW_PAIRS;
+                for c in cols.clone() {
+                    // SAFETY: AVX-512 F/VL and VNNI are part of the tier (`wide`).
+                    let v = unsafe { avx512::column1(col(c), &ones, &yd[..kb]) };
+                    // SAFETY: (0, c) belongs to this task alone.
+                    unsafe { *p.0.add(c) = v };
                 }
+                cols.start = cols.end;
             }
             for c in cols {
                 let wc = col(c);
