@@ -1,4 +1,4 @@
-//! `cargo bench --bench attention [-- --contexts 1024,4096,16384 --dtype f16 --tier avx2|portable|both]`: the attention
+//! `cargo bench --bench attention [-- --contexts 1024,4096,16384 --dtype f16 --tier avx512|avx2|vector|portable|all]`: the attention
 //! kernel alone on the three models' head shapes, as a decode step runs it (one row, every
 //! layer in turn, so the K/V come from memory) and as a prefill chunk of 512 rows at the end of
 //! the context; K/V bytes read per second against the machine's read bandwidth, and the
@@ -20,10 +20,12 @@ fn main() {
     let contexts: Vec<usize> = opt("--contexts", "1024,4096,16384").split(',').map(|s| s.parse().unwrap()).collect();
     let dtype: KvDtype = opt("--dtype", "f16").parse().unwrap();
     let repeat: usize = opt("--repeat", "5").parse().unwrap();
-    let tiers: Vec<Tier> = match opt("--tier", "both").as_str() {
+    let tiers: Vec<Tier> = match opt("--tier", "all").as_str() {
+        "avx512" => vec![Tier::Avx512],
         "avx2" => vec![Tier::Avx2],
         "portable" => vec![Tier::Portable],
-        _ => vec![Tier::Avx2, Tier::Portable],
+        "vector" => vec![Tier::Avx512, Tier::Avx2],
+        _ => vec![Tier::Avx512, Tier::Avx2, Tier::Portable],
     };
     let bw = bandwidth_gbs();
     println!("read bandwidth {bw:.1} GB/s; {} threads; K/V {}", rayon::current_num_threads(), dtype.name());
@@ -53,7 +55,7 @@ fn main() {
             let mut out = vec![0f32; 512 * qd];
             let kv_bytes = (n_layer * 2 * kvd * ctx * dtype.size()) as f64;
             for &tier in &tiers {
-                if tier == Tier::Avx2 && Tier::current() == Tier::Portable {
+                if tier > Tier::current() {
                     continue;
                 }
                 // On a rayon worker, as the engine's forward runs (`Decoder::forward_in`): from

@@ -36,21 +36,30 @@ const TILE_ROWS: usize = 16;
 /// How many blocks ahead of their use the kernel asks for a block's keys or values.
 const AHEAD: usize = 2;
 
-/// The attention tiers: the scalar definition, and AVX2 lanes running the same operations.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// The attention tiers: the scalar definition, and AVX2 or AVX-512 lanes running the same
+/// operations (every tier gives the definition's bits).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Tier {
     Portable,
     Avx2,
+    Avx512,
 }
 
 impl Tier {
-    /// The tier the kernels' [`Isa`] setting allows (AVX-512 hosts run the AVX2 tier).
+    /// The tier the kernels' [`Isa`] setting allows.
     pub fn current() -> Tier {
+        let vector = cfg!(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"));
         match isa() {
             Isa::Portable => Tier::Portable,
-            _ if cfg!(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma")) => Tier::Avx2,
-            _ => Tier::Portable,
+            _ if !vector => Tier::Portable,
+            Isa::Avx2 => Tier::Avx2,
+            Isa::Avx512 => Tier::Avx512,
         }
+    }
+
+    /// Whether the vector kernels run (AVX2's, some with AVX-512's in their place).
+    fn vector(self) -> bool {
+        self >= Tier::Avx2
     }
 }
 
@@ -154,8 +163,17 @@ fn group_len(left: usize) -> usize {
 /// once for the whole group.
 ///
 /// # Safety
-/// The AVX2 tier must be available; `o` holds `ps.len() × hd` values, `v` `ps[0].len()` rows.
-unsafe fn grouped_values(ps: &[&[f32]], v: Block, hd: usize, o: *mut f32) {
+/// `tier` must be a vector tier this host runs; `o` holds `ps.len() × hd` values, `v`
+/// `ps[0].len()` rows.
+unsafe fn grouped_values(ps: &[&[f32]], v: Block, hd: usize, o: *mut f32, tier: Tier, next: *const u8) {
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma", target_feature = "f16c"))]
+    if tier == Tier::Avx512 && hd.is_multiple_of(16) {
+        match v {
+            Block::F32(v) => avx512::grouped_values(ps, v.as_ptr(), hd, o, next),
+            Block::F16(v) => avx512::grouped_values(ps, v.as_ptr(), hd, o, next),
+        }
+        return;
+    }
     #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma", target_feature = "f16c"))]
     match v {
         Block::F32(v) => avx2::grouped_values(ps, v.as_ptr(), hd, o),
@@ -163,7 +181,7 @@ unsafe fn grouped_values(ps: &[&[f32]], v: Block, hd: usize, o: *mut f32) {
     }
     #[cfg(not(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma", target_feature = "f16c")))]
     {
-        let _ = (ps, v, hd, o);
+        let _ = (ps, v, hd, o, tier, next);
         unreachable!("the vector tier is compiled out");
     }
 }
@@ -191,7 +209,7 @@ fn widen_block(kv: &LayerKv, kvh: usize, b: usize, kt: Option<&mut Vec<f32>>, v:
 
 fn widen_f16(src: &[u16], dst: &mut [f32], tier: Tier) {
     #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "f16c"))]
-    if tier == Tier::Avx2 && src.len().is_multiple_of(8) {
+    if tier.vector() && src.len().is_multiple_of(8) {
         // SAFETY: F16C is enabled at compile time; both slices hold src.len() elements.
         unsafe { avx2::widen_f16(src, dst) };
         return;
@@ -287,7 +305,7 @@ fn split_partials(
     // The vector tier reads a block where it lies when its queries fit one group (a decode
     // row's heads: each value is then converted once either way, and the f32 copy's stores and
     // loads are saved); a prefill tile's many groups read one widened copy.
-    let grouped = tier == Tier::Avx2 && hd.is_multiple_of(8);
+    let grouped = tier.vector() && hd.is_multiple_of(8);
     let direct = grouped && (kv.layout.dtype == KvDtype::F32 || qs.len() <= GROUP_MAX);
     // Blocks ahead: the keys of the split's blocks, then its first values. Not for the blocks
     // read in place: there a block's whole region requested at once (64–128 lines) held up the
@@ -309,11 +327,13 @@ fn split_partials(
         }
         let at = |i: usize| i * SPLIT + b * KV_BLOCK;
         if direct {
-            scores_block(&q, kv.view(first + b, kvh, false), hd, scale, &mut w.s, at, tier);
+            // The region after this one: the next block's keys, else the first values.
+            let next = if b + 1 < nb { kv.region(first + b + 1, kvh, false) } else { kv.region(first + b0, kvh, true) };
+            scores_block(&q, kv.view(first + b, kvh, false), hd, scale, &mut w.s, at, tier, next);
         } else {
             widen_block(kv, kvh, first + b, Some(&mut w.kt), None, tier);
             // Every query against the block while it is in L1 (a few at a time share its loads).
-            scores_block(&q, Block::F32(&w.kt), hd, scale, &mut w.s, at, tier);
+            scores_block(&q, Block::F32(&w.kt), hd, scale, &mut w.s, at, tier, std::ptr::null());
         }
     }
     for (i, span) in spans.iter().enumerate() {
@@ -342,6 +362,16 @@ fn split_partials(
             } else {
                 0
             }
+        };
+        // The region after this one: the next block's values, else the next split's first keys.
+        let mut next = if !direct {
+            std::ptr::null()
+        } else if b + 1 < nb {
+            kv.region(first + b + 1, kvh, true)
+        } else if first + BLOCKS_PER_SPLIT < kv.blocks.len() {
+            kv.region(first + BLOCKS_PER_SPLIT, kvh, false)
+        } else {
+            std::ptr::null()
         };
         let v = if direct {
             kv.view(first + b, kvh, true)
@@ -376,8 +406,8 @@ fn split_partials(
                     }
                     let os = out.o[j * hd..(j + len) * hd].as_mut_ptr();
                     // SAFETY: the vector tier was checked (`grouped`); `os` holds len × hd values.
-                    unsafe { grouped_values(&ps[..len], v, hd, os) };
-                    j += len;
+                    unsafe { grouped_values(&ps[..len], v, hd, os, tier, next) };
+                    (j, next) = (j + len, std::ptr::null());
                 }
             }
             i += run;
@@ -402,7 +432,9 @@ fn prefetch_block(kv: &LayerKv, kvh: usize, b: usize, values: bool) {
 }
 
 /// `s[t] = (Σ_d q[d]·kt[d][t]) · scale` for the block's 32 positions, for each query, into
-/// `out[at(i)..at(i) + 32]`.
+/// `out[at(i)..at(i) + 32]`. `next`: the region read after this one, for the AVX-512 tier to
+/// ask for as it goes (null: none).
+#[allow(clippy::too_many_arguments)]
 fn scores_block(
     qs: &[&[f32]],
     kt: Block,
@@ -411,9 +443,23 @@ fn scores_block(
     out: &mut [f32],
     at: impl Fn(usize) -> usize,
     tier: Tier,
+    next: *const u8,
 ) {
     #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma", target_feature = "f16c"))]
-    if tier == Tier::Avx2 {
+    if tier == Tier::Avx512 && hd.is_multiple_of(16) {
+        // SAFETY: the tier is never wider than the host (`Tier::current`, `Isa`); `kt` holds
+        // hd × 32 values, each q hd.
+        unsafe {
+            match kt {
+                Block::F32(kt) => avx512::scores_block(qs, kt.as_ptr(), hd, scale, out, at, next),
+                Block::F16(kt) => avx512::scores_block(qs, kt.as_ptr(), hd, scale, out, at, next),
+            }
+        }
+        return;
+    }
+    let _ = next;
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma", target_feature = "f16c"))]
+    if tier.vector() {
         // SAFETY: AVX2/FMA/F16C are enabled at compile time; `kt` holds hd × 32 values, each q hd.
         unsafe {
             match kt {
@@ -441,7 +487,7 @@ fn scores_block(
 /// returns `(m, l)`.
 fn softmax_in_place(s: &mut [f32], tier: Tier) -> (f32, f32) {
     #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
-    if tier == Tier::Avx2 {
+    if tier.vector() {
         // SAFETY: AVX2/FMA are enabled at compile time; s.len() is a multiple of 8.
         return unsafe { avx2::softmax_in_place(s) };
     }
@@ -975,6 +1021,205 @@ mod avx2 {
     }
 }
 
+/// The AVX-512 tier of the two kernels that carry the arithmetic, [`avx2::scores_block`] and
+/// [`avx2::grouped_values`]: sixteen lanes where those have eight, each lane still one
+/// (query, position) or (query, d) chain of fused multiply-adds in the same order, so the bits
+/// are the AVX2 tier's (and the definition's) whatever the width. What the width buys is
+/// registers: a group of up to eight queries keeps every accumulator of a block's 32 positions
+/// (or of 32 `d`) in registers with one broadcast per two multiply-adds, where the AVX2 tier's
+/// sixteen registers allow one per multiply-add at seven queries (Qwen2.5 0.5B's group) and
+/// pass over the block four times. The softmax, the folds and `exp` stay the AVX2 tier's.
+#[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    use super::KV_BLOCK;
+
+    /// Stored values, sixteen at a time as f32 (widening f16 is exact).
+    pub trait Src: Copy {
+        unsafe fn load16(p: *const Self) -> __m512;
+    }
+    impl Src for f32 {
+        #[inline(always)]
+        unsafe fn load16(p: *const f32) -> __m512 {
+            _mm512_loadu_ps(p)
+        }
+    }
+    impl Src for u16 {
+        #[inline(always)]
+        unsafe fn load16(p: *const u16) -> __m512 {
+            _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
+        }
+    }
+
+    /// Asks for the `bytes` at `p` (a row of the next region; null: none).
+    #[inline(always)]
+    unsafe fn prefetch_row(p: *const u8, bytes: usize) {
+        if !p.is_null() {
+            for off in (0..bytes).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off) as *const i8);
+            }
+        }
+    }
+
+    /// The block's 32 scores for `NQ` queries: two vectors of sixteen positions per query. Each
+    /// step over `d` asks for the same row of `next`, the region read after this one: a block is
+    /// its own 4 KiB page or more, where the hardware's prefetch stops, and a row a step keeps
+    /// few enough requests in flight that the block's own loads are not held up behind them.
+    #[inline(always)]
+    unsafe fn scores_group<T: Src, const NQ: usize>(
+        qs: &[&[f32]],
+        kt: *const T,
+        hd: usize,
+        scale: f32,
+        out: &mut [f32],
+        at: &impl Fn(usize) -> usize,
+        next: *const u8,
+    ) {
+        const { assert!(KV_BLOCK == 32) };
+        let q: [*const f32; NQ] = std::array::from_fn(|j| qs[j].as_ptr());
+        let mut acc = [[_mm512_setzero_ps(); 2]; NQ];
+        let row_bytes = KV_BLOCK * std::mem::size_of::<T>();
+        for d in 0..hd {
+            let row = kt.add(d * KV_BLOCK);
+            prefetch_row(next.wrapping_add(d * row_bytes), row_bytes);
+            let (k0, k1) = (T::load16(row), T::load16(row.add(16)));
+            for j in 0..NQ {
+                let qb = _mm512_set1_ps(*q[j].add(d));
+                acc[j][0] = _mm512_fmadd_ps(qb, k0, acc[j][0]);
+                acc[j][1] = _mm512_fmadd_ps(qb, k1, acc[j][1]);
+            }
+        }
+        let sc = _mm512_set1_ps(scale);
+        for (j, a) in acc.iter().enumerate() {
+            let o = out[at(j)..at(j) + KV_BLOCK].as_mut_ptr();
+            _mm512_storeu_ps(o, _mm512_mul_ps(a[0], sc));
+            _mm512_storeu_ps(o.add(16), _mm512_mul_ps(a[1], sc));
+        }
+    }
+
+    /// [`super::avx2::scores_block`] in sixteen lanes, a group of up to eight queries at a time.
+    /// `next`: the region read after this one, asked for as the first group goes (null: none).
+    #[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
+    pub unsafe fn scores_block<T: Src>(
+        qs: &[&[f32]],
+        kt: *const T,
+        hd: usize,
+        scale: f32,
+        out: &mut [f32],
+        at: impl Fn(usize) -> usize,
+        next: *const u8,
+    ) {
+        debug_assert!(qs.iter().all(|q| q.len() >= hd));
+        let mut j = 0;
+        while j < qs.len() {
+            let n = super::group_len(qs.len() - j);
+            let (g, at_j) = (&qs[j..j + n], |i: usize| at(j + i));
+            let next = if j == 0 { next } else { std::ptr::null() };
+            match n {
+                1 => scores_group::<T, 1>(g, kt, hd, scale, out, &at_j, next),
+                2 => scores_group::<T, 2>(g, kt, hd, scale, out, &at_j, next),
+                3 => scores_group::<T, 3>(g, kt, hd, scale, out, &at_j, next),
+                4 => scores_group::<T, 4>(g, kt, hd, scale, out, &at_j, next),
+                5 => scores_group::<T, 5>(g, kt, hd, scale, out, &at_j, next),
+                6 => scores_group::<T, 6>(g, kt, hd, scale, out, &at_j, next),
+                7 => scores_group::<T, 7>(g, kt, hd, scale, out, &at_j, next),
+                _ => scores_group::<T, 8>(g, kt, hd, scale, out, &at_j, next),
+            }
+            j += n;
+        }
+    }
+
+    /// `o_i[d0..d0 + 16W] += Σ_t p_i[t] · v[t][d0..]` for `NQ` queries, the value vectors read
+    /// once for every query's chains; each step over `t` asks for row `t` of `next` (null: none),
+    /// as [`scores_group`] does.
+    #[inline(always)]
+    unsafe fn grouped_pass<T: Src, const NQ: usize, const W: usize>(
+        ps: &[&[f32]],
+        v: *const T,
+        hd: usize,
+        d0: usize,
+        o: *mut f32,
+        next: *const u8,
+    ) {
+        let row_bytes = hd * std::mem::size_of::<T>();
+        let n = ps[0].len();
+        let p: [*const f32; NQ] = std::array::from_fn(|i| ps[i].as_ptr());
+        let mut acc = [[_mm512_setzero_ps(); W]; NQ];
+        for (i, a) in acc.iter_mut().enumerate() {
+            for (c, a) in a.iter_mut().enumerate() {
+                *a = _mm512_loadu_ps(o.add(i * hd + d0 + 16 * c));
+            }
+        }
+        let mut row = v.add(d0);
+        for t in 0..n {
+            prefetch_row(next.wrapping_add(t * row_bytes), row_bytes);
+            let mut vv = [_mm512_setzero_ps(); W];
+            for (c, x) in vv.iter_mut().enumerate() {
+                *x = T::load16(row.add(16 * c));
+            }
+            for (i, a) in acc.iter_mut().enumerate() {
+                let pb = _mm512_set1_ps(*p[i].add(t));
+                for c in 0..W {
+                    a[c] = _mm512_fmadd_ps(pb, vv[c], a[c]);
+                }
+            }
+            row = row.add(hd);
+        }
+        for (i, a) in acc.iter().enumerate() {
+            for (c, a) in a.iter().enumerate() {
+                _mm512_storeu_ps(o.add(i * hd + d0 + 16 * c), *a);
+            }
+        }
+    }
+
+    /// [`grouped_pass`] over every `d` (a multiple of 16): 64 at a time for up to three
+    /// queries, else 32, else 16 (the widest whose accumulators fit the 32 registers).
+    /// `next` is asked for during the first pass only.
+    #[inline(always)]
+    unsafe fn grouped_passes<T: Src, const NQ: usize>(
+        ps: &[&[f32]],
+        v: *const T,
+        hd: usize,
+        o: *mut f32,
+        mut next: *const u8,
+    ) {
+        let mut d0 = 0;
+        if NQ <= 3 {
+            while d0 + 64 <= hd {
+                grouped_pass::<T, NQ, 4>(ps, v, hd, d0, o, next);
+                (d0, next) = (d0 + 64, std::ptr::null());
+            }
+        }
+        while d0 + 32 <= hd {
+            grouped_pass::<T, NQ, 2>(ps, v, hd, d0, o, next);
+            (d0, next) = (d0 + 32, std::ptr::null());
+        }
+        while d0 < hd {
+            grouped_pass::<T, NQ, 1>(ps, v, hd, d0, o, next);
+            (d0, next) = (d0 + 16, std::ptr::null());
+        }
+    }
+
+    /// [`super::avx2::grouped_values`] in sixteen lanes; `hd` a multiple of 16. `next`: the
+    /// region read after this one (null: none).
+    #[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
+    pub unsafe fn grouped_values<T: Src>(ps: &[&[f32]], v: *const T, hd: usize, o: *mut f32, next: *const u8) {
+        debug_assert!(hd.is_multiple_of(16) && ps.iter().all(|p| p.len() == ps[0].len()));
+        match ps.len() {
+            1 => grouped_passes::<T, 1>(ps, v, hd, o, next),
+            2 => grouped_passes::<T, 2>(ps, v, hd, o, next),
+            3 => grouped_passes::<T, 3>(ps, v, hd, o, next),
+            4 => grouped_passes::<T, 4>(ps, v, hd, o, next),
+            5 => grouped_passes::<T, 5>(ps, v, hd, o, next),
+            6 => grouped_passes::<T, 6>(ps, v, hd, o, next),
+            7 => grouped_passes::<T, 7>(ps, v, hd, o, next),
+            8 => grouped_passes::<T, 8>(ps, v, hd, o, next),
+            n => unreachable!("a group of {n} queries"),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1050,6 +1295,9 @@ mod tests {
         let mut t = vec![Tier::Portable];
         if cfg!(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma")) {
             t.push(Tier::Avx2);
+            if Isa::best() == Isa::Avx512 {
+                t.push(Tier::Avx512);
+            }
         }
         t
     }
