@@ -84,11 +84,9 @@ def gate_metrics(port: int) -> Optional[Dict[str, int]]:
         text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
     except httpx.HTTPError:
         return None
-    out = {}
-    for k in ("steps", "rechecks", "corrections", "deep_rechecks"):
-        for line in text.splitlines():
-            if line.startswith(f"candle_gate:gate_{k}_total{{"):
-                out[k] = int(float(line.rsplit(" ", 1)[1]))
+    from candle_gate.server.metrics import GATE_COUNTERS, samples
+    got = {name: v for name, _, v in samples(text)}
+    out = {k: int(got[f"candle_gate:gate_{k}_total"]) for k in GATE_COUNTERS if f"candle_gate:gate_{k}_total" in got}
     return out or None
 
 

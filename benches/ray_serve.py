@@ -101,10 +101,8 @@ def server_itl(port: int) -> tuple:
     /metrics (through Ray's proxy, the one replica's): where a token's time goes inside the
     engine's process, before any proxy."""
     import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    got = {s.name: s.value for fam in text_string_to_metric_families(text)
-           if fam.name == ITL for s in fam.samples}
+    from candle_gate.server.metrics import samples
+    got = {name: v for name, _, v in samples(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text)}
     return got.get(f"{ITL}_sum", 0.0), got.get(f"{ITL}_count", 0.0)
 
 

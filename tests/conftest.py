@@ -86,15 +86,11 @@ class Server:
         """The value of the first series of ``name`` (``name{label="v",...}``: of the first series
         with those labels, in any order, among others) in /metrics."""
         import httpx
+        from candle_gate.server.metrics import samples
         want, labels = _series(name)
-        text = httpx.get(self.url + "/metrics", timeout=30).text
-        for line in text.splitlines():
-            if not line or line.startswith("#"):
-                continue
-            series, value = line.rsplit(" ", 1)
-            got, got_labels = _series(series)
+        for got, got_labels, value in samples(httpx.get(self.url + "/metrics", timeout=30).text):
             if got == want and labels.items() <= got_labels.items():
-                return float(value)
+                return value
         raise KeyError(name)
 
     def stop(self):

@@ -12,6 +12,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 import candle_gate  # noqa: E402
+from candle_gate.server.metrics import samples  # noqa: E402
 from conftest import Server, wait_until  # noqa: E402
 
 PROMPT = "The capital of France is"
@@ -234,8 +235,8 @@ def test_32_clients_with_bad_traffic_mixed_in(server, client):
                                                           "candle_gate:kv_cache_used_blocks")),
                "requests or KV still held after the load")
     text = httpx.get(server.url + "/metrics", timeout=30).text
-    refused = {ln.split('status="')[1].split('"')[0]: float(ln.rsplit(" ", 1)[1])
-               for ln in text.splitlines() if ln.startswith("candle_gate:request_errors_total{")}
+    refused = {labels["status"]: v for name, labels, v in samples(text)
+               if name == "candle_gate:request_errors_total"}
     assert refused["413"] >= 1 and not any(v for s, v in refused.items() if s.startswith("5")), refused
 
 

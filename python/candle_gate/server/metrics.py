@@ -17,10 +17,11 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator
+from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 #: the exposition's media type (PlainTextResponse adds ``; charset=utf-8``)
@@ -31,6 +32,14 @@ FINISH_REASONS = ("stop", "length", "cancelled", "error")
 #: statuses whose refusal counter is exposed (at 0) before any such refusal
 ERROR_STATUSES = ("400", "401", "404", "429", "503")
 GATE_COUNTERS = ("steps", "rechecks", "corrections", "deep_rechecks")
+
+
+
+def samples(text: str) -> List[Tuple[str, Dict[str, str], float]]:
+    """Every sample of a /metrics exposition as ``(name, labels, value)``, read by
+    prometheus_client's own parser: what tests and benchmarks read a server's counters with."""
+    return [(x.name, dict(x.labels), x.value)
+            for fam in text_string_to_metric_families(text) for x in fam.samples]
 
 
 @dataclass
