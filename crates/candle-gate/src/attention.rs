@@ -1052,10 +1052,12 @@ mod avx512 {
         }
     }
 
-    /// Asks for the `bytes` at `p` (a row of the next region; null: none).
+    /// Asks for the `bytes` at `offset` in `region`, a row of the region read next (null: none;
+    /// checked before the offset is added, so that nothing is asked of a page that is not there).
     #[inline(always)]
-    unsafe fn prefetch_row(p: *const u8, bytes: usize) {
-        if !p.is_null() {
+    unsafe fn prefetch_row(region: *const u8, offset: usize, bytes: usize) {
+        if !region.is_null() {
+            let p = region.wrapping_add(offset);
             for off in (0..bytes).step_by(64) {
                 _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off) as *const i8);
             }
@@ -1082,7 +1084,7 @@ mod avx512 {
         let row_bytes = KV_BLOCK * std::mem::size_of::<T>();
         for d in 0..hd {
             let row = kt.add(d * KV_BLOCK);
-            prefetch_row(next.wrapping_add(d * row_bytes), row_bytes);
+            prefetch_row(next, d * row_bytes, row_bytes);
             let (k0, k1) = (T::load16(row), T::load16(row.add(16)));
             for j in 0..NQ {
                 let qb = _mm512_set1_ps(*q[j].add(d));
@@ -1153,7 +1155,7 @@ mod avx512 {
         }
         let mut row = v.add(d0);
         for t in 0..n {
-            prefetch_row(next.wrapping_add(t * row_bytes), row_bytes);
+            prefetch_row(next, t * row_bytes, row_bytes);
             let mut vv = [_mm512_setzero_ps(); W];
             for (c, x) in vv.iter_mut().enumerate() {
                 *x = T::load16(row.add(16 * c));

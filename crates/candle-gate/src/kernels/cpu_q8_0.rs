@@ -265,7 +265,8 @@ pub fn matmul(w: &[BlockQ8_0], xq: &[BlockQ8_0], m: usize, k: usize, n: usize, o
         let (w, xq) = unsafe { (mirror::<_, Q80>(w), mirror::<_, Q80>(xq)) };
         let yd: Vec<f32> = xq.iter().map(|y| y.d.to_f32()).collect();
         let row = |r: usize| (&xq[r * kb..(r + 1) * kb], &yd[r * kb..(r + 1) * kb]);
-        // AVX-512's activations, built once: row pairs (2p, 2p + 1), or at one row the row alone.
+        // AVX-512's activations, built once: row pairs (2p, 2p + 1), or at one row the row alone
+        // in 256 bits (`ones`).
         let pairs: Vec<Vec<avx512::Rows2>> = if !wide || m == 1 {
             Vec::new()
         } else {
