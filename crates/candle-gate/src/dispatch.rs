@@ -230,8 +230,8 @@ impl QMatMul {
 
     /// A matmul over `weight` whose kernels `policy` chooses (shared by a model's layers).
     ///
-    /// In `invariant` mode on a host whose kernels run AVX-512, a Q4_K weight nobody else holds
-    /// (this is its only `Arc`) is repacked in place for the sixteen-column kernel
+    /// In `invariant` mode on a host whose kernels run AVX-512, a Q4_K, Q4_1 or Q5_0 weight
+    /// nobody else holds (this is its only `Arc`) is repacked in place for the sixteen-column kernels
     /// ([`QMatMul::is_packed`]): the same bits, at about the memory rate at one row where the
     /// GGUF layout's transposes or per-element sums cost compute. `CANDLE_GATE_PACK=0` keeps
     /// the GGUF layout.
@@ -287,7 +287,7 @@ impl QMatMul {
     /// The weight in GGUF layout. For a packed weight that is a copy, made on the first call
     /// and kept (as it is for Candle's lane and the dense lanes, which read it).
     pub fn weight(&self) -> &Arc<QTensor> {
-        self.plain().expect("unpacking a Q4_K weight cannot fail once it was packed")
+        self.plain().expect("unpacking a weight cannot fail once it was packed")
     }
 
     /// Rows `rows` of the weight dequantized to f32, row-major (a packed weight unpacks only

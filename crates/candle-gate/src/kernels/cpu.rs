@@ -15,7 +15,7 @@ use candle_core::quantized::k_quants::{
     BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K, BlockQ8_0,
     BlockQ8_1, GgmlType,
 };
-use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::quantized::{GgmlDType, QTensor, QuantizedType};
 use half::f16;
 
 use super::OutPtr;
@@ -333,24 +333,25 @@ pub fn dequantize_rows(w: &QTensor, rows: std::ops::Range<usize>) -> Result<Vec<
     Ok(out)
 }
 
-/// Whether [`pack`] takes `w`: Q4_K on the CPU, in whole groups of sixteen columns. (Q6_K
-/// would pack the same way, but at one row its GGUF-order kernel, not the sixteen-column one,
-/// is the fast one: 4.8–5.7 ms against 15–16 packed for Qwen2.5 1.5B's output on the Zen 4.)
+/// Whether [`pack`] takes `w`: a Q4_K, Q4_1 or Q5_0 weight on the CPU, in whole groups of
+/// sixteen columns. (Q6_K would pack the same way, but at one row its GGUF-order kernel, not
+/// the sixteen-column one, is the fast one: 4.8–5.7 ms against 15–16 packed for Qwen2.5 1.5B's
+/// output on the Zen 4.)
 pub fn packable(w: &QTensor) -> bool {
+    use super::{cpu_kquant, cpu_q32};
+    let cols = match w.dtype() {
+        GgmlDType::Q4K => cpu_kquant::PACK_COLS,
+        GgmlDType::Q4_1 | GgmlDType::Q5_0 => cpu_q32::PACK_COLS,
+        _ => return false,
+    };
     match w.shape().dims2() {
-        Ok((n, k)) => {
-            w.dtype() == GgmlDType::Q4K
-                && w.device().is_cpu()
-                && n % super::cpu_kquant::PACK_COLS == 0
-                && k % 256 == 0
-                && k > 0
-        }
+        Ok((n, k)) => w.device().is_cpu() && n % cols == 0 && k % w.dtype().block_size() == 0 && k > 0,
         Err(_) => false,
     }
 }
 
 /// `w` with its bytes permuted for [`invariant_packed_into`] (same dtype, shape and size; only
-/// the packed kernels may read it): the Q4_K blocks of each sixteen columns stored as the
+/// the packed kernels may read it): the blocks of each sixteen columns stored as the
 /// sixteen-column kernel reads them, so that it needs no transposes. `None` where
 /// [`packable`] is false.
 pub fn pack(w: &QTensor) -> Result<Option<QTensor>> {
@@ -365,18 +366,26 @@ pub fn unpack(w: &QTensor) -> Result<QTensor> {
     permuted(w, false)
 }
 
+/// `blocks` (`n` columns of `kb` blocks of a packable dtype) packed or unpacked.
+fn permute_blocks(dtype: GgmlDType, data: &[u8], n: usize, kb: usize, pack: bool) -> Result<Box<dyn QuantizedType>> {
+    use super::{cpu_kquant as kq, cpu_q32 as q32};
+    // Candle's own block vectors are its CPU storage: no copy through bytes.
+    Ok(match (dtype, pack) {
+        (GgmlDType::Q4K, true) => Box::new(kq::pack_q4k(blocks_of(data)?, n, kb)),
+        (GgmlDType::Q4K, false) => Box::new(kq::unpack_q4k(blocks_of(data)?, n, kb)),
+        (GgmlDType::Q4_1, true) => Box::new(q32::pack_q4_1(blocks_of(data)?, n, kb)),
+        (GgmlDType::Q4_1, false) => Box::new(q32::unpack_q4_1(blocks_of(data)?, n, kb)),
+        (GgmlDType::Q5_0, true) => Box::new(q32::pack_q5_0(blocks_of(data)?, n, kb)),
+        (GgmlDType::Q5_0, false) => Box::new(q32::unpack_q5_0(blocks_of(data)?, n, kb)),
+        (d, _) => return Err(Error::Unsupported(format!("no packed layout for {d:?}"))),
+    })
+}
+
 fn permuted(w: &QTensor, pack: bool) -> Result<QTensor> {
-    use super::cpu_kquant::{pack_q4k, unpack_q4k};
-    use candle_core::quantized::{QStorage, QuantizedType};
+    use candle_core::quantized::QStorage;
     let (n, k) = w.shape().dims2()?;
     let data = w.data()?;
-    let kb = k / 256;
-    // Candle's own block vectors are its CPU storage: no copy through bytes.
-    let blocks: Box<dyn QuantizedType> = match (w.dtype(), pack) {
-        (GgmlDType::Q4K, true) => Box::new(pack_q4k(blocks_of(&data)?, n, kb)),
-        (GgmlDType::Q4K, false) => Box::new(unpack_q4k(blocks_of(&data)?, n, kb)),
-        (d, _) => return Err(Error::Unsupported(format!("no packed layout for {d:?}"))),
-    };
+    let blocks = permute_blocks(w.dtype(), &data, n, k / w.dtype().block_size(), pack)?;
     Ok(QTensor::new(QStorage::Cpu(blocks), (n, k))?)
 }
 
@@ -384,18 +393,28 @@ fn permuted(w: &QTensor, pack: bool) -> Result<QTensor> {
 /// `rows` are unpacked, into a temporary.
 pub fn dequantize_rows_packed(w: &QTensor, rows: std::ops::Range<usize>) -> Result<Vec<f32>> {
     const G: usize = super::cpu_kquant::PACK_COLS;
+    const _: () = assert!(G == super::cpu_q32::PACK_COLS);
     let (n, k) = w.shape().dims2()?;
     if rows.end > n || !packable(w) {
         return Err(Error::BadInput(format!("rows {rows:?} of a packed [{n}, {k}] {:?} weight", w.dtype())));
     }
     let data = w.data()?;
-    let (kb, g0, g1) = (k / 256, rows.start / G, rows.end.div_ceil(G));
-    let groups = &blocks_of::<BlockQ4K>(&data)?[g0 * G * kb..g1 * G * kb];
-    let plain = super::cpu_kquant::unpack_q4k(groups, (g1 - g0) * G, kb);
+    let (d, bytes) = (w.dtype(), w.dtype().type_size());
+    let (kb, g0, g1) = (k / d.block_size(), rows.start / G, rows.end.div_ceil(G));
+    let plain = permute_blocks(d, &data[g0 * G * kb * bytes..g1 * G * kb * bytes], (g1 - g0) * G, kb, false)?;
     let first = rows.start - g0 * G;
     let mut out = vec![0f32; rows.len() * k];
-    BlockQ4K::to_float(&plain[first * kb..(first + rows.len()) * kb], &mut out);
+    let ours = unpacked_as_bytes(&*plain);
+    with_block_type!(d, T => {
+        T::to_float(&blocks_of::<T>(ours)?[first * kb..(first + rows.len()) * kb], &mut out);
+    });
     Ok(out)
+}
+
+/// A block vector's bytes.
+fn unpacked_as_bytes(blocks: &dyn QuantizedType) -> &[u8] {
+    // SAFETY: Candle's CPU block vectors are plain-old-data, `storage_size_in_bytes` long.
+    unsafe { std::slice::from_raw_parts(blocks.as_ptr(), blocks.storage_size_in_bytes()) }
 }
 
 /// [`invariant_into`] over a weight [`pack`] made: the same bits.
@@ -403,12 +422,24 @@ pub fn invariant_packed_into(w: &QTensor, x: &[f32], m: usize, out: &mut [f32]) 
     let (n, k) = check_out(w, x, m, out)?;
     if !packable(w) {
         return Err(Error::BadInput(format!(
-            "a packed weight is Q4_K with n a multiple of 16, got {:?} [{n}, {k}]",
+            "a packed weight is Q4_K, Q4_1 or Q5_0 with n a multiple of 16, got {:?} [{n}, {k}]",
             w.dtype()
         )));
     }
     let data = w.data()?;
-    let xq = quantize_rows::<BlockQ4K>(x, m, k);
-    super::cpu_kquant::matmul_q4k_packed(blocks_of(&data)?, &xq, m, k, n, out);
+    match w.dtype() {
+        GgmlDType::Q4K => {
+            let xq = quantize_rows::<BlockQ4K>(x, m, k);
+            super::cpu_kquant::matmul_q4k_packed(blocks_of(&data)?, &xq, m, k, n, out);
+        }
+        GgmlDType::Q4_1 => {
+            let xq = quantize_rows::<BlockQ4_1>(x, m, k);
+            super::cpu_q32::matmul_q4_1_packed(blocks_of(&data)?, &xq, m, k, n, out);
+        }
+        _ => {
+            let xq = quantize_rows::<BlockQ5_0>(x, m, k);
+            super::cpu_q32::matmul_q5_0_packed(blocks_of(&data)?, &xq, m, k, n, out);
+        }
+    }
     Ok(())
 }

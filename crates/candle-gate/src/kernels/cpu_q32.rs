@@ -16,6 +16,7 @@ use super::OutPtr;
 
 /// Mirrors Candle's `#[repr(C)]` `BlockQ4_1` (its fields are crate-private).
 #[repr(C)]
+#[derive(Clone)]
 pub(crate) struct Q41 {
     d: f16,
     m: f16,
@@ -23,6 +24,7 @@ pub(crate) struct Q41 {
 }
 /// Mirrors Candle's `#[repr(C)]` `BlockQ5_0`.
 #[repr(C)]
+#[derive(Clone)]
 pub(crate) struct Q50 {
     d: f16,
     qh: [u8; 4],
@@ -401,6 +403,73 @@ pub(crate) mod avx512 {
         out
     }
 
+    /// `R` rows against a packed group's sixteen columns (column c in lane c), block after
+    /// block: lane c runs exactly [`row_16cols`]'s operations for its column, so both give the
+    /// same bits (the integer sums are exact in any order). The weights come straight from
+    /// plain vector loads of the tile, unpacked once for all `R` rows; each row's
+    /// bytes 4t..4t + 4 are broadcast to every lane, one `dpbusd` per four weights of sixteen
+    /// columns, so no lane ever needs summing across. `out` row r starts at `out + r * n`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c")]
+    pub unsafe fn sixteen_packed<W: super::Packed, const R: usize>(
+        group: &[W],
+        kb: usize,
+        ys: &[W::Y],
+        ysum: &[i32],
+        out: *mut f32,
+        n: usize,
+    ) {
+        assert!(group.len() >= super::PACK_COLS * kb && ys.len() >= R * kb);
+        assert!(W::OFFSET == 0 || ysum.len() >= R * kb);
+        let tile_bytes = super::PACK_COLS * std::mem::size_of::<W>();
+        let base = group.as_ptr() as *const u8;
+        let m4 = _mm512_set1_epi8(0x0F);
+        let mut acc = [_mm512_setzero_ps(); R];
+        for b in 0..kb {
+            // A group is one run of bytes read in order, which the hardware prefetcher follows.
+            let tile = base.add(b * tile_bytes);
+            // Loops, not `array::from_fn` or `map`, which LLVM may leave out of line (see
+            // `row_16cols`).
+            let (mut lo, mut hi) = ([_mm512_setzero_si512(); 4], [_mm512_setzero_si512(); 4]);
+            for t in 0..4 {
+                let v = _mm512_loadu_si512(tile.add(W::TILE_QS + super::TILE_BYTES * t) as *const _);
+                lo[t] = _mm512_and_si512(v, m4);
+                hi[t] = _mm512_and_si512(_mm512_srli_epi16::<4>(v), m4);
+            }
+            if W::OFFSET != 0 {
+                // Q5_0: the fifth bits, as the tile's lane masks ([`super::Packed`]).
+                let fifth = _mm512_set1_epi8(0x10);
+                let mask = |i: usize| std::ptr::read_unaligned(tile.add(32 + 8 * i) as *const u64);
+                for t in 0..4 {
+                    lo[t] = _mm512_mask_add_epi8(lo[t], mask(2 * t), lo[t], fifth);
+                    hi[t] = _mm512_mask_add_epi8(hi[t], mask(2 * t + 1), hi[t], fifth);
+                }
+            }
+            let xd = _mm512_cvtph_ps(_mm256_loadu_si256(tile as *const __m256i));
+            let xm = if W::HAS_MIN { _mm512_cvtph_ps(_mm256_loadu_si256(tile.add(32) as *const __m256i)) } else { xd };
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let y = ys.get_unchecked(r * kb + b);
+                let yq = y.qs().as_ptr() as *const i32;
+                let word = |j: usize| _mm512_set1_epi32(std::ptr::read_unaligned(yq.add(j)));
+                // Two chains, so that consecutive multiply-adds do not wait on each other.
+                let (mut even, mut odd) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+                for t in 0..4 {
+                    even = _mm512_dpbusd_epi32(even, lo[t], word(t));
+                    odd = _mm512_dpbusd_epi32(odd, hi[t], word(4 + t));
+                }
+                let mut sumi = _mm512_add_epi32(even, odd);
+                if W::OFFSET != 0 {
+                    sumi = _mm512_sub_epi32(sumi, _mm512_set1_epi32(W::OFFSET * *ysum.get_unchecked(r * kb + b)));
+                }
+                let t = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sumi), xd), _mm512_set1_ps(y.d()));
+                let t = if W::HAS_MIN { _mm512_add_ps(t, _mm512_mul_ps(xm, _mm512_set1_ps(y.s()))) } else { t };
+                *acc = _mm512_add_ps(*acc, t);
+            }
+        }
+        for (r, acc) in acc.iter().enumerate() {
+            _mm512_storeu_ps(out.add(r * n), *acc);
+        }
+    }
+
     /// [`super::Group8`] with each vector in both 256-bit halves: eight rows for two columns.
     pub struct Group16 {
         yt: [__m512i; 8],
@@ -732,6 +801,180 @@ fn matmul<W: Weights>(w: &[W], xq: &[W::Y], m: usize, k: usize, n: usize, out: &
     super::parallel_for(row_tiles * col_tasks, run);
 }
 
+/// Columns per packed group of a Q4_1 or Q5_0 weight.
+pub const PACK_COLS: usize = 16;
+
+/// A 32-weight block type with a packed layout: sixteen columns' block b stored as one tile
+/// that the sixteen-column kernel loads with no transposes, shuffles or per-column loads. A
+/// tile is the sixteen blocks' bytes rearranged (Q5_0's fifth bits regrouped bit by bit):
+/// first the heads, sixteen f16s per field (`d`, then Q4_1's `m`; Q5_0's fifth bits as eight
+/// 64-bit lane masks), then the nibbles as four 64-byte vectors, vector t lane c holding
+/// column c's `qs[4t..4t + 4]` (weights 4t.. in the low nibbles, 16 + 4t.. in the high).
+pub(crate) trait Packed: Weights + Clone {
+    /// Where a block's `qs` starts.
+    const BLOCK_QS: usize;
+    /// Where the tile's nibble vectors start.
+    const TILE_QS: usize;
+    /// Column c's block bytes before `qs` into the tile's heads.
+    fn pack_head(c: usize, block: &[u8], tile: &mut [u8]);
+    /// [`Packed::pack_head`] undone.
+    fn unpack_head(c: usize, tile: &[u8], block: &mut [u8]);
+}
+
+const TILE_BYTES: usize = PACK_COLS * 4;
+
+impl Packed for Q41 {
+    const BLOCK_QS: usize = 4;
+    const TILE_QS: usize = 64;
+    fn pack_head(c: usize, block: &[u8], tile: &mut [u8]) {
+        tile[2 * c..2 * c + 2].copy_from_slice(&block[0..2]);
+        tile[32 + 2 * c..32 + 2 * c + 2].copy_from_slice(&block[2..4]);
+    }
+    fn unpack_head(c: usize, tile: &[u8], block: &mut [u8]) {
+        block[0..2].copy_from_slice(&tile[2 * c..2 * c + 2]);
+        block[2..4].copy_from_slice(&tile[32 + 2 * c..32 + 2 * c + 2]);
+    }
+}
+
+/// Q5_0's fifth bits in a tile: mask `2t` (`2t + 1`) has bits 4c..4c + 4 set from column c's
+/// `qh` bits 4t.. (16 + 4t..), the weights whose bytes vector t lane c holds in its low (high)
+/// nibbles: one `kmov` per vector, where unpacking `qh` per column took a shuffle and a compare.
+impl Packed for Q50 {
+    const BLOCK_QS: usize = 6;
+    const TILE_QS: usize = 96;
+    fn pack_head(c: usize, block: &[u8], tile: &mut [u8]) {
+        tile[2 * c..2 * c + 2].copy_from_slice(&block[0..2]);
+        let qh = u32::from_le_bytes(block[2..6].try_into().unwrap());
+        for m in 0..8 {
+            let nibble = (qh >> (16 * (m % 2) + 4 * (m / 2))) & 0xF;
+            let at = 32 + 8 * m + c / 2;
+            tile[at] = (tile[at] & !(0xF << (4 * (c % 2)))) | ((nibble as u8) << (4 * (c % 2)));
+        }
+    }
+    fn unpack_head(c: usize, tile: &[u8], block: &mut [u8]) {
+        block[0..2].copy_from_slice(&tile[2 * c..2 * c + 2]);
+        let mut qh = 0u32;
+        for m in 0..8 {
+            let nibble = (tile[32 + 8 * m + c / 2] >> (4 * (c % 2))) & 0xF;
+            qh |= (nibble as u32) << (16 * (m % 2) + 4 * (m / 2));
+        }
+        block[2..6].copy_from_slice(&qh.to_le_bytes());
+    }
+}
+
+const _: () = assert!(<Q41 as Packed>::TILE_QS + 256 == PACK_COLS * std::mem::size_of::<Q41>());
+const _: () = assert!(<Q50 as Packed>::TILE_QS + 256 == PACK_COLS * std::mem::size_of::<Q50>());
+const _: () = assert!(TILE_BYTES == 64);
+
+/// Weights (`n` columns of `kb` blocks; `src` in GGUF order, or packed) permuted into the
+/// other layout. Each group of [`PACK_COLS`] columns keeps its byte range; inside it, block b
+/// of the sixteen columns is tile b ([`Packed`]).
+fn permute<B: Clone, W: Packed>(src: &[B], n: usize, kb: usize, pack: bool) -> Vec<B> {
+    let block = std::mem::size_of::<W>();
+    let tile = PACK_COLS * block;
+    assert!(
+        std::mem::size_of::<B>() == block && n.is_multiple_of(PACK_COLS) && src.len() == n * kb,
+        "packing: {n} columns of {kb} blocks"
+    );
+    let mut out = src.to_vec();
+    // SAFETY: plain-old-data blocks viewed as their bytes.
+    let (s, d) = unsafe {
+        (
+            std::slice::from_raw_parts(src.as_ptr() as *const u8, std::mem::size_of_val(src)),
+            std::slice::from_raw_parts_mut(out.as_mut_ptr() as *mut u8, std::mem::size_of_val(src)),
+        )
+    };
+    let group = PACK_COLS * kb * block;
+    for (s, d) in s.chunks_exact(group).zip(d.chunks_exact_mut(group)) {
+        for c in 0..PACK_COLS {
+            for b in 0..kb {
+                let plain = (c * kb + b) * block;
+                let t = b * tile;
+                for word in 0..4 {
+                    let (p, q) = (plain + W::BLOCK_QS + 4 * word, t + W::TILE_QS + TILE_BYTES * word + 4 * c);
+                    let (from, to) = if pack { (p, q) } else { (q, p) };
+                    d[to..to + 4].copy_from_slice(&s[from..from + 4]);
+                }
+                if pack {
+                    W::pack_head(c, &s[plain..plain + block], &mut d[t..t + tile]);
+                } else {
+                    W::unpack_head(c, &s[t..t + tile], &mut d[plain..plain + block]);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Q4_1 blocks in GGUF order, packed ([`Packed`]).
+pub fn pack_q4_1(plain: &[BlockQ4_1], n: usize, kb: usize) -> Vec<BlockQ4_1> {
+    permute::<_, Q41>(plain, n, kb, true)
+}
+
+/// [`pack_q4_1`] undone.
+pub fn unpack_q4_1(packed: &[BlockQ4_1], n: usize, kb: usize) -> Vec<BlockQ4_1> {
+    permute::<_, Q41>(packed, n, kb, false)
+}
+
+/// Q5_0 blocks in GGUF order, packed ([`Packed`]).
+pub fn pack_q5_0(plain: &[BlockQ5_0], n: usize, kb: usize) -> Vec<BlockQ5_0> {
+    permute::<_, Q50>(plain, n, kb, true)
+}
+
+/// [`pack_q5_0`] undone.
+pub fn unpack_q5_0(packed: &[BlockQ5_0], n: usize, kb: usize) -> Vec<BlockQ5_0> {
+    permute::<_, Q50>(packed, n, kb, false)
+}
+
+/// Rows the packed kernel runs against one pass over a group's tiles.
+const PACKED_ROWS: usize = 4;
+
+/// [`matmul`] over packed weights, the same bits: with AVX-512 the sixteen-column kernel reads
+/// the groups directly at every row count; the other tiers (forced, or a host without AVX-512
+/// handed packed weights) unpack a copy and run their own.
+fn matmul_packed<W: Packed>(w: &[W], xq: &[W::Y], m: usize, k: usize, n: usize, out: &mut [f32]) {
+    let kb = k / 32;
+    assert!(n.is_multiple_of(PACK_COLS) && w.len() == n * kb && xq.len() >= m * kb && out.len() == m * n);
+    #[cfg(target_arch = "x86_64")]
+    if super::isa() == super::Isa::Avx512 {
+        let ysum: Vec<i32> = if W::OFFSET != 0 { xq[..m * kb].iter().map(qs_sum).collect() } else { Vec::new() };
+        let ptr = OutPtr(out.as_mut_ptr());
+        return super::parallel_for(n / PACK_COLS, |g| {
+            let p = ptr;
+            let group = &w[g * PACK_COLS * kb..(g + 1) * PACK_COLS * kb];
+            for r0 in (0..m).step_by(PACKED_ROWS) {
+                let (ys, sums) = (&xq[r0 * kb..], ysum.get(r0 * kb..).unwrap_or(&[]));
+                // SAFETY: the AVX-512 tier was detected at run time; rows r0.. and this group's
+                // sixteen columns of `out` are written by this task alone.
+                unsafe {
+                    let o = p.0.add(r0 * n + g * PACK_COLS);
+                    match m - r0 {
+                        1 => avx512::sixteen_packed::<W, 1>(group, kb, ys, sums, o, n),
+                        2 => avx512::sixteen_packed::<W, 2>(group, kb, ys, sums, o, n),
+                        3 => avx512::sixteen_packed::<W, 3>(group, kb, ys, sums, o, n),
+                        _ => avx512::sixteen_packed::<W, PACKED_ROWS>(group, kb, ys, sums, o, n),
+                    }
+                }
+            }
+        });
+    }
+    matmul(&permute::<W, W>(w, n, kb, false), xq, m, k, n, out)
+}
+
+/// [`matmul_q4_1`] over weights [`pack_q4_1`] packed: the same bits.
+pub fn matmul_q4_1_packed(w: &[BlockQ4_1], xq: &[BlockQ8_1], m: usize, k: usize, n: usize, out: &mut [f32]) {
+    // SAFETY: mirror types (see `mirror`).
+    let (w, xq) = unsafe { (mirror::<_, Q41>(w), mirror::<_, Q81>(xq)) };
+    matmul_packed(w, xq, m, k, n, out)
+}
+
+/// [`matmul_q5_0`] over weights [`pack_q5_0`] packed: the same bits.
+pub fn matmul_q5_0_packed(w: &[BlockQ5_0], xq: &[BlockQ8_0], m: usize, k: usize, n: usize, out: &mut [f32]) {
+    // SAFETY: mirror types (see `mirror`).
+    let (w, xq) = unsafe { (mirror::<_, Q50>(w), mirror::<_, Q80>(xq)) };
+    matmul_packed(w, xq, m, k, n, out)
+}
+
 /// `y = x · Wᵀ` for `m` rows; bitwise equal to Candle's Q4_1 matmul row by row.
 pub fn matmul_q4_1(w: &[BlockQ4_1], xq: &[BlockQ8_1], m: usize, k: usize, n: usize, out: &mut [f32]) {
     // SAFETY: mirror types (see `mirror`).
@@ -749,6 +992,82 @@ pub fn matmul_q5_0(w: &[BlockQ5_0], xq: &[BlockQ8_0], m: usize, k: usize, n: usi
 #[cfg(all(test, target_arch = "x86_64"))]
 mod tests {
     use super::*;
+
+    /// Pseudo-random bytes (every bit pattern of `qs` and Q5_0's `qh`), `d`/`m` kept finite.
+    fn random_blocks<B: Clone>(zero: B, count: usize, seed: u64) -> Vec<B> {
+        let mut out = vec![zero; count];
+        // SAFETY: plain-old-data blocks viewed as their bytes.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr() as *mut u8, std::mem::size_of_val(&out[..])) };
+        let mut s = seed | 1;
+        for x in bytes.iter_mut() {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            *x = s as u8;
+        }
+        // Each block's leading f16s (d; Q4_1's m) as small normal numbers.
+        let size = std::mem::size_of::<B>();
+        let heads = if size == std::mem::size_of::<Q41>() { 2 } else { 1 };
+        for (i, b) in bytes.chunks_exact_mut(size).enumerate() {
+            for h in 0..heads {
+                let v = f16::from_f32(((i * 7 + h * 3) % 13) as f32 / 64.0 - 0.09);
+                b[2 * h..2 * h + 2].copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        out
+    }
+
+    fn activations<Y: Clone>(zero: Y, count: usize, seed: u64, with_sum: bool) -> Vec<Y> {
+        let mut out = random_blocks(zero, count, seed);
+        // SAFETY: as above.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr() as *mut u8, std::mem::size_of_val(&out[..])) };
+        for (i, b) in bytes.chunks_exact_mut(std::mem::size_of::<Y>()).enumerate() {
+            b[0..2].copy_from_slice(&f16::from_f32(0.01 + (i % 5) as f32 * 0.003).to_le_bytes());
+            if with_sum {
+                b[2..4].copy_from_slice(&f16::from_f32((i % 11) as f32 * 0.25 - 1.0).to_le_bytes());
+            }
+        }
+        out
+    }
+
+    /// Packing then unpacking gives back every byte, and the packed kernels give the GGUF
+    /// layout's bits at every row count, on the host's widest tier (`tests/kernels.rs` forces
+    /// the others, which unpack a copy).
+    fn packed_case<B: Clone + PartialEq + std::fmt::Debug, Y: Clone>(
+        wzero: B,
+        yzero: Y,
+        with_sum: bool,
+        pack: fn(&[B], usize, usize) -> Vec<B>,
+        unpack: fn(&[B], usize, usize) -> Vec<B>,
+        plain: fn(&[B], &[Y], usize, usize, usize, &mut [f32]),
+        packed: fn(&[B], &[Y], usize, usize, usize, &mut [f32]),
+    ) {
+        for (n, kb) in [(16, 1), (48, 3), (32, 28), (64, 18)] {
+            let w = random_blocks(wzero.clone(), n * kb, 11 + n as u64);
+            let p = pack(&w, n, kb);
+            assert!(unpack(&p, n, kb) == w, "[{n}, {}]: unpack(pack(w)) != w", 32 * kb);
+            let y = activations(yzero.clone(), 19 * kb, 5 + kb as u64, with_sum);
+            for m in 1..=19 {
+                let (mut want, mut got) = (vec![0f32; m * n], vec![1f32; m * n]);
+                plain(&w, &y[..m * kb], m, 32 * kb, n, &mut want);
+                packed(&p, &y[..m * kb], m, 32 * kb, n, &mut got);
+                let same = got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "[{n}, {}] m={m}: packed != GGUF layout", 32 * kb);
+            }
+        }
+    }
+
+    #[test]
+    fn packed_q4_1_gives_the_gguf_layouts_bits() {
+        use candle_core::quantized::k_quants::GgmlType;
+        packed_case(BlockQ4_1::zeros(), BlockQ8_1::zeros(), true, pack_q4_1, unpack_q4_1, matmul_q4_1, matmul_q4_1_packed);
+    }
+
+    #[test]
+    fn packed_q5_0_gives_the_gguf_layouts_bits() {
+        use candle_core::quantized::k_quants::GgmlType;
+        packed_case(BlockQ5_0::zeros(), BlockQ8_0::zeros(), false, pack_q5_0, unpack_q5_0, matmul_q5_0, matmul_q5_0_packed);
+    }
 
     #[test]
     fn q5_0_unpack_avx2_equals_scalar() {
