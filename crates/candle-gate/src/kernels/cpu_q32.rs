@@ -927,7 +927,7 @@ pub fn unpack_q5_0(packed: &[BlockQ5_0], n: usize, kb: usize) -> Vec<BlockQ5_0> 
 }
 
 /// Rows the packed kernel runs against one pass over a group's tiles.
-const PACKED_ROWS: usize = 4;
+const PACKED_ROWS: usize = 8;
 
 /// [`matmul`] over packed weights, the same bits: with AVX-512 the sixteen-column kernel reads
 /// the groups directly at every row count; the other tiers (forced, or a host without AVX-512
@@ -952,6 +952,10 @@ fn matmul_packed<W: Packed>(w: &[W], xq: &[W::Y], m: usize, k: usize, n: usize, 
                         1 => avx512::sixteen_packed::<W, 1>(group, kb, ys, sums, o, n),
                         2 => avx512::sixteen_packed::<W, 2>(group, kb, ys, sums, o, n),
                         3 => avx512::sixteen_packed::<W, 3>(group, kb, ys, sums, o, n),
+                        4 => avx512::sixteen_packed::<W, 4>(group, kb, ys, sums, o, n),
+                        5 => avx512::sixteen_packed::<W, 5>(group, kb, ys, sums, o, n),
+                        6 => avx512::sixteen_packed::<W, 6>(group, kb, ys, sums, o, n),
+                        7 => avx512::sixteen_packed::<W, 7>(group, kb, ys, sums, o, n),
                         _ => avx512::sixteen_packed::<W, PACKED_ROWS>(group, kb, ys, sums, o, n),
                     }
                 }
