@@ -1001,7 +1001,8 @@ mod tests {
     fn random_blocks<B: Clone>(zero: B, count: usize, seed: u64) -> Vec<B> {
         let mut out = vec![zero; count];
         // SAFETY: plain-old-data blocks viewed as their bytes.
-        let bytes = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr() as *mut u8, std::mem::size_of_val(&out[..])) };
+        let bytes =
+            unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr() as *mut u8, std::mem::size_of_val(&out[..])) };
         let mut s = seed | 1;
         for x in bytes.iter_mut() {
             s ^= s << 13;
@@ -1024,7 +1025,8 @@ mod tests {
     fn activations<Y: Clone>(zero: Y, count: usize, seed: u64, with_sum: bool) -> Vec<Y> {
         let mut out = random_blocks(zero, count, seed);
         // SAFETY: as above.
-        let bytes = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr() as *mut u8, std::mem::size_of_val(&out[..])) };
+        let bytes =
+            unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr() as *mut u8, std::mem::size_of_val(&out[..])) };
         for (i, b) in bytes.chunks_exact_mut(std::mem::size_of::<Y>()).enumerate() {
             b[0..2].copy_from_slice(&f16::from_f32(0.01 + (i % 5) as f32 * 0.003).to_le_bytes());
             if with_sum {
@@ -1064,13 +1066,29 @@ mod tests {
     #[test]
     fn packed_q4_1_gives_the_gguf_layouts_bits() {
         use candle_core::quantized::k_quants::GgmlType;
-        packed_case(BlockQ4_1::zeros(), BlockQ8_1::zeros(), true, pack_q4_1, unpack_q4_1, matmul_q4_1, matmul_q4_1_packed);
+        packed_case(
+            BlockQ4_1::zeros(),
+            BlockQ8_1::zeros(),
+            true,
+            pack_q4_1,
+            unpack_q4_1,
+            matmul_q4_1,
+            matmul_q4_1_packed,
+        );
     }
 
     #[test]
     fn packed_q5_0_gives_the_gguf_layouts_bits() {
         use candle_core::quantized::k_quants::GgmlType;
-        packed_case(BlockQ5_0::zeros(), BlockQ8_0::zeros(), false, pack_q5_0, unpack_q5_0, matmul_q5_0, matmul_q5_0_packed);
+        packed_case(
+            BlockQ5_0::zeros(),
+            BlockQ8_0::zeros(),
+            false,
+            pack_q5_0,
+            unpack_q5_0,
+            matmul_q5_0,
+            matmul_q5_0_packed,
+        );
     }
 
     #[test]
