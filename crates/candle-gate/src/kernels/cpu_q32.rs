@@ -431,21 +431,25 @@ pub(crate) mod avx512 {
             // `row_16cols`).
             let (mut lo, mut hi) = ([_mm512_setzero_si512(); 4], [_mm512_setzero_si512(); 4]);
             for t in 0..4 {
-                let v = _mm512_loadu_si512(tile.add(W::TILE_QS + super::TILE_BYTES * t) as *const _);
+                let v = _mm512_loadu_si512(tile.add(W::TILE_QS + super::VECTOR_BYTES * t) as *const _);
                 lo[t] = _mm512_and_si512(v, m4);
                 hi[t] = _mm512_and_si512(_mm512_srli_epi16::<4>(v), m4);
             }
             if W::OFFSET != 0 {
                 // Q5_0: the fifth bits, as the tile's lane masks ([`super::Packed`]).
                 let fifth = _mm512_set1_epi8(0x10);
-                let mask = |i: usize| std::ptr::read_unaligned(tile.add(32 + 8 * i) as *const u64);
+                let mask = |i: usize| std::ptr::read_unaligned(tile.add(super::TILE_SECOND + 8 * i) as *const u64);
                 for t in 0..4 {
                     lo[t] = _mm512_mask_add_epi8(lo[t], mask(2 * t), lo[t], fifth);
                     hi[t] = _mm512_mask_add_epi8(hi[t], mask(2 * t + 1), hi[t], fifth);
                 }
             }
             let xd = _mm512_cvtph_ps(_mm256_loadu_si256(tile as *const __m256i));
-            let xm = if W::HAS_MIN { _mm512_cvtph_ps(_mm256_loadu_si256(tile.add(32) as *const __m256i)) } else { xd };
+            let xm = if W::HAS_MIN {
+                _mm512_cvtph_ps(_mm256_loadu_si256(tile.add(super::TILE_SECOND) as *const __m256i))
+            } else {
+                xd
+            };
             for (r, acc) in acc.iter_mut().enumerate() {
                 let y = ys.get_unchecked(r * kb + b);
                 let yq = y.qs().as_ptr() as *const i32;
@@ -821,18 +825,21 @@ pub(crate) trait Packed: Weights + Clone {
     fn unpack_head(c: usize, tile: &[u8], block: &mut [u8]);
 }
 
-const TILE_BYTES: usize = PACK_COLS * 4;
+/// Bytes of one of a tile's nibble vectors: a dword per column.
+const VECTOR_BYTES: usize = PACK_COLS * 4;
+/// Where a tile's second field starts, after the sixteen f16 `d`: Q4_1's `m`, Q5_0's lane masks.
+const TILE_SECOND: usize = PACK_COLS * 2;
 
 impl Packed for Q41 {
     const BLOCK_QS: usize = 4;
     const TILE_QS: usize = 64;
     fn pack_head(c: usize, block: &[u8], tile: &mut [u8]) {
         tile[2 * c..2 * c + 2].copy_from_slice(&block[0..2]);
-        tile[32 + 2 * c..32 + 2 * c + 2].copy_from_slice(&block[2..4]);
+        tile[TILE_SECOND + 2 * c..TILE_SECOND + 2 * c + 2].copy_from_slice(&block[2..4]);
     }
     fn unpack_head(c: usize, tile: &[u8], block: &mut [u8]) {
         block[0..2].copy_from_slice(&tile[2 * c..2 * c + 2]);
-        block[2..4].copy_from_slice(&tile[32 + 2 * c..32 + 2 * c + 2]);
+        block[2..4].copy_from_slice(&tile[TILE_SECOND + 2 * c..TILE_SECOND + 2 * c + 2]);
     }
 }
 
@@ -847,7 +854,7 @@ impl Packed for Q50 {
         let qh = u32::from_le_bytes(block[2..6].try_into().unwrap());
         for m in 0..8 {
             let nibble = (qh >> (16 * (m % 2) + 4 * (m / 2))) & 0xF;
-            let at = 32 + 8 * m + c / 2;
+            let at = TILE_SECOND + 8 * m + c / 2;
             tile[at] = (tile[at] & !(0xF << (4 * (c % 2)))) | ((nibble as u8) << (4 * (c % 2)));
         }
     }
@@ -855,7 +862,7 @@ impl Packed for Q50 {
         block[0..2].copy_from_slice(&tile[2 * c..2 * c + 2]);
         let mut qh = 0u32;
         for m in 0..8 {
-            let nibble = (tile[32 + 8 * m + c / 2] >> (4 * (c % 2))) & 0xF;
+            let nibble = (tile[TILE_SECOND + 8 * m + c / 2] >> (4 * (c % 2))) & 0xF;
             qh |= (nibble as u32) << (16 * (m % 2) + 4 * (m / 2));
         }
         block[2..6].copy_from_slice(&qh.to_le_bytes());
@@ -864,7 +871,7 @@ impl Packed for Q50 {
 
 const _: () = assert!(<Q41 as Packed>::TILE_QS + 256 == PACK_COLS * std::mem::size_of::<Q41>());
 const _: () = assert!(<Q50 as Packed>::TILE_QS + 256 == PACK_COLS * std::mem::size_of::<Q50>());
-const _: () = assert!(TILE_BYTES == 64);
+const _: () = assert!(VECTOR_BYTES == 64);
 
 /// Weights (`n` columns of `kb` blocks; `src` in GGUF order, or packed) permuted into the
 /// other layout. Each group of [`PACK_COLS`] columns keeps its byte range; inside it, block b
@@ -891,7 +898,7 @@ fn permute<B: Clone, W: Packed>(src: &[B], n: usize, kb: usize, pack: bool) -> V
                 let plain = (c * kb + b) * block;
                 let t = b * tile;
                 for word in 0..4 {
-                    let (p, q) = (plain + W::BLOCK_QS + 4 * word, t + W::TILE_QS + TILE_BYTES * word + 4 * c);
+                    let (p, q) = (plain + W::BLOCK_QS + 4 * word, t + W::TILE_QS + VECTOR_BYTES * word + 4 * c);
                     let (from, to) = if pack { (p, q) } else { (q, p) };
                     d[to..to + 4].copy_from_slice(&s[from..from + 4]);
                 }
