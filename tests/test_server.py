@@ -433,7 +433,7 @@ def test_api_key(keyed):
 def test_a_full_queue_gets_429_with_retry_after(keyed):
     auth = {"Authorization": f"Bearer {KEY}"}
     with httpx.stream("POST", keyed.url + "/v1/completions", headers=auth, timeout=60,
-                      json={"prompt": PROMPT, "max_tokens": 4000, "temperature": 0, "stream": True}) as r:
+                      json={"prompt": LONG, "max_tokens": 4000, "temperature": 0, "stream": True}) as r:
         lines = r.iter_lines()  # (kept: a dropped iterator closes the response)
         next(lines)  # running: it holds the only sequence
         with ThreadPoolExecutor(1) as ex:
