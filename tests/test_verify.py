@@ -62,6 +62,7 @@ def test_a_tampered_token_or_logprob_is_pinpointed(records):
     assert not v.match
     assert v.choices[0].match and v.choices[1].first_token_difference == 5
     assert "first difference at output position 5" in v.summary()
+    assert f"at output position 5: recorded token {rec['response']['choices'][1]['token_ids'][5]} " in v.summary()
 
     rec = json.loads(json.dumps(records["chat"]))
     entry = rec["response"]["choices"][0]["logprobs"]["content"][7]
@@ -94,3 +95,86 @@ def test_cli_exit_codes_and_bad_records(records, tmp_path):
     junk.write_text(json.dumps({"response": {}}))
     r = run(str(junk))
     assert r.returncode == 2 and "a record is" in r.stderr
+
+
+# --- the model comes from the record (issue 53) ------------------------------------------------
+
+QWEN = "qwen2.5-coder-0.5b-instruct-q4_k_m"
+
+
+@pytest.fixture(scope="module")
+def qwen_record():
+    """A record served on another model than the default, as the README runs it."""
+    s = Server("--model", QWEN)
+    try:
+        body = {"messages": [{"role": "user", "content": "Name three colors."}], "max_tokens": 8, "temperature": 0,
+                "return_token_ids": True}
+        r = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return {"request": body, "response": r.json()}
+    finally:
+        s.stop()
+
+
+def _verify_cli(tmp_path, record, *args):
+    path = tmp_path / "record.json"
+    path.write_text(json.dumps(record))
+    return subprocess.run([sys.executable, "-m", "candle_gate", "verify", str(path), *args],
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_verify_replays_on_the_records_model_without_a_banner(qwen_record, tmp_path):
+    assert qwen_record["response"]["model"] == QWEN
+    r = _verify_cli(tmp_path, qwen_record)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "MATCH" in r.stdout and f"replayed on {QWEN} (mode invariant, kv f16; from the record's model name)" \
+        in r.stdout
+    assert "http://" not in r.stdout + r.stderr and "recorded with" not in r.stdout + r.stderr
+
+
+def test_a_renamed_model_is_found_by_its_fingerprint(qwen_record):
+    rec = json.loads(json.dumps(qwen_record))
+    rec["response"]["model"] = "my-assistant"  # --served-model-name
+    v = candle_gate.verify(rec)
+    assert v.match, v.summary()
+    assert (v.origin.model, v.origin.found_by, v.origin.note) == (QWEN, "system_fingerprint", None)
+
+
+def test_a_model_the_record_does_not_name_is_said_and_the_difference_shown(qwen_record, tmp_path):
+    rec = json.loads(json.dumps(qwen_record))
+    rec["response"]["model"] = "my-assistant"
+    rec["response"]["system_fingerprint"] = "fp_0000000000000000"  # another build
+    r = _verify_cli(tmp_path, rec)
+    assert r.returncode == 1
+    note = f"recorded with my-assistant, replaying with {candle_gate.DEFAULT_MODEL}"
+    assert note in r.stderr and note in r.stdout
+    # the first differing token, recorded and replayed, with text around it
+    recorded = rec["response"]["choices"][0]["token_ids"]
+    assert f"at output position 0: recorded token {recorded[0]} " in r.stdout
+    assert ", replayed " in r.stdout and "  after '': recorded '" in r.stdout
+
+
+def test_verify_with_another_model_given_says_so(qwen_record):
+    v = candle_gate.verify(qwen_record, model=candle_gate.DEFAULT_MODEL)
+    assert not v.match
+    assert v.origin.note == f"recorded with {QWEN}, replaying with {candle_gate.DEFAULT_MODEL} " \
+                            f"(the record's model name names {QWEN})"
+
+
+def test_the_fingerprint_of_a_stack_is_the_engines(model):
+    from candle_gate import _native
+    eng = candle_gate.Engine(model, kv_dtype="f32", mode="gemm")
+    assert _native.system_fingerprint(model.sha256(), "gemm", "f32", eng.gate) == eng.system_fingerprint
+
+
+def test_records_name_their_model_without_loading_one():
+    from candle_gate import _native
+    from candle_gate.audit import model_by_fingerprint, model_by_name
+    from candle_gate.models import KNOWN_MODELS
+    k = KNOWN_MODELS[QWEN]
+    assert model_by_name(QWEN) == QWEN
+    assert model_by_name(k.file_name) == QWEN and model_by_name(k.file_name[:-len(".gguf")]) == QWEN
+    assert model_by_name("gpt-4") is None
+    assert model_by_fingerprint(_native.system_fingerprint(k.sha256, "split_k_f16", "f32")) == (QWEN, "split_k_f16",
+                                                                                                "f32")
+    assert model_by_fingerprint("fp_0000000000000000") is None

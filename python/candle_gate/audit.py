@@ -14,20 +14,49 @@ What to record so that every check can run: send the request with ``"return_toke
 is pinned to a position), with ``logprobs`` if they are to be checked, and keep the response as
 it came. A sampled request without a ``seed`` is replayed with the seed the response reports
 (each choice's ``seed`` extension).
+
+The model comes from the record unless it is given (:func:`replay_settings`): the name the
+response (or the request) carries, as a known model's name, its file's name or stem, a path, or
+a file in the model cache; else the recorded ``system_fingerprint`` matched against each known
+model's SHA-256 in each mode and K/V dtype (gate off), which also gives the mode and the K/V
+dtype. When neither finds it, the default model is used and :attr:`Origin.note` says "recorded
+with X, replaying with Y".
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import copy
+import functools
+import io
 import json
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 #: the endpoint a response's ``object`` comes from
 ENDPOINTS = {"text_completion": "/v1/completions", "chat.completion": "/v1/chat/completions"}
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where the model a record is replayed on came from."""
+    #: the model the record names (``response.model``, else ``request.model``; None: neither)
+    recorded: Optional[str]
+    #: the model replayed on (a known name or a path), its mode and K/V dtype
+    model: str
+    mode: str
+    kv_dtype: str
+    #: how it was found in the record: "model name", "system_fingerprint"; "given" (the caller
+    #: chose it); None: not found, the default
+    found_by: Optional[str]
+    #: "recorded with X, replaying with Y" where the replay's model is not the one recorded
+    note: Optional[str] = None
+
+    def describe(self) -> str:
+        how = {"model name": "from the record's model name", "system_fingerprint": "from the record's "
+               "system_fingerprint", "given": "as given"}.get(self.found_by or "", "the default")
+        return f"replayed on {self.model} (mode {self.mode}, kv {self.kv_dtype}; {how})"
 
 
 @dataclass
@@ -44,6 +73,9 @@ class ChoiceCheck:
     text: bool = False
     finish_reason: bool = False
     fingerprint: bool = False
+    #: at the first differing position: the recorded and the replayed token (id and text), and
+    #: the text around it, as lines for a person to read
+    details: List[str] = field(default_factory=list)
 
     @property
     def match(self) -> bool:
@@ -60,6 +92,8 @@ class Verification:
     choices: List[ChoiceCheck]
     #: the replayed response, as the local app returned it
     replayed: Dict[str, Any] = field(repr=False, default_factory=dict)
+    #: the model it was replayed on, and where that came from
+    origin: Optional[Origin] = None
 
     @property
     def match(self) -> bool:
@@ -68,8 +102,10 @@ class Verification:
 
     def summary(self) -> str:
         rec, loc = self.system_fingerprint
-        lines = [f"{self.endpoint}: {'MATCH' if self.match else 'MISMATCH'}",
-                 f"  system_fingerprint: {'same' if rec == loc else 'DIFFERENT'} (recorded {rec}, local {loc})"]
+        lines = [f"{self.endpoint}: {'MATCH' if self.match else 'MISMATCH'}"]
+        if self.origin is not None:
+            lines.append(f"  {self.origin.note or self.origin.describe()}")
+        lines.append(f"  system_fingerprint: {'same' if rec == loc else 'DIFFERENT'} (recorded {rec}, local {loc})")
         if rec != loc:
             lines.append("    the local stack differs (model file, mode, gate, K/V dtype, build or host class): "
                          "run verify with the server's settings")
@@ -86,6 +122,7 @@ class Verification:
             for name in ("text", "finish_reason", "fingerprint"):
                 if not getattr(c, name):
                     lines.append(f"    {name}: different")
+            lines.extend(f"    {d}" for d in c.details)
         return "\n".join(lines)
 
 
@@ -97,18 +134,155 @@ def load_record(path: Union[str, Path]) -> Dict[str, Any]:
     return record
 
 
-def verify(record: Dict[str, Any], settings: Any = None, **settings_kw: Any) -> Verification:
+def verify(record: Dict[str, Any], settings: Any = None, *, on_origin: Optional[Callable[[Origin], None]] = None,
+           **settings_kw: Any) -> Verification:
     """Replays ``record["request"]`` on an in-process server built from ``settings`` (a
     :class:`~candle_gate.server.Settings`, or its fields as keywords: ``model=``, ``mode=``,
-    ``gate=``, ``kv_dtype=``, ...) and compares the response with ``record["response"]``."""
-    from .server.settings import Settings
-
+    ``gate=``, ``kv_dtype=``, ...; what is not given comes from the record, see
+    :func:`replay_settings`) and compares the response with ``record["response"]``.
+    ``on_origin`` is told the model chosen before the replay starts."""
     request, response = _check_record(record)
     endpoint = ENDPOINTS[response["object"]]
+    settings, origin = replay_settings(record, settings, **settings_kw)
+    if on_origin is not None:
+        on_origin(origin)
+    replayed, model = _replay(settings, endpoint, _replay_body(request, response))
+    v = compare(endpoint, response, replayed, _detokenizer(model))
+    v.origin = origin
+    return v
+
+
+# ---------------------------------------------------------------------------------------------
+# The model a record was served with
+
+def replay_settings(record: Dict[str, Any], settings: Any = None, **settings_kw: Any) -> Tuple[Any, Origin]:
+    """The settings to replay ``record`` with, and where its model came from. ``settings`` (or
+    ``model=`` among the keywords) chooses the model; else it is the record's (its model name,
+    else its ``system_fingerprint``, which also gives the mode and the K/V dtype where they are
+    not given), else the default model, with a note saying so."""
+    from .models import DEFAULT_MODEL
+    from .server.settings import Settings
+
+    _check_record(record)
+    recorded = _recorded_name(record)
+    found, found_by = _model_of_record(record)
     if settings is None:
-        settings = Settings(**settings_kw)
-    replayed = _replay(settings, endpoint, _replay_body(request, response))
-    return compare(endpoint, response, replayed)
+        kw = dict(settings_kw)
+        if "model" in kw and kw["model"] is not None:
+            given = True
+        else:
+            given = False
+            kw["model"] = found[0] if found else DEFAULT_MODEL
+            if found:
+                for key, value in zip(("mode", "kv_dtype"), found[1:]):
+                    if value is not None and kw.get(key) is None:
+                        kw[key] = value
+        settings = Settings(**{k: v for k, v in kw.items() if v is not None})
+    else:
+        given = True
+    kv = settings.kv_dtype or _default_kv_dtype()
+    if found and _same_model(found[0], settings.model):
+        how, note = (found_by if not given else "given"), None
+    else:
+        how = "given" if given else None
+        note = f"recorded with {recorded or 'an unnamed model'}, replaying with {settings.model}"
+        if found:
+            note += f" (the record's {found_by} names {found[0]})"
+    return settings, Origin(recorded, str(settings.model), settings.mode, kv, how, note)
+
+
+def _default_kv_dtype() -> str:
+    from .engine import ENGINE_DEFAULTS
+    return str(ENGINE_DEFAULTS["kv_dtype"])
+
+
+def _recorded_name(record: Dict[str, Any]) -> Optional[str]:
+    for part in ("response", "request"):
+        name = record[part].get("model")
+        if isinstance(name, str) and name:
+            return name
+    return None
+
+
+def model_by_name(name: str) -> Optional[str]:
+    """The model a served name stands for: a known model's name (also its file's name or stem),
+    a path to a file, or a file of that name (or stem) in the model cache; None if none is."""
+    from .models import KNOWN_MODELS, cache_dir
+
+    if name in KNOWN_MODELS:
+        return name
+    for k in KNOWN_MODELS.values():
+        if name in (k.file_name, Path(k.file_name).stem):
+            return k.name
+    p = Path(name).expanduser()
+    if p.suffix == ".gguf" and p.is_file():
+        return str(p)
+    for candidate in (cache_dir() / name, cache_dir() / f"{name}.gguf"):
+        if candidate.suffix == ".gguf" and candidate.is_file():
+            return str(candidate)
+    return None
+
+
+def model_by_fingerprint(system_fingerprint: str) -> Optional[Tuple[str, str, str]]:
+    """``(model, mode, kv_dtype)`` whose engine, gate off and no profile, on this host and build,
+    reports ``system_fingerprint``: every known model's SHA-256 (then each other GGUF in the model
+    cache) in every mode and K/V dtype. None: no such stack here."""
+    from . import _native
+    from .engine import MODES
+    from .models import KNOWN_MODELS, cache_dir
+
+    def match(sha: str) -> Optional[Tuple[str, str]]:
+        for mode in MODES:
+            for kv in ("f16", "f32"):
+                if _native.system_fingerprint(sha, mode, kv) == system_fingerprint:
+                    return mode, kv
+        return None
+
+    for k in KNOWN_MODELS.values():
+        m = match(k.sha256)
+        if m:
+            return (k.name, *m)
+    known_files = {k.file_name for k in KNOWN_MODELS.values()}
+    for f in sorted(cache_dir().glob("*.gguf")) if cache_dir().is_dir() else []:
+        if f.name not in known_files:
+            m = match(_file_sha256(str(f), f.stat().st_size, f.stat().st_mtime_ns))
+            if m:
+                return (str(f), *m)
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
+    from .models import _sha256
+    return _sha256(Path(path))
+
+
+def _model_of_record(record: Dict[str, Any]) -> Tuple[Optional[Tuple[str, Optional[str], Optional[str]]], str]:
+    """``((model, mode, kv_dtype), how)``: the model the record names, else the one its
+    fingerprint matches (with its mode and K/V dtype); ``(None, "")`` when neither finds one."""
+    for part in ("response", "request"):
+        name = record[part].get("model")
+        if isinstance(name, str) and name:
+            found = model_by_name(name)
+            if found is not None:
+                return (found, None, None), "model name"
+    fp = record["response"].get("system_fingerprint")
+    if isinstance(fp, str) and fp:
+        by_fp = model_by_fingerprint(fp)
+        if by_fp is not None:
+            return by_fp, "system_fingerprint"
+    return None, ""
+
+
+def _same_model(a: str, b: str) -> bool:
+    """Whether two model names (known names or paths) are the same file."""
+    from .models import resolve
+    if a == b:
+        return True
+    try:
+        return resolve(a, download=False).resolve() == resolve(b, download=False).resolve()
+    except (FileNotFoundError, OSError):
+        return False
 
 
 def _check_record(record: Any) -> Tuple[Dict[str, Any], Dict[str, Any]]:
@@ -136,25 +310,28 @@ def _replay_body(request: Dict[str, Any], response: Dict[str, Any]) -> Dict[str,
     return body
 
 
-def _replay(settings: Any, endpoint: str, body: Dict[str, Any]) -> Dict[str, Any]:
+def _replay(settings: Any, endpoint: str, body: Dict[str, Any]) -> Tuple[Dict[str, Any], Any]:
+    """The replayed response, and the model (its tokenizer) that gave it."""
     from .server.app import create_app
 
-    async def run() -> Tuple[int, Dict[str, Any]]:
+    async def run() -> Tuple[int, Dict[str, Any], Any]:
         app = create_app(settings)
         st = app.state.server
         async with app.router.lifespan_context(app):
             await asyncio.get_running_loop().run_in_executor(None, st.loaded.wait)
             if st.load_error is not None:
                 raise ValueError(f"the local server could not load the model: {st.load_error}")
-            return await _post(app, endpoint, body)
+            status, data = await _post(app, endpoint, body)
+            return status, data, st.model
 
-    # The app's loading messages (meant for a server's console) go to stderr: stdout is the report.
-    with contextlib.redirect_stdout(sys.stderr):
-        status, data = asyncio.run(run())
+    # The app's console messages (the "serve: model ... at http://..." banner) are a server's:
+    # nothing listens here, so they are dropped. Errors come back as exceptions.
+    with contextlib.redirect_stdout(io.StringIO()):
+        status, data, model = asyncio.run(run())
     if status != 200:
         msg = data.get("error", {}).get("message", data) if isinstance(data, dict) else data
         raise ValueError(f"the local server refused the recorded request ({status}): {msg}")
-    return data
+    return data, model
 
 
 async def _post(app: Any, path: str, body: Dict[str, Any]) -> Tuple[int, Any]:
@@ -212,8 +389,60 @@ def _text(choice: Dict[str, Any]) -> Any:
     return choice["message"]["content"] if "message" in choice else choice.get("text")
 
 
-def compare(endpoint: str, recorded: Dict[str, Any], replayed: Dict[str, Any]) -> Verification:
-    """The checks of :func:`verify` on two responses to the same request."""
+#: ``token ids -> text``; None: no tokenizer, ids are shown alone
+Detokenizer = Optional[Callable[[List[int]], str]]
+
+
+def _detokenizer(model: Any) -> Detokenizer:
+    if model is None:
+        return None
+
+    def detok(ids: List[int]) -> str:
+        return model.detokenize([int(t) for t in ids])
+    return detok
+
+
+#: tokens of text shown before and after a difference
+CONTEXT_BEFORE, CONTEXT_AFTER = 8, 4
+
+
+def _token(detok: Detokenizer, ids: List[int], pos: int) -> str:
+    if pos >= len(ids):
+        return "(none: the output ends before)"
+    return f"{ids[pos]} {_text_of(detok, ids[pos:pos + 1])}"
+
+
+def _text_of(detok: Detokenizer, ids: List[int]) -> str:
+    if detok is None:
+        return repr(ids)
+    try:
+        return repr(detok(ids))
+    except (ValueError, TypeError, OverflowError):  # ids another vocabulary gave
+        return repr(ids)
+
+
+def token_difference(detok: Detokenizer, recorded: List[int], replayed: List[int], pos: int) -> List[str]:
+    """Lines showing the first differing token at output position ``pos``: the recorded and the
+    replayed token, and the text before and after it."""
+    before = _text_of(detok, recorded[max(0, pos - CONTEXT_BEFORE):pos])
+    return [f"at output position {pos}: recorded token {_token(detok, recorded, pos)}, "
+            f"replayed {_token(detok, replayed, pos)}",
+            f"  after {before}: recorded {_text_of(detok, recorded[pos:pos + CONTEXT_AFTER])}, "
+            f"replayed {_text_of(detok, replayed[pos:pos + CONTEXT_AFTER])}"]
+
+
+def _text_difference(recorded: Any, replayed: Any, width: int = 24) -> List[str]:
+    if not (isinstance(recorded, str) and isinstance(replayed, str)):
+        return [f"text: recorded {recorded!r}, replayed {replayed!r}"]
+    i = _first_difference(list(recorded), list(replayed)) or 0
+    return [f"text: first difference at character {i}: after {recorded[max(0, i - width):i]!r}, recorded "
+            f"{recorded[i:i + width]!r}, replayed {replayed[i:i + width]!r}"]
+
+
+def compare(endpoint: str, recorded: Dict[str, Any], replayed: Dict[str, Any],
+            detok: Detokenizer = None) -> Verification:
+    """The checks of :func:`verify` on two responses to the same request (``detok``: the
+    tokenizer's ``ids -> text``, to show a difference's tokens as text)."""
     by_index = {c["index"]: c for c in replayed["choices"]}
     checks = []
     for rc in recorded["choices"]:
@@ -226,11 +455,20 @@ def compare(endpoint: str, recorded: Dict[str, Any], replayed: Dict[str, Any]) -
         if "token_ids" in rc:
             c.first_token_difference = _first_difference(rc["token_ids"], lc["token_ids"])
             c.token_ids = c.first_token_difference is None
+            if not c.token_ids:
+                c.details += token_difference(detok, rc["token_ids"], lc["token_ids"], c.first_token_difference)
         rl, ll = _logprob_entries(rc), _logprob_entries(lc)
         if rl is not None:
             c.first_logprob_difference = _first_difference(rl, ll or [])
             c.logprobs = c.first_logprob_difference is None
+            i = c.first_logprob_difference
+            if i is not None and c.token_ids is not False:
+                got = (ll or [])[i] if i < len(ll or []) else None
+                c.details.append(f"logprobs at output position {i}: recorded {rl[i] if i < len(rl) else None}, "
+                                 f"replayed {got}")
         c.text = _text(rc) == _text(lc)
+        if not c.text and c.token_ids is None:
+            c.details += _text_difference(_text(rc), _text(lc))
         c.finish_reason = rc.get("finish_reason") == lc.get("finish_reason")
         c.fingerprint = rc.get("fingerprint") == lc.get("fingerprint")
         checks.append(c)

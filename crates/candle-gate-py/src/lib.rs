@@ -76,6 +76,20 @@ fn count(name: &str, v: i64) -> PyResult<usize> {
     usize::try_from(v).map_err(|_| invalid(name, format!("{name} must not be negative, got {v}")))
 }
 
+/// A float parameter as the engine keeps it (f32). A finite value beyond f32's range would turn
+/// into infinity and be refused as "got inf", naming a value the caller never sent: it is
+/// refused here as the number given.
+fn f32_param(name: &str, v: f64) -> PyResult<f32> {
+    let f = v as f32;
+    if v.is_finite() && !f.is_finite() {
+        return Err(invalid(
+            name,
+            format!("{name} is {v:e}, beyond the engine's 32-bit floats (at most {:e} in magnitude)", f32::MAX),
+        ));
+    }
+    Ok(f)
+}
+
 /// Runs `f`, turning a panic into a `CandleGateError` instead of unwinding into Python.
 fn guarded<T>(what: &str, f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
     match catch_unwind(AssertUnwindSafe(f)) {
@@ -388,13 +402,13 @@ impl SamplingParams {
         let inner = candle_gate::SamplingParams {
             max_new_tokens: count("max_new_tokens", max_new_tokens)?,
             stop,
-            temperature: temperature as f32,
+            temperature: f32_param("temperature", temperature)?,
             top_k: count("top_k", top_k)?,
-            top_p: top_p as f32,
-            min_p: min_p as f32,
-            repetition_penalty: repetition_penalty as f32,
-            presence_penalty: presence_penalty as f32,
-            frequency_penalty: frequency_penalty as f32,
+            top_p: f32_param("top_p", top_p)?,
+            min_p: f32_param("min_p", min_p)?,
+            repetition_penalty: f32_param("repetition_penalty", repetition_penalty)?,
+            presence_penalty: f32_param("presence_penalty", presence_penalty)?,
+            frequency_penalty: f32_param("frequency_penalty", frequency_penalty)?,
             seed,
             n: count("n", n)?,
             logprobs,
@@ -729,10 +743,38 @@ impl Engine {
         o.map(|o| output_dict(py, o)).transpose()
     }
 
-    /// Steps until all of `ids` are finished (GIL released) and returns their outputs in order.
+    /// Steps until all of `ids` are finished (each step with the GIL released) and returns their
+    /// outputs in order. Between steps it runs Python's signal handlers: when one raises (Ctrl-C's
+    /// `KeyboardInterrupt`), `ids` are cancelled and their outputs dropped, and the exception is
+    /// raised within one step; the engine stays usable and other requests are untouched.
     fn run<'py>(&self, py: Python<'py>, ids: Vec<u64>) -> PyResult<Vec<Bound<'py, PyDict>>> {
-        let outs =
-            guarded("Engine.run", || py.detach(|| self.lock().map(|mut e| e.run_to_completion(&ids)))?.map_err(to_py))?;
+        let outs = guarded("Engine.run", || {
+            loop {
+                // Done when every id has finished, or (as `run_to_completion`) when nothing is left to run.
+                let done = py.detach(|| {
+                    self.lock().map(|mut e| -> candle_gate::Result<bool> {
+                        if ids.iter().all(|&id| e.is_finished(id)) {
+                            return Ok(true);
+                        }
+                        Ok(e.step()? == 0 && !e.has_work())
+                    })
+                })?;
+                if done.map_err(to_py)? {
+                    break;
+                }
+                if let Err(interrupt) = py.check_signals() {
+                    self.with(py, |e| {
+                        for &id in &ids {
+                            let _ = e.cancel(id); // an id already taken is not ours to report here
+                            e.take_output(id);
+                        }
+                    })?;
+                    return Err(interrupt);
+                }
+            }
+            // What `run_to_completion` returns: every output, in order.
+            py.detach(|| self.lock().map(|mut e| e.run_to_completion(&ids)))?.map_err(to_py)
+        })?;
         outs.into_iter().map(|o| output_dict(py, o)).collect()
     }
 }
@@ -843,8 +885,27 @@ fn kernel_tier() -> &'static str {
     candle_gate::kernels::isa().name()
 }
 
+/// The `system_fingerprint` an engine would report over a model file whose SHA-256 is
+/// `model_sha256`, in `mode` without a profile, K/V stored as `kv_dtype`, its gate described as
+/// `gate` (`GateConfig::describe`: "gate=off" when off), on this host and build: what `verify`
+/// matches a record's fingerprint against to find the model and the settings it was served with.
+/// The kernels' description is `Engine::describe_kernels`' (tests/test_verify.py checks the two
+/// agree on a real engine).
+#[pyfunction]
+#[pyo3(signature = (model_sha256, mode = "invariant", kv_dtype = "f16", gate = "gate=off"))]
+fn system_fingerprint(model_sha256: &str, mode: &str, kv_dtype: &str, gate: &str) -> PyResult<String> {
+    let mode = Mode::from_str(mode).map_err(to_py)?;
+    let kv = candle_gate::decoder::KvDtype::from_str(kv_dtype).map_err(to_py)?;
+    let kernels = format!("{};kv={}", Policy::new(mode).describe(), kv.name());
+    Ok(candle_gate::model::system_fingerprint(model_sha256, &kernels, gate, &candle_gate::host::signature(mode)))
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    // NumPy's C API is imported on the first array made. Made here, at import, rather than in a
+    // call whose Ctrl-C would make the import fail (rust-numpy panics then: "Failed to access
+    // NumPy array API capsule: PyErr KeyboardInterrupt").
+    let _ = numpy::PyArray1::<f32>::zeros(m.py(), 0, false);
     m.add("CandleGateError", m.py().get_type::<CandleGateError>())?;
     m.add("InvalidParameter", m.py().get_type::<InvalidParameter>())?;
     m.add("EngineShutDown", m.py().get_type::<EngineShutDown>())?;
@@ -857,6 +918,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("SPECULATIVE_METHODS", SpeculativeMethod::ALL.map(|x| x.name()).to_vec())?;
     m.add_function(wrap_pyfunction!(host_signature, m)?)?;
     m.add_function(wrap_pyfunction!(kernel_tier, m)?)?;
+    m.add_function(wrap_pyfunction!(system_fingerprint, m)?)?;
     let known = PyList::empty(m.py());
     let part = |w: &candle_gate::registry::WheelPart| -> PyResult<Bound<'_, PyDict>> {
         let p = PyDict::new(m.py());
