@@ -451,21 +451,30 @@ def test_a_full_queue_gets_429_with_retry_after(keyed):
 def test_sigterm_lets_the_request_in_flight_finish_then_exits_0(keyed, model):
     """SIGTERM while a stream is observably in flight (its first token's chunk read, 199 of its 200
     greedy tokens still to come, and greedy decoding of the prompt runs the whole 200): uvicorn
-    drains, so the stream completes with every token, as an undisturbed engine gives them; then
-    the process exits 0."""
+    drains, so the stream completes with every token, as an undisturbed engine gives them, while a
+    client on a kept-alive connection gets 503; then the process exits 0."""
     n_tokens = 200
     [want] = candle_gate.Engine(model).generate([LONG], max_new_tokens=n_tokens)
     assert want.finish_reason == "length", want.finish_reason  # the stream cannot end before n_tokens
     auth = {"Authorization": f"Bearer {KEY}"}
     body = {"prompt": LONG, "max_tokens": n_tokens, "temperature": 0, "stop": [], "stream": True,
             "stream_options": {"include_usage": True}}
+    kept = httpx.Client(headers=auth, timeout=60)  # a client keeping its connection alive
+    assert kept.get(keyed.url + "/v1/models").status_code == 200
     with httpx.stream("POST", keyed.url + "/v1/completions", headers=auth, json=body, timeout=300) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
         first = next(lines)
         assert first.startswith("data: ")  # its first token: in flight
         keyed.proc.send_signal(signal.SIGTERM)
+        # The kept-alive connection gets the documented 503 (then Connection: close), not a
+        # connection closed under it; the server still listens while the stream runs.
+        wait_until(lambda: kept.get(keyed.url + "/health").status_code == 503, "draining")
+        late = kept.get(keyed.url + "/v1/models")
+        _assert_error(late, 503)
+        assert late.json()["error"]["code"] == "shutting_down" and late.headers["connection"] == "close"
         events = [first] + [line for line in lines if line]
+    kept.close()
     assert events[-1] == "data: [DONE]", events[-3:]
     chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
     choices = [c for ch in chunks for c in ch["choices"]]

@@ -529,3 +529,136 @@ def test_settings_from_the_cli_flags():
     assert (s.port, s.api_key, s.enable_prefix_caching, s.max_model_len, s.max_queue) == (9, "k", False, 40, 3)
     assert Settings.from_args(build_parser().parse_args(["serve"])).enable_prefix_caching
     assert Settings.from_args(build_parser().parse_args(["serve", "--stream-interval-ms", "20"])).stream_interval_ms == 20
+
+
+# --- the API key off the command line, and what it guards (issue 53) ---------------------------
+
+def test_the_api_key_from_an_environment_variable_or_a_file(tmp_path, monkeypatch):
+    from candle_gate.cli import build_parser
+    parse = lambda *a: Settings.from_args(build_parser().parse_args(["serve", *a]))  # noqa: E731
+    monkeypatch.setenv("CG_TEST_KEY", "sk-env")
+    assert parse("--api-key-env", "CG_TEST_KEY").api_key == "sk-env"
+    f = tmp_path / "key"
+    f.write_text("sk-file\n")
+    assert parse("--api-key-file", str(f)).api_key == "sk-file"
+    assert parse().api_key is None and parse().api_key_scope == "api"
+    with pytest.raises(ValueError, match="CG_TEST_UNSET is not set"):
+        parse("--api-key-env", "CG_TEST_UNSET")
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ValueError, match="holds no key"):
+        parse("--api-key-file", str(tmp_path / "empty"))
+    with pytest.raises(SystemExit):  # one source at a time
+        build_parser().parse_args(["serve", "--api-key", "k", "--api-key-env", "CG_TEST_KEY"])
+
+
+@pytest.mark.parametrize("scope", ["api", "all"])
+def test_the_key_scope_guards_metrics_and_docs_only_when_asked(scope):
+    app, _ = _app(api_key="k", api_key_scope=scope)
+    ok = {"Authorization": "Bearer k"}
+    with TestClient(app) as client:
+        assert app.state.server.loaded.wait(10)
+        for path in ("/metrics", "/docs", "/redoc", "/openapi.json"):
+            r = client.get(path)
+            if scope == "all":
+                _error(r, 401, None, "invalid_api_key")
+                assert client.get(path, headers=ok).status_code == 200
+            else:
+                assert r.status_code == 200, path
+        assert client.get("/health").status_code == 200  # open either way
+        _error(client.get("/v1/models"), 401, None, "invalid_api_key")
+
+
+# --- the server's own bounds ------------------------------------------------------------------
+
+def test_settings_are_the_serve_flags_defaults():
+    """One owner: the flags' defaults are the Settings fields' (the engine's options are
+    ENGINE_DEFAULTS, which Settings leaves to the engine as None)."""
+    import dataclasses
+    from candle_gate.cli import build_parser
+    a = build_parser().parse_args(["serve"])
+    for f in dataclasses.fields(Settings):
+        if f.name in vars(a) and f.default is not None:
+            assert getattr(a, f.name) == f.default, f.name
+
+
+class _Uvicorn:
+    """The app (with the fakes) under a real uvicorn on loopback, in a thread."""
+
+    def __init__(self, **settings):
+        import threading
+        import uvicorn
+        from conftest import free_port
+        self.app, self.workers = _app(**settings)
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        from conftest import wait_until
+        wait_until(lambda: self.server.started, "uvicorn started", timeout=30)
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def _http_response(sock):
+    """Reads one HTTP response (head and Content-Length body) from a raw socket."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return data.decode("latin-1"), None
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int([h.split(b":")[1] for h in head.split(b"\r\n") if h.lower().startswith(b"content-length:")][0])
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head.decode("latin-1"), json.loads(body)
+
+
+def test_a_body_trickling_in_is_cut_at_the_body_timeout():
+    import socket
+    import time
+    srv = _Uvicorn(body_timeout=1.0)
+    try:
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 20\r\n\r\n{")
+            t0 = time.monotonic()
+            s.settimeout(0.3)
+            head = None
+            for _ in range(100):  # one byte every 0.3 s: 20 bytes would take 6 s
+                try:
+                    head, body = _http_response(s)
+                    break
+                except socket.timeout:
+                    s.sendall(b" ")
+            waited = time.monotonic() - t0
+            assert head is not None and head.startswith("HTTP/1.1 408"), head
+            assert "connection: close" in head.lower()
+            assert body["error"]["code"] == "body_timeout" and body["error"]["type"] == "invalid_request_error"
+            assert waited < 6  # cut before the body was whole, not answered after it
+        assert srv.workers[0].submitted == []
+        # a body sent whole is served as before
+        r = json.loads(_post_raw(srv.port, {"prompt": "ab", "max_tokens": 2}))
+        assert r["choices"][0]["text"] == "ab"
+    finally:
+        srv.close()
+
+
+def _post_raw(port, body):
+    import httpx
+    return httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=30).text
+
+
+def test_a_server_whose_model_cannot_load_exits_non_zero(tmp_path):
+    """Not a server answering 503 forever: the reason, and a status a supervisor sees."""
+    import subprocess
+    import sys
+    from conftest import free_port
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"GGUF" + b"\xff" * 60)
+    r = subprocess.run([sys.executable, "-m", "candle_gate", "serve", "--model", str(junk), "--port",
+                        str(free_port())], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "could not load the model" in r.stderr and "GGUF" in r.stderr

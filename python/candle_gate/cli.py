@@ -2,19 +2,52 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 from . import _native
-from .engine import DEFAULT_MAX_NEW_TOKENS, ENGINE_DEFAULTS, GATES, MODES, SPECULATIVE_METHODS, speculative_options
+from .engine import (DEFAULT_MAX_NEW_TOKENS, ENGINE_DEFAULTS, GATES, MODES, SPECULATIVE_METHODS, SamplingParams,
+                     speculative_options)
 from .models import DEFAULT_MODEL, resolve
+from .server.settings import API_KEY_SCOPES, Settings
+
+#: ``candle-gate serve``'s defaults: the fields of :class:`~candle_gate.server.Settings` (one owner)
+SERVE_DEFAULTS: Dict[str, Any] = {f.name: f.default for f in dataclasses.fields(Settings)}
+#: the sampling defaults, Rust's (``SamplingParams::default``), for the help texts
+_SAMPLING = SamplingParams()
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Every flag's help ends with its default, where it has a value (a flag whose default is
+    None says in its text what not giving it means)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        unset = any(action.default is x for x in (None, False, True, argparse.SUPPRESS))  # (1.0 == True)
+        if unset or "%(default)" in text or "default" in text:
+            return text
+        if not action.option_strings and action.nargs in (argparse.ONE_OR_MORE, argparse.ZERO_OR_MORE):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def _all_parsers(p: argparse.ArgumentParser):
+    """``p`` and every subcommand's parser under it."""
+    yield p
+    for action in p._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _all_parsers(sub)
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEFAULT_MODEL, help="a known model name or a path to a .gguf file")
-    p.add_argument("--mode", default="invariant", choices=MODES, help="fast-lane kernel policy")
-    p.add_argument("--profile", default=None, help="a crossover/gate profile (JSON) to load")
+    p.add_argument("--model", default=SERVE_DEFAULTS["model"], help="a known model name or a path to a .gguf file")
+    p.add_argument("--mode", default=SERVE_DEFAULTS["mode"], choices=MODES, help="fast-lane kernel policy")
+    p.add_argument("--profile", default=None,
+                   help="a crossover/gate profile (JSON) to load (default: none; a gated engine without --tau "
+                        "reads the user's profile, then the packaged one)")
 
 
 def _kv_args(p: argparse.ArgumentParser) -> None:
@@ -24,9 +57,10 @@ def _kv_args(p: argparse.ArgumentParser) -> None:
 def _spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-method", default=None, choices=SPECULATIVE_METHODS,
                    help="speculative decoding (ngram: prompt lookup; draft: a smaller model of the same "
-                        "vocabulary, --draft-model); changes no token, only speed")
+                        "vocabulary, --draft-model); changes no token, only speed (default: off)")
     p.add_argument("--draft-model", default=None,
-                   help="the draft model of --speculative-method draft: a known model name or a .gguf path")
+                   help="the draft model of --speculative-method draft: a known model name or a .gguf path "
+                        "(default: none)")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="drafts per sequence and step (default: ngram 12, draft 3)")
     p.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
@@ -40,7 +74,9 @@ def speculative_from_args(a: argparse.Namespace):
 
 
 def _gate_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--gate", default="off", choices=GATES)
+    p.add_argument("--gate", default=SERVE_DEFAULTS["gate"], choices=GATES,
+                   help="the margin gate: gated rechecks steps whose top-1/top-2 margin is below --tau in the "
+                        "FP32 reference lane; always rechecks every step; shadow measures without acting")
     p.add_argument("--tau", type=float, default=None,
                    help="margin threshold for --gate gated (default: the profile's calibrated tau)")
     p.add_argument("--deep-tau", type=float, default=None,
@@ -49,13 +85,26 @@ def _gate_args(p: argparse.ArgumentParser) -> None:
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--temperature", type=float, default=None, help="0 (default): greedy")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--min-p", type=float, default=None)
-    p.add_argument("--repetition-penalty", type=float, default=None)
-    p.add_argument("--presence-penalty", type=float, default=None)
-    p.add_argument("--frequency-penalty", type=float, default=None)
+    d = _SAMPLING
+    p.add_argument("--temperature", type=float, default=None,
+                   help=f"softmax temperature; 0 is greedy (default: {d.temperature:g}, greedy)")
+    p.add_argument("--top-k", type=int, default=None,
+                   help=f"sample among the K most likely tokens; 0 is off (default: {d.top_k}, off)")
+    p.add_argument("--top-p", type=float, default=None,
+                   help=f"sample among the most likely tokens holding this much probability, in (0, 1] "
+                        f"(default: {d.top_p:g}, off)")
+    p.add_argument("--min-p", type=float, default=None,
+                   help=f"drop tokens less likely than this fraction of the most likely one's probability, "
+                        f"in [0, 1] (default: {d.min_p:g}, off)")
+    p.add_argument("--repetition-penalty", type=float, default=None,
+                   help=f"CTRL's penalty on tokens already in the prompt or output, in (0, 10] "
+                        f"(default: {d.repetition_penalty:g}, off)")
+    p.add_argument("--presence-penalty", type=float, default=None,
+                   help=f"OpenAI's: subtracted from the logit of every token already generated, in [-2, 2] "
+                        f"(default: {d.presence_penalty:g}, off)")
+    p.add_argument("--frequency-penalty", type=float, default=None,
+                   help=f"OpenAI's: subtracted once per occurrence in the output so far, in [-2, 2] "
+                        f"(default: {d.frequency_penalty:g}, off)")
     p.add_argument("--seed", type=int, default=None,
                    help="key of every draw (default: one drawn per request and reported)")
 
@@ -130,7 +179,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
 def cmd_serve(a: argparse.Namespace) -> int:
     try:
-        from . import server
+        from .server import app as server_app
     except ImportError as e:  # fastapi/uvicorn are the `serve` extra
         print(f"candle-gate serve: {e}; install with: pip install 'candle-gate[serve]'", file=sys.stderr)
         return 2
@@ -153,7 +202,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         if a.ray_address:
             print("candle-gate serve: --ray-address needs --replicas N or --autoscaling-config", file=sys.stderr)
             return 2
-        return server.serve(a)
+        return server_app.serve(a)
     if a.replicas is not None and a.autoscaling_config is not None:
         print("candle-gate serve: give --replicas N or --autoscaling-config, not both", file=sys.stderr)
         return 2
@@ -172,21 +221,21 @@ def cmd_serve(a: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"candle-gate serve: --autoscaling-config: {e}", file=sys.stderr)
             return 2
-    return serve_replicas(server.Settings.from_args(a), a.replicas, a.ray_address, a.num_cpus_per_replica,
+    return serve_replicas(Settings.from_args(a), a.replicas, a.ray_address, a.num_cpus_per_replica,
                           a.routing, autoscaling)
 
 
 def _add_generate(sub) -> None:
     g = sub.add_parser("generate", help="generation for one prompt (greedy unless --temperature)")
-    g.add_argument("prompt")
+    g.add_argument("prompt", help="the prompt (with --chat, the user's message)")
     _common(g)
     _gate_args(g)
     _kv_args(g)
     _sampling_args(g)
     _spec_args(g)
     g.add_argument("--n", type=int, default=1, help="choices from the one prompt")
-    g.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
-    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help="tokens to generate at most")
+    g.add_argument("--stop", action="append", help="stop string (repeatable; default: none)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.set_defaults(func=cmd_generate)
@@ -202,14 +251,15 @@ def _add_fetch(sub) -> None:
 def _add_calibrate(sub) -> None:
     c = sub.add_parser("calibrate", help="measure kernel crossovers (--kernels) and the gate's tau (--gate)")
     _common(c)
-    c.add_argument("--kernels", action="store_true")
-    c.add_argument("--gate", action="store_true")
+    c.add_argument("--kernels", action="store_true", help="time the kernels and write their crossover thresholds")
+    c.add_argument("--gate", action="store_true", help="measure the gate's tau and deep_tau for --mode")
     c.add_argument("--quick", action="store_true", help="only the default model's dtypes and shapes")
     c.add_argument("--out", default=None,
                    help="the profile to write or update (default: the user's, which gated engines read first: "
                         "profile-cpu.json in the model cache)")
-    c.add_argument("--prompts", default=None, help="calibration prompts for --gate (JSON list or text file)")
-    c.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
+    c.add_argument("--prompts", default=None,
+                   help="calibration prompts for --gate (JSON list or text file; default: the built-in set)")
+    c.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help="tokens per calibration prompt")
     c.add_argument("--safety", type=float, default=2.0, help="tau = safety x the largest measured margin movement")
     c.set_defaults(func=cmd_calibrate)
 
@@ -218,34 +268,38 @@ def _endpoint_args(p: argparse.ArgumentParser) -> None:
     """``probe --endpoint URL`` and the flags that only it takes (docs/ENDPOINT_PROBE.md)."""
     ep = p.add_argument_group("endpoint probe (docs/ENDPOINT_PROBE.md): probe an OpenAI-compatible server")
     ep.add_argument("--endpoint", default=None, metavar="URL",
-                    help="probe this OpenAI-compatible server (http://host:port/v1) instead of the in-process engine")
+                    help="probe this OpenAI-compatible server (http://host:port/v1) instead of the in-process engine "
+                         "(default: the in-process engine)")
     ep.add_argument("--repeats", type=int, default=None, help="requests per prompt per load (default 3)")
     ep.add_argument("--concurrency", default=None, help="comma-separated thread-pool sizes (default 1,4)")
     ep.add_argument("--max-tokens", type=int, default=None, help="max_tokens per request (default 32)")
     ep.add_argument("--api-key-env", default=None, metavar="VAR",
-                    help="read the API key from this environment variable (never printed)")
+                    help="read the API key from this environment variable (never printed; default: no key)")
     ep.add_argument("--top-logprobs", type=int, default=None,
                     help="top_logprobs to ask for (default 2; -1: no logprobs)")
-    ep.add_argument("--orders", default=None, help="comma-separated subset of alone,burst,interleaved")
+    ep.add_argument("--orders", default=None, help="comma-separated subset of alone,burst,interleaved (default: all three)")
     ep.add_argument("--stream", action="store_true", default=None,
                     help="send streaming requests (SSE) and assemble each completion from its chunks")
     ans = ep.add_mutually_exclusive_group()
     ans.add_argument("--extract", default=None, metavar="REGEX",
-                     help="the answer: the regex's first group (else the whole match)")
+                     help="the answer: the regex's first group (else the whole match; default: the whole completion)")
     ans.add_argument("--json-field", default=None, metavar="PATH",
-                     help="the answer: this dotted path (a.b.0) in the completion parsed as JSON")
+                     help="the answer: this dotted path (a.b.0) in the completion parsed as JSON (default: the whole completion)")
 
 
 def _add_probe(sub) -> None:
     p = sub.add_parser("probe", help="measure flip rates across batch compositions")
     _common(p)
     _gate_args(p)
-    p.add_argument("--prompts", default=None, help="JSON list of prompts (strings or chats) or a text file, one per line")
-    p.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--json", dest="json_out", default=None, help="write the report here")
-    p.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")
-    p.add_argument("--compositions", default=None, help="comma-separated subset of composition names")
+    p.add_argument("--prompts", default=None,
+                   help="JSON list of prompts (strings or chats) or a text file, one per line (default: the "
+                        "built-in prompts)")
+    p.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts (default: all)")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens per prompt")
+    p.add_argument("--json", dest="json_out", default=None, help="write the report here (default: not written)")
+    p.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib; default: none)")
+    p.add_argument("--compositions", default=None,
+                   help="comma-separated subset of composition names (default: all)")
     _sampling_args(p)
     _endpoint_args(p)
     p.set_defaults(func=cmd_probe)
@@ -258,24 +312,26 @@ def _add_bench(sub) -> None:
     _common(t)
     _gate_args(t)
     _spec_args(t)
-    t.add_argument("--concurrency", default="1,2,4,8,16")
-    t.add_argument("--max-new-tokens", type=int, default=32)
-    t.add_argument("--json", action="store_true")
+    t.add_argument("--concurrency", default="1,2,4,8,16", help="comma-separated numbers of streams")
+    t.add_argument("--max-new-tokens", type=int, default=32, help="tokens per stream")
+    t.add_argument("--json", action="store_true", help="print the results as JSON")
     t.set_defaults(func=cmd_bench)
     gb = bsub.add_parser("gate", help="the gate's cost: decode tok/s with the gate off, gated and always, side by side")
     _common(gb)
-    gb.add_argument("--tau", type=float, default=None, help="default: the profile's calibrated tau")
-    gb.add_argument("--deep-tau", type=float, default=None)
-    gb.add_argument("--concurrency", type=int, default=4)
-    gb.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
-    gb.add_argument("--json", action="store_true")
+    gb.add_argument("--tau", type=float, default=None, help="the gate's margin threshold (default: the profile's "
+                                                            "calibrated tau)")
+    gb.add_argument("--deep-tau", type=float, default=None,
+                    help="rechecks below this margin rebuild the cache (default: the profile's, else tau/2)")
+    gb.add_argument("--concurrency", type=int, default=4, help="streams at once")
+    gb.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help="tokens per stream")
+    gb.add_argument("--json", action="store_true", help="print the results as JSON")
     _sampling_args(gb)
     gb.set_defaults(func=cmd_bench)
     sb = bsub.add_parser("sampling", help="seeded sampling's cost against greedy decoding, side by side")
     _common(sb)
-    sb.add_argument("--concurrency", default="1,8")
-    sb.add_argument("--max-new-tokens", type=int, default=32)
-    sb.add_argument("--json", action="store_true")
+    sb.add_argument("--concurrency", default="1,8", help="comma-separated numbers of streams")
+    sb.add_argument("--max-new-tokens", type=int, default=32, help="tokens per stream")
+    sb.add_argument("--json", action="store_true", help="print the results as JSON")
     _sampling_args(sb)
     sb.set_defaults(func=cmd_bench)
 
@@ -286,40 +342,55 @@ def _add_serve(sub) -> None:
     _gate_args(s)
     _kv_args(s)
     _spec_args(s)
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    d = SERVE_DEFAULTS
+    s.add_argument("--host", default=d["host"], help="the address to listen on")
+    s.add_argument("--port", type=int, default=d["port"], help="the port to listen on")
     s.add_argument("--max-num-seqs", type=int, default=ENGINE_DEFAULTS["max_num_seqs"], help="sequences in the running batch")
     s.add_argument("--max-num-batched-tokens", type=int, default=ENGINE_DEFAULTS["max_tokens_per_step"],
                    help="rows in one step (decode rows first, then prefill chunks): bounds the inter-token latency a long prefill adds")
     s.add_argument("--prefill-chunk", type=int, default=ENGINE_DEFAULTS["prefill_chunk"],
                    help="prompt positions per prefill chunk")
     s.add_argument("--kv-budget-tokens", type=int, default=ENGINE_DEFAULTS["kv_budget_tokens"],
-                   help="the KV pool's size in positions (allocated at start; cached prefixes live in it too)")
+                   help="the KV pool's size in positions (allocated at start; cached prefixes live in it too); a "
+                        "chat without max_tokens generates at most what it can hold")
     s.add_argument("--no-prefix-cache", action="store_true",
-                   help="never reuse the K/V of a prefix another request computed")
+                   help="never reuse the K/V of a prefix another request computed (default: reuse)")
     s.add_argument("--max-model-len", type=int, default=None,
                    help="context length served (default: the model's): longer prompts get 400, max_tokens is trimmed to fit")
-    s.add_argument("--max-queue", type=int, default=64,
+    s.add_argument("--max-queue", type=int, default=d["max_queue"],
                    help="waiting requests beyond which new ones get 429 with Retry-After")
-    s.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 and /tokenize")
+    key = s.add_argument_group("API key (default: none, every endpoint open)").add_mutually_exclusive_group()
+    key.add_argument("--api-key", default=None, metavar="KEY",
+                     help="require `Authorization: Bearer KEY` (visible to `ps`: prefer the next two; default: no key)")
+    key.add_argument("--api-key-env", default=None, metavar="NAME",
+                     help="the API key is the value of this environment variable (default: none)")
+    key.add_argument("--api-key-file", default=None, metavar="PATH",
+                     help="the API key is this file's content (one line; default: none)")
+    s.add_argument("--api-key-scope", default=d["api_key_scope"], choices=API_KEY_SCOPES,
+                   help="what the key guards: api = /v1/*, /tokenize, /detokenize, /reset_prefix_cache; all = "
+                        "also /metrics, /docs, /redoc, /openapi.json (/health is always open)")
     s.add_argument("--served-model-name", default=None,
                    help="the model's name in the API (default: the known-model name, else the file stem)")
     s.add_argument("--stream-interval-ms", type=int, default=None, metavar="MS",
                    help="write a stream's events that arrive within MS of its last write together, the first "
                         "token at once (default: 0; 50 with --replicas, where each write is a message "
                         "through Ray's proxy)")
-    s.add_argument("--threads", type=int, default=None)
-    s.add_argument("--drain-timeout", type=int, default=30,
+    s.add_argument("--threads", type=int, default=None,
+                   help="the engine's threads (default: rayon's, one per core)")
+    s.add_argument("--body-timeout", type=float, default=d["body_timeout"], metavar="SECONDS",
+                   help="seconds a request's body may take to arrive; a slower one gets 408")
+    s.add_argument("--drain-timeout", type=int, default=d["drain_timeout"],
                    help="seconds SIGTERM waits for in-flight requests before cancelling them")
-    s.add_argument("--log-level", default="info")
-    s.add_argument("--access-log", action="store_true")
+    s.add_argument("--log-level", default=d["log_level"], help="uvicorn's log level")
+    s.add_argument("--access-log", action="store_true", help="log every request (uvicorn's access log; default: off)")
     r = s.add_argument_group("replicas on Ray Serve (docs/RAY.md; the `ray` extra)")
     r.add_argument("--replicas", type=int, default=None,
-                   help="serve N replicas of this app, one engine each, on a Ray cluster (local unless --ray-address)")
+                   help="serve N replicas of this app, one engine each, on a Ray cluster (local unless --ray-address; "
+                        "default: no Ray, one engine in this process)")
     r.add_argument("--autoscaling-config", default=None, metavar="JSON",
                    help="instead of --replicas: Ray Serve's autoscaling_config, passed through "
-                        "(e.g. '{\"min_replicas\": 1, \"max_replicas\": 4, \"target_ongoing_requests\": 8}')")
-    r.add_argument("--ray-address", default=None, help="join this Ray cluster (e.g. 10.0.0.1:6379 or auto)")
+                        "(e.g. '{\"min_replicas\": 1, \"max_replicas\": 4, \"target_ongoing_requests\": 8}'; default: none)")
+    r.add_argument("--ray-address", default=None, help="join this Ray cluster (e.g. 10.0.0.1:6379 or auto; default: start a local one)")
     r.add_argument("--num-cpus-per-replica", type=float, default=1.0, help="Ray CPUs each replica reserves")
     r.add_argument("--routing", default="session", choices=["session", "pow2"],
                    help="session: a request's x-session-id header picks its replica (prefix-cache affinity), "
@@ -330,6 +401,7 @@ def _add_serve(sub) -> None:
 def cmd_verify(a: argparse.Namespace) -> int:
     try:
         from .audit import load_record, verify
+        from .server import app  # noqa: F401
     except ImportError as e:  # the in-process replay runs the server's app: the `serve` extra
         print(f"candle-gate verify: {e}; install with: pip install 'candle-gate[serve]'", file=sys.stderr)
         return 2
@@ -363,7 +435,7 @@ def _add_verify(sub) -> None:
                                    "else its system_fingerprint, which also gives the mode and K/V dtype); give "
                                    "the server's other settings: a different model file, mode, gate or K/V dtype "
                                    "is another stack. Exit 0 when every record matches.")
-    v.add_argument("records", nargs="+", metavar="RECORD")
+    v.add_argument("records", nargs="+", metavar="RECORD", help="a JSON file {\"request\": ..., \"response\": ...}")
     v.add_argument("--model", default=None,
                    help=f"replay on this model (a known name or a .gguf path) (default: the record's, else {DEFAULT_MODEL})")
     v.add_argument("--mode", default=None, choices=MODES,
@@ -373,7 +445,7 @@ def _add_verify(sub) -> None:
     v.add_argument("--kv-dtype", default=None, choices=["f16", "f32"],
                    help=f"the server's --kv-dtype (default: the record's system_fingerprint's, else "
                         f"{ENGINE_DEFAULTS['kv_dtype']})")
-    v.add_argument("--max-model-len", type=int, default=None, help="as the server's --max-model-len")
+    v.add_argument("--max-model-len", type=int, default=None, help="as the server's --max-model-len (default: the model's context)")
     v.add_argument("--json", action="store_true", help="print the checks as JSON")
     v.set_defaults(func=cmd_verify)
 
@@ -385,6 +457,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
     for add in (_add_generate, _add_fetch, _add_calibrate, _add_probe, _add_bench, _add_serve, _add_verify):
         add(sub)
+    for p in _all_parsers(ap):
+        p.formatter_class = HelpFormatter
     return ap
 
 

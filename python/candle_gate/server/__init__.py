@@ -17,13 +17,22 @@ metrics. The modules, in the order a request meets them:
 - ``metrics.py``: ``/metrics`` with prometheus_client;
 - ``openapi.py``: the OpenAPI document.
 """
-from .app import create_app, serve
-from .errors import APIError, engine_error, error_body
-from .metrics import Metrics
-from .protocol import MAX_BODY_BYTES
-from .settings import Settings
-from .state import ServerState
-from .worker import EngineWorker, QueueFull
+from __future__ import annotations
 
-__all__ = ["create_app", "serve", "APIError", "engine_error", "error_body", "Metrics", "MAX_BODY_BYTES",
-           "Settings", "ServerState", "EngineWorker", "QueueFull"]
+import importlib
+from typing import Any
+
+# Imported when first used: ``settings.py`` (what the command line reads) needs neither FastAPI
+# nor uvicorn, the rest do (the ``serve`` extra).
+_EXPORTS = {"create_app": "app", "serve": "app", "APIError": "errors", "engine_error": "errors",
+            "error_body": "errors", "Metrics": "metrics", "MAX_BODY_BYTES": "protocol", "Settings": "settings",
+            "ServerState": "state", "EngineWorker": "worker", "QueueFull": "worker"}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{module}", __name__), name)

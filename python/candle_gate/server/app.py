@@ -15,6 +15,7 @@ import asyncio
 import hmac
 import signal
 import threading
+import time
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Callable, Dict, Optional, Union
 
@@ -50,14 +51,18 @@ def server_state(request: Request) -> ServerState:
     return request.app.state.server
 
 
-def require_key(request: Request) -> None:
-    """With ``--api-key``: ``Authorization: Bearer KEY`` (compared in constant time), else 401."""
-    key = server_state(request).settings.api_key
+def key_ok(key: Optional[str], authorization: str) -> bool:
+    """Whether an ``Authorization`` header carries ``Bearer KEY`` (compared in constant time);
+    always, without a key."""
     if not key:
-        return
-    h = request.headers.get("authorization", "")
-    given = h[7:].strip() if h[:7].lower() == "bearer " else ""
-    if not hmac.compare_digest(given.encode(), key.encode()):
+        return True
+    given = authorization[7:].strip() if authorization[:7].lower() == "bearer " else ""
+    return hmac.compare_digest(given.encode(), key.encode())
+
+
+def require_key(request: Request) -> None:
+    """With ``--api-key``: ``Authorization: Bearer KEY``, else 401."""
+    if not key_ok(server_state(request).settings.api_key, request.headers.get("authorization", "")):
         raise APIError(401, "invalid API key", code="invalid_api_key")
 
 
@@ -175,6 +180,49 @@ async def on_internal_error(request: Request, e: Exception) -> JSONResponse:
 
 
 # ---------------------------------------------------------------------------------------------
+# Around every request
+
+#: the paths ``--api-key-scope all`` also guards (FastAPI's pages and the metrics; /health stays
+#: open for health checks)
+OPS_PATHS = frozenset({"/metrics", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+
+
+class Door:
+    """Pure ASGI middleware, the outermost of the app's own: counts the requests in flight
+    (``ServerState.active_requests``, what a SIGTERM drain waits for), answers with
+    ``Connection: close`` once the server is draining (a keep-alive client gets its 503 and
+    reconnects rather than finding its connection closed under it), and with
+    ``api_key_scope="all"`` asks for the key on :data:`OPS_PATHS`."""
+
+    def __init__(self, app: Any, st: ServerState):
+        self.app, self.st = app, st
+        s = st.settings
+        self.guard_ops = bool(s.api_key) and s.api_key_scope == "all"
+
+    async def __call__(self, scope: Dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        st = self.st
+        if self.guard_ops and scope["path"] in OPS_PATHS:
+            auth = dict(scope.get("headers") or ()).get(b"authorization", b"").decode("latin-1")
+            if not key_ok(st.settings.api_key, auth):
+                st.metrics.refused(401)
+                body = error_body(401, "invalid API key", code="invalid_api_key")
+                return await JSONResponse(body, status_code=401)(scope, receive, send)
+
+        async def send_closing(message: Dict[str, Any]) -> None:
+            if message["type"] == "http.response.start" and st.draining:
+                message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
+            await send(message)
+
+        st.active_requests += 1
+        try:
+            await self.app(scope, receive, send_closing)
+        finally:
+            st.active_requests -= 1
+
+
+# ---------------------------------------------------------------------------------------------
 # The app
 
 @asynccontextmanager
@@ -215,6 +263,7 @@ def create_app(settings: Settings, load: Optional[Loader] = None) -> FastAPI:
             response = await call_next(request)
             response.headers[REPLICA_HEADER] = replica
             return response
+    app.add_middleware(Door, st=st)  # (added last: the outermost)
     app.add_exception_handler(APIError, on_api_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, on_validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, on_http_error)  # type: ignore[arg-type]
@@ -237,28 +286,47 @@ def create_app(settings: Settings, load: Optional[Loader] = None) -> FastAPI:
 
 def serve(settings: Union[Settings, argparse.Namespace]) -> int:
     """``candle-gate serve``: the app under uvicorn until SIGTERM or Ctrl-C (docs/SERVER.md,
-    "Cancellation and shutdown"); 0 once drained."""
+    "Cancellation and shutdown"); 0 once drained, 1 when the model cannot be loaded."""
     import uvicorn
 
     if not isinstance(settings, Settings):
         settings = Settings.from_args(settings)
     app = create_app(settings)
     st: ServerState = app.state.server
+    s = settings
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
-            # Stop admitting at once (503), let uvicorn drain the connections (up to
-            # --drain-timeout), and exit 0 afterwards: uvicorn would re-raise the signal at the
-            # end, so it is not recorded as captured.
-            st.draining = True
-            if self.should_exit and sig == signal.SIGINT:
-                self.force_exit = True
-            else:
+            # The first signal stops admitting (503, with Connection: close) while the requests in
+            # flight finish, still listening, so that a client on a kept-alive connection gets
+            # its 503 rather than a closed connection; then uvicorn stops listening and waits
+            # for what is left, up to --drain-timeout in all. A second signal ends the wait
+            # (Ctrl-C: at once). Exit 0 afterwards: uvicorn would re-raise the signal at the end,
+            # so it is not recorded as captured.
+            if st.draining:
+                if sig == signal.SIGINT:
+                    self.force_exit = True
                 self.should_exit = True
+                return
+            st.draining = True
+            threading.Thread(target=self.drain, name="candle-gate-drain", daemon=True).start()
 
-    s = settings
+        def drain(self) -> None:
+            deadline = time.monotonic() + s.drain_timeout
+            while st.active_requests > 0 and time.monotonic() < deadline and not self.should_exit:
+                time.sleep(0.05)
+            self.config.timeout_graceful_shutdown = max(int(deadline - time.monotonic()), 1)
+            self.should_exit = True
+
+    def stop_if_the_model_fails() -> None:
+        st.loaded.wait()
+        if st.load_error is not None:  # (said by the loader) exit non-zero, not a server answering 503
+            server.should_exit = True
+
     print(f"candle-gate serve: loading {s.model} on http://{s.host}:{s.port}", flush=True)
     config = uvicorn.Config(app, host=s.host, port=s.port, log_level=s.log_level,
                             timeout_graceful_shutdown=s.drain_timeout, access_log=s.access_log)
-    Server(config).run()
-    return 0
+    server = Server(config)
+    threading.Thread(target=stop_if_the_model_fails, name="candle-gate-load-watch", daemon=True).start()
+    server.run()
+    return 1 if st.load_error is not None else 0

@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from .. import _native
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               408: "invalid_request_error",
                413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_error",
                503: "service_unavailable"}
 

@@ -8,6 +8,7 @@ these models (tests/test_server_schema.py).
 """
 from __future__ import annotations
 
+import asyncio
 from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
@@ -314,19 +315,30 @@ class HealthResponse(BaseModel):
 MAX_BODY_BYTES = 8 << 20
 
 
-async def read_body(request: Any) -> bytes:
+async def read_body(request: Any, timeout: Optional[float] = None) -> bytes:
     """The body, refused with 413 as soon as it is known to pass :data:`MAX_BODY_BYTES` (from its
-    ``Content-Length``, or, chunked, from the bytes read so far)."""
+    ``Content-Length``, or, chunked, from the bytes read so far), and with 408 when it has not
+    all arrived within ``timeout`` seconds (a slow trickle holds a connection and a handler;
+    the connection is closed after the 408)."""
     too_big = f"the request body is larger than {MAX_BODY_BYTES} bytes"
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise APIError(413, too_big)
-    parts, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise APIError(413, too_big)
-        parts.append(chunk)
+    parts: List[bytes] = []
+
+    async def read() -> None:
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise APIError(413, too_big)
+            parts.append(chunk)
+
+    try:
+        await asyncio.wait_for(read(), timeout)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout:g} s", code="body_timeout",
+                       headers={"Connection": "close"}) from None
     return b"".join(parts)
 
 

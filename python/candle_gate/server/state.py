@@ -40,6 +40,8 @@ class ServerState:
         self.system_fingerprint = ""
         self.ready = False
         self.draining = False
+        #: HTTP requests being answered now (``app.Door`` counts them; a SIGTERM drain waits for them)
+        self.active_requests = 0
         self.load_error: Optional[str] = None
         #: set when loading is over, whether it worked or not
         self.loaded = threading.Event()
