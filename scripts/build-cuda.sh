@@ -44,7 +44,7 @@ link_names() {  # the unversioned names the linker looks for
 libcuda_stub() {  # libcuda.so.1 is the driver's; a stub with its symbols is enough to link
     [ -e "$cuda/lib/libcuda.so" ] && return 0
     local syms; syms="$(mktemp)"
-    nm -u target/release/deps/libcudarc-*.rlib 2>/dev/null | awk '$1 == "U" && $2 ~ /^cu[A-Z]/ {print $2}' | sort -u > "$syms"
+    nm -u "${CARGO_TARGET_DIR:-target}"/release/deps/libcudarc-*.rlib 2>/dev/null | awk '$1 == "U" && $2 ~ /^cu[A-Z]/ {print $2}' | sort -u > "$syms"
     [ -s "$syms" ] || { echo "no cudarc symbols found: build cudarc first" >&2; exit 1; }
     awk '{print "void " $1 "(void) {}"}' "$syms" > "$syms.c"
     cc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$cuda/lib/libcuda.so" "$syms.c"

@@ -259,6 +259,157 @@ MATVEC_ALL_R(q8_0, Q8_0)
 MATVEC_ALL_R(q4k, Q4K)
 MATVEC_ALL_R(q6k, Q6K)
 
+// The tiled kernel: many rows and several columns per block, the same order for every output.
+//
+// A block of TILE_WARPS warps computes RT activation rows against TILE_WARPS * CT columns (CT per
+// warp). Lane l still owns units l, l + 32, ... of every output it holds: thread (warp, l) keeps
+// RT x CT accumulators, each walking its units in increasing u with the same operations as
+// `accumulate`, and each output folds by the same butterfly. What changes is only who loads
+// what: the RT rows' quantized activations of a chunk of 32 units are staged once in shared
+// memory for all the block's warps (with each unit's integer sum, the Q4_1/Q4_K min term's
+// operand), and a warp decodes each weight unit once for its RT rows. So an output's bits are
+// the same for every (RT, CT) and every row count (tests/canonical.rs runs this loop lane by
+// lane: `canonical_emulate::emulate_tile`).
+#define TILE_WARPS 4
+
+// `Unit::accumulate` against a staged unit: a, b its 32 int8 values (16 + 16), du its scale,
+// sum the integer sum of its values. The integer parts are those of `accumulate` regrouped
+// (exact integer arithmetic: sc * lo + sc * hi == sc * (lo + hi)); the float operations are the
+// same, in the same order.
+template <int DT>
+__device__ __forceinline__ float tile_accumulate(const Unit &un, const int4 &a, const int4 &b, float du,
+                                                 int sum, float acc) {
+    int c;
+    if (DT == Q6K) {
+        int lo = __dp4a(un.w[0], a.x, 0);
+        lo = __dp4a(un.w[1], a.y, lo);
+        lo = __dp4a(un.w[2], a.z, lo);
+        lo = __dp4a(un.w[3], a.w, lo);
+        int hi = __dp4a(un.w[4], b.x, 0);
+        hi = __dp4a(un.w[5], b.y, hi);
+        hi = __dp4a(un.w[6], b.z, hi);
+        hi = __dp4a(un.w[7], b.w, hi);
+        c = un.scale_lo * lo + un.scale_hi * hi;
+    } else {
+        int dot = __dp4a(un.w[0], a.x, 0);
+        dot = __dp4a(un.w[1], a.y, dot);
+        dot = __dp4a(un.w[2], a.z, dot);
+        dot = __dp4a(un.w[3], a.w, dot);
+        dot = __dp4a(un.w[4], b.x, dot);
+        dot = __dp4a(un.w[5], b.y, dot);
+        dot = __dp4a(un.w[6], b.z, dot);
+        dot = __dp4a(un.w[7], b.w, dot);
+        c = DT == Q4K ? un.scale_lo * dot : dot;
+    }
+    acc = __fmaf_rn(__fmul_rn(un.coef, du), __int2float_rn(c), acc);
+    if (DT == Q4_1 || DT == Q4K)
+        acc = __fmaf_rn(__fmul_rn(un.min_coef, du), __int2float_rn(un.min_mult * sum), acc);
+    return acc;
+}
+
+// Grid: (ceil(rows / RT), ceil(n / (TILE_WARPS * CT))); blocks of TILE_WARPS warps. Row tiles
+// vary fastest, so the blocks running together share their weight columns in L2.
+template <int DT, int RT, int CT>
+__device__ void canonical_tile(const uint8_t *__restrict__ w, const int8_t *__restrict__ q,
+                               const float *__restrict__ d, float *__restrict__ y, int n, int k, int rows) {
+    // One chunk of 32 units of RT rows: unit j's values 0..16 at sq[r][0][j], 16..32 at
+    // sq[r][1][j] (a lane's 16-byte reads are then consecutive: no bank conflicts).
+    __shared__ int4 sq[RT][2][LANES];
+    __shared__ float sd[RT][LANES];
+    __shared__ int ss[RT][LANES];
+    const int lane = threadIdx.x % LANES;
+    const int warp = threadIdx.x / LANES;
+    const int row0 = blockIdx.x * RT;
+    const int col0 = (blockIdx.y * TILE_WARPS + warp) * CT;
+    const int units = k / UNIT;
+    const size_t row_bytes = (size_t)(units / Layout<DT>::units) * Layout<DT>::bytes;
+    float acc[RT][CT];
+#pragma unroll
+    for (int r = 0; r < RT; ++r)
+#pragma unroll
+        for (int c = 0; c < CT; ++c) acc[r][c] = 0.0f;
+    for (int base = 0; base < units; base += LANES) {
+        const int u = base + lane;
+        // This lane's weight units first, so that their loads are in flight with the staging's.
+        Unit un[CT];
+        if (u < units) {
+#pragma unroll
+            for (int c = 0; c < CT; ++c) {
+                // Columns past n decode the last column (valid memory); their sums are dropped.
+                const int col = min(col0 + c, n - 1);
+                decode<DT>(w + (size_t)col * row_bytes, u, un[c]);
+            }
+        }
+        __syncthreads();  // the previous chunk's reads of the tile are done
+        constexpr int STAGE = (RT * LANES + TILE_WARPS * LANES - 1) / (TILE_WARPS * LANES);
+#pragma unroll
+        for (int it = 0; it < STAGE; ++it) {
+            const int i = threadIdx.x + it * TILE_WARPS * LANES;
+            if (i < RT * LANES) {
+                const int r = i / LANES, j = i % LANES, uj = base + j;
+                int4 a = make_int4(0, 0, 0, 0), b = make_int4(0, 0, 0, 0);
+                float du = 0.0f;
+                int sum = 0;
+                if (row0 + r < rows && uj < units) {
+                    const int4 *src = (const int4 *)(q + (size_t)(row0 + r) * k + (size_t)uj * UNIT);
+                    a = src[0];
+                    b = src[1];
+                    du = d[(size_t)(row0 + r) * units + uj];
+                    sum = __dp4a(a.x, 0x01010101, sum);
+                    sum = __dp4a(a.y, 0x01010101, sum);
+                    sum = __dp4a(a.z, 0x01010101, sum);
+                    sum = __dp4a(a.w, 0x01010101, sum);
+                    sum = __dp4a(b.x, 0x01010101, sum);
+                    sum = __dp4a(b.y, 0x01010101, sum);
+                    sum = __dp4a(b.z, 0x01010101, sum);
+                    sum = __dp4a(b.w, 0x01010101, sum);
+                }
+                sq[r][0][j] = a;
+                sq[r][1][j] = b;
+                sd[r][j] = du;
+                ss[r][j] = sum;
+            }
+        }
+        __syncthreads();
+        if (u < units) {
+#pragma unroll
+            for (int r = 0; r < RT; ++r) {
+                const int4 a = sq[r][0][lane], b = sq[r][1][lane];
+                const float du = sd[r][lane];
+                const int sum = ss[r][lane];
+#pragma unroll
+                for (int c = 0; c < CT; ++c) acc[r][c] = tile_accumulate<DT>(un[c], a, b, du, sum, acc[r][c]);
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < RT; ++r)
+#pragma unroll
+        for (int c = 0; c < CT; ++c) {
+            const float s = butterfly(acc[r][c]);
+            if (lane == (r * CT + c) % LANES && row0 + r < rows && col0 + c < n)
+                y[(size_t)(row0 + r) * n + col0 + c] = s;
+        }
+}
+
+#define TILE(NAME, DT, RT, CT)                                                                   \
+    extern "C" __global__ void __launch_bounds__(TILE_WARPS * LANES)                             \
+        canonical_tile_##NAME##_r##RT##_c##CT(const uint8_t *w, const int8_t *q, const float *d,  \
+                                              float *y, int n, int k, int rows) {                \
+        canonical_tile<DT, RT, CT>(w, q, d, y, n, k, rows);                                      \
+    }
+// The (rows, columns per warp) tiles: `TILES` in canonical_emulate.rs.
+#define TILE_ALL(NAME, DT)                                                                       \
+    TILE(NAME, DT, 1, 4) TILE(NAME, DT, 2, 4) TILE(NAME, DT, 4, 4) TILE(NAME, DT, 8, 4)           \
+    TILE(NAME, DT, 16, 4) TILE(NAME, DT, 32, 2)
+
+TILE_ALL(q4_0, Q4_0)
+TILE_ALL(q4_1, Q4_1)
+TILE_ALL(q5_0, Q5_0)
+TILE_ALL(q8_0, Q8_0)
+TILE_ALL(q4k, Q4K)
+TILE_ALL(q6k, Q6K)
+
 #define DENSE(R)                                                                                 \
     extern "C" __global__ void __launch_bounds__(WARPS * LANES)                                  \
         canonical_f32_r##R(const float *w, const float *x, float *y, int n, int k, int rows) {   \

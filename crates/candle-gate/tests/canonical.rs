@@ -149,3 +149,88 @@ fn canonical_mode_refuses_dtypes_it_has_no_order_for() {
     let err = qm.forward_rows(&policy, &pseudo_random(256, 2), 1).unwrap_err().to_string();
     assert!(err.contains("canonical") && err.contains("Q5K"), "{err}");
 }
+
+// The tiled CUDA kernel (`canonical_tile`), run thread by thread (`canonical_emulate`): every
+// tile, every row count, equal to the CPU kernel bit for bit. This is what lets the host pick
+// the tile by row count.
+
+use candle_gate::kernels::canonical_emulate::{emulate_tile, tile_for_rows, TILES, TILE_DTYPES};
+
+/// `emulate_tile` with every tile at each of `rows`, and with the host's tile at every row count
+/// in `1..=max`, against the first rows of the CPU kernel's `reference` (itself row-invariant).
+fn check_tiles(label: &str, w: &QTensor, x: &[f32], reference: &[f32], rows: &[usize], max: usize) {
+    let (n, k) = (w.shape().dims()[0], w.shape().dims()[1]);
+    for &m in rows {
+        for tile in TILES {
+            let y = emulate_tile(w, &x[..m * k], m, tile).unwrap();
+            assert_eq!(bits(&y), bits(&reference[..m * n]), "{label}: tile {tile:?} at {m} rows");
+        }
+    }
+    for m in 1..=max {
+        if let Some(tile) = tile_for_rows(m) {
+            let y = emulate_tile(w, &x[..m * k], m, tile).unwrap();
+            assert_eq!(bits(&y), bits(&reference[..m * n]), "{label}: host tile {tile:?} at {m} rows");
+        }
+    }
+}
+
+#[test]
+fn tiled_kernel_emulation_equals_the_cpu_kernel_on_synthetic_weights() {
+    const MAX: usize = 70;
+    for dtype in TILE_DTYPES {
+        let k_quant = matches!(dtype, GgmlDType::Q4K | GgmlDType::Q6K);
+        // k below, at and past a chunk of 32 units (1024 values), not a multiple of it; n past
+        // a block's 16 columns and not a multiple of 4.
+        let shapes: &[(usize, usize)] = if k_quant {
+            &[(37, 256), (21, 1536), (9, 4864), (6, 8960)]
+        } else {
+            &[(37, 32), (37, 576), (21, 896), (9, 1536), (6, 4864)]
+        };
+        for &(n, k) in shapes {
+            let w = synthetic(dtype, n, k, (n * k) as u64 + 1);
+            let x = pseudo_random(MAX * k, k as u64 + 3);
+            let reference = matmul(&w, &x, MAX).unwrap();
+            // The CPU kernel at fewer rows is the same rows (row invariance, checked above too).
+            assert_eq!(bits(&matmul(&w, &x[..7 * k], 7).unwrap()), bits(&reference[..7 * n]));
+            check_tiles(&format!("{dtype:?} [{n}, {k}]"), &w, &x, &reference, &[1, 3, 17, 33, MAX], MAX);
+        }
+    }
+}
+
+#[test]
+fn tiled_kernel_emulation_equals_the_cpu_kernel_at_hundreds_of_rows() {
+    for dtype in TILE_DTYPES {
+        let k = if matches!(dtype, GgmlDType::Q4K | GgmlDType::Q6K) { 1536 } else { 896 };
+        let n = 18;
+        let w = synthetic(dtype, n, k, 77);
+        let x = pseudo_random(512 * k, 78);
+        let reference = matmul(&w, &x, 512).unwrap();
+        for m in [128, 200, 256, 512] {
+            for tile in TILES.into_iter().filter(|t| t.rows >= 8).chain(tile_for_rows(m)) {
+                let y = emulate_tile(&w, &x[..m * k], m, tile).unwrap();
+                assert_eq!(bits(&y), bits(&reference[..m * n]), "{dtype:?} tile {tile:?} at {m} rows");
+            }
+        }
+    }
+}
+
+#[test]
+fn tiled_kernel_emulation_equals_the_cpu_kernel_on_every_models_weights() {
+    const MAX: usize = 40;
+    let mut seen = 0;
+    for known in registry::KNOWN {
+        let path = registry::resolve(known.name).expect("run `candle-gate fetch --model all` first");
+        for (name, w) in canonical::sample_weights(&path, 40).unwrap() {
+            if !TILE_DTYPES.contains(&w.dtype()) {
+                continue;
+            }
+            let k = w.shape().dims()[1];
+            let x = pseudo_random(MAX * k, 13);
+            let reference = matmul(&w, &x, MAX).unwrap();
+            let label = format!("{} {name} {:?} {:?}", known.name, w.dtype(), w.shape().dims());
+            check_tiles(&label, &w, &x, &reference, &[1, 5, MAX], 18);
+            seen += 1;
+        }
+    }
+    assert!(seen >= 12, "only {seen} weights sampled");
+}

@@ -1,8 +1,10 @@
 //! CUDA. Candle's own dispatch (`native`) picks its mat-vec kernel for up to 8 rows and a
 //! matrix kernel above, with launch shapes that follow the row count. Row-split forces the
-//! one-row launch for every row; `invariant` (and `canonical`) run `cuda/canonical.cu`: one warp
-//! per output column in the canonical order (`kernels::canonical`), the same source for every
-//! row count, so a row's bits depend on nothing but the row and equal the CPU's canonical mode.
+//! one-row launch for every row; `invariant` (and `canonical`) run `cuda/canonical.cu` in the
+//! canonical order (`kernels::canonical`): one warp per output column for one row, the tiled
+//! kernel (activation chunks in shared memory, several columns per warp) for more. Every kernel
+//! and tile computes each output in the same order, so a row's bits depend on nothing but the
+//! row and equal the CPU's canonical mode, whichever the row count picks.
 use std::sync::Arc;
 
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
@@ -19,6 +21,61 @@ const MODULE: &str = "candle_gate_canonical";
 /// Warps (output columns) per thread block: `WARPS` in canonical.cu.
 const WARPS: usize = 4;
 const THREADS: u32 = (WARPS * 32) as u32;
+
+pub use super::canonical_emulate::{tile_for_rows, Tile, TILES, TILE_WARPS};
+
+/// Which kernel of canonical.cu computes a quantized call. Every choice gives the same bits
+/// (`tests/canonical.rs` emulates each); [`Kernel::for_rows`] picks one for speed, and the
+/// device check (`examples/cuda_check.rs`) runs and times them all.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kernel {
+    /// `canonical_<dtype>_r<rows>`: one warp per column, `rows` (1, 2, 4 or 8) rows per block.
+    Warp(usize),
+    /// `canonical_tile_<dtype>_r<rows>_c<cols>`: [`TILE_WARPS`] warps per block, `cols` columns
+    /// per warp, `rows` rows staged in shared memory.
+    Tile(Tile),
+}
+
+impl Kernel {
+    /// The kernel `canonical` launches for `m` rows.
+    pub fn for_rows(m: usize) -> Kernel {
+        match tile_for_rows(m) {
+            Some(t) => Kernel::Tile(t),
+            None => Kernel::Warp(1),
+        }
+    }
+
+    /// Every kernel, for the device check: the warp kernel's tiles, then the tiled kernel's.
+    pub fn all() -> Vec<Kernel> {
+        [1, 2, 4, 8].into_iter().map(Kernel::Warp).chain(TILES.into_iter().map(Kernel::Tile)).collect()
+    }
+
+    /// A short label: `warp_r8`, `tile_r16_c4`.
+    pub fn label(&self) -> String {
+        match self {
+            Kernel::Warp(r) => format!("warp_r{r}"),
+            Kernel::Tile(t) => format!("tile_r{}_c{}", t.rows, t.cols),
+        }
+    }
+
+    fn function(&self, dtype: &str) -> String {
+        match self {
+            Kernel::Warp(r) => format!("canonical_{dtype}_r{r}"),
+            Kernel::Tile(t) => format!("canonical_tile_{dtype}_r{}_c{}", t.rows, t.cols),
+        }
+    }
+
+    fn launch_config(&self, n: usize, m: usize) -> LaunchConfig {
+        match self {
+            Kernel::Warp(r) => launch_config(n, m, *r),
+            Kernel::Tile(t) => LaunchConfig {
+                grid_dim: (m.div_ceil(t.rows) as u32, n.div_ceil(TILE_WARPS * t.cols) as u32, 1),
+                block_dim: ((TILE_WARPS * 32) as u32, 1, 1),
+                shared_mem_bytes: 0,
+            },
+        }
+    }
+}
 
 pub fn row_split(native: &QMatMul, xs2: &Tensor) -> candle_core::Result<Tensor> {
     super::row_split_via_candle(native, xs2)
@@ -75,6 +132,8 @@ fn to_i32(v: usize, what: &str) -> candle_core::Result<i32> {
 struct Canonical {
     weight: Arc<QTensor>,
     name: &'static str,
+    /// `None`: [`Kernel::for_rows`].
+    kernel: Option<Kernel>,
 }
 
 impl CustomOp1 for Canonical {
@@ -111,17 +170,31 @@ impl CustomOp1 for Canonical {
         // SAFETY: the arguments match canonical_quantize's signature; the grid covers `units`.
         unsafe { b.launch(cfg) }.w()?;
 
-        let tile = tile_rows(m);
-        let f = dev.get_or_load_custom_func(&format!("canonical_{}_r{tile}", self.name), MODULE, PTX)?;
-        // SAFETY: every output element is written by the kernel (one warp per column and row).
+        let kernel = self.kernel.unwrap_or_else(|| Kernel::for_rows(m));
+        if let Kernel::Warp(r) = kernel {
+            if ![1, 2, 4, 8].contains(&r) {
+                candle_core::bail!("canonical matmul: no warp kernel with {r} rows");
+            }
+        }
+        if let Kernel::Tile(t) = kernel {
+            if !TILES.contains(&t) {
+                candle_core::bail!("canonical matmul: no tiled kernel {t:?}");
+            }
+            if n.div_ceil(TILE_WARPS * t.cols) > 65535 {
+                candle_core::bail!("canonical matmul: n = {n} is past the tiled kernel's grid");
+            }
+        }
+        let f = dev.get_or_load_custom_func(&kernel.function(self.name), MODULE, PTX)?;
+        // SAFETY: every output element is written by the kernel (each (row, column) by one warp).
         let y = unsafe { dev.alloc::<f32>(m * n)? };
         let w = self.weight.device_ptr()? as u64;
         let (n_i32, k_i32, m_i32) = (to_i32(n, "n")?, to_i32(k, "k")?, to_i32(m, "rows")?);
         let mut b = f.builder();
         b.arg(&w).arg(&q).arg(&d).arg(&y).arg(&n_i32).arg(&k_i32).arg(&m_i32);
-        // SAFETY: the arguments match the kernel's signature; `w` holds n rows of k values of
-        // this dtype (checked by the caller), `q`/`d`/`y` are sized for m rows.
-        unsafe { b.launch(launch_config(n, m, tile)) }.w()?;
+        // SAFETY: the arguments match the kernel's signature (both kernels take the same ones);
+        // `w` holds n rows of k values of this dtype (checked by the caller), `q`/`d`/`y` are
+        // sized for m rows.
+        unsafe { b.launch(kernel.launch_config(n, m)) }.w()?;
         Ok((CudaStorage::wrap_cuda_slice(y, dev.clone()), Shape::from((m, n))))
     }
 }
@@ -177,12 +250,22 @@ impl CustomOp2 for CanonicalDense {
 /// `xs2` (`[m, k]`, any float dtype, on the weight's GPU) times `weightᵀ` in the canonical
 /// order; the result has `xs2`'s dtype. `None` for dtypes canonical.cu does not decode.
 pub fn canonical(weight: &Arc<QTensor>, xs2: &Tensor) -> candle_core::Result<Option<Tensor>> {
+    canonical_with(weight, xs2, None)
+}
+
+/// [`canonical`] with the kernel named (`None`: the one [`Kernel::for_rows`] picks). The same
+/// bits for every kernel: the device check runs each to show it.
+pub fn canonical_with(
+    weight: &Arc<QTensor>,
+    xs2: &Tensor,
+    kernel: Option<Kernel>,
+) -> candle_core::Result<Option<Tensor>> {
     let Some(name) = canonical_dtype(weight.dtype()) else { return Ok(None) };
     if !weight.device().same_device(xs2.device()) {
         candle_core::bail!("canonical matmul: the input and the weight are on different devices");
     }
     let x = xs2.to_dtype(DType::F32)?.contiguous()?;
-    let y = x.apply_op1_no_bwd(&Canonical { weight: weight.clone(), name })?;
+    let y = x.apply_op1_no_bwd(&Canonical { weight: weight.clone(), name, kernel })?;
     Ok(Some(y.to_dtype(xs2.dtype())?))
 }
 

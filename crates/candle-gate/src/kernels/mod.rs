@@ -6,6 +6,7 @@ mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 pub mod canonical;
+pub mod canonical_emulate;
 pub mod cpu;
 mod cpu_kquant;
 mod cpu_q32;
