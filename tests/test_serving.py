@@ -245,6 +245,44 @@ def test_a_union_error_lists_each_alternative(api):
     assert err["message"] == "prompt: Input should be a valid string; or prompt: Input should be a valid array"
 
 
+@pytest.mark.parametrize("path,body,param,message", [
+    # one clear reason, not every alternative of the prompt's union
+    ("/v1/completions", b'{"prompt": ""}', "prompt", "prompt: must not be empty"),
+    ("/v1/completions", b'{"prompt": []}', "prompt", "prompt: must not be empty"),
+    ("/v1/completions", b'{"prompt": [""]}', "prompt", "prompt.0: must not be empty"),
+    # non-finite numbers are named as sent, not compared with a bound
+    ("/v1/completions", b'{"prompt": "x", "top_p": NaN}', "top_p", "top_p: must be a finite number, got NaN"),
+    ("/v1/completions", b'{"prompt": "x", "min_p": NaN}', "min_p", "min_p: must be a finite number, got NaN"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "presence_penalty": -Infinity}',
+     "presence_penalty", "presence_penalty: must be a finite number, got -Infinity"),
+    ("/v1/completions", b'{"prompt": "x", "repetition_penalty": NaN}', "repetition_penalty",
+     "repetition_penalty: must be a finite number, got NaN"),
+    # a finite number the engine's f32 cannot hold is not "inf"
+    ("/v1/completions", b'{"prompt": "x", "temperature": 1e308}', "temperature",
+     "temperature is 1e308, beyond the engine's 32-bit floats (at most 3.4028235e38 in magnitude)"),
+])
+def test_misleading_messages_are_clear(api, path, body, param, message):
+    client, worker, _ = api
+    err = _error(client.post(path, content=body), 400, param)
+    assert err["message"] == message
+    assert worker.submitted == []
+
+
+@pytest.mark.parametrize("path,body,param,where", [
+    ("/v1/completions", b'{"prompt": "a\\ud800"}', "prompt", "prompt"),
+    ("/v1/completions", b'{"prompt": "\\udc00b"}', "prompt", "prompt"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud83d"}]}', "messages",
+     "messages.0.content"),
+])
+def test_a_lone_surrogate_is_named_as_such(api, path, body, param, where):
+    err = _error(api[0].post(path, content=body), 400, param)
+    assert err["message"].startswith(f"{where}: the string holds a lone UTF-16 surrogate"), err["message"]
+    assert "hex escape" not in err["message"]
+    # a pair is a character
+    ok = api[0].post("/v1/completions", content=b'{"prompt": "\\ud83d\\ude00", "max_tokens": 1}')
+    assert ok.status_code == 200, ok.text
+
+
 def test_a_body_over_the_limit_is_413_from_its_length(api):
     r = api[0].post("/v1/completions", content=b"{}", headers={"Content-Length": str(MAX_BODY_BYTES + 1)})
     _error(r, 413)

@@ -145,6 +145,15 @@ impl<R: Read> Walker<R> {
         Ok(())
     }
 
+    /// [`Self::need`] for a size computed with checked arithmetic: one that overflowed (None) is
+    /// refused as such, rather than as a saturated 18446744073709551615 bytes.
+    fn need_checked(&self, n: Option<u64>, what: &dyn Fn() -> String) -> Walk<u64> {
+        let n =
+            n.ok_or_else(|| format!("truncated or corrupt GGUF header: the size of {} overflows 64 bits", what()))?;
+        self.need(n, what)?;
+        Ok(n)
+    }
+
     fn bytes<const N: usize>(&mut self, what: &dyn Fn() -> String) -> Walk<[u8; N]> {
         self.need(N as u64, what)?;
         let mut b = [0u8; N];
@@ -251,8 +260,7 @@ impl<R: Read> Walker<R> {
                 };
                 let n = self.len(&|| format!("the length of {}", what()))?;
                 // Refuse before walking: `n` elements need at least `n * min` bytes.
-                let need = n.saturating_mul(min);
-                self.need(need, &|| format!("{} of {n} elements", what()))?;
+                let need = self.need_checked(n.checked_mul(min), &|| format!("{} of {n} elements", what()))?;
                 self.elements = self.elements.saturating_add(n);
                 if self.elements > MAX_ARRAY_ELEMENTS {
                     return Err(format!(
@@ -295,8 +303,12 @@ impl<R: Read> Walker<R> {
         // a name length, n_dims, dtype and offset.
         let per_kv = self.len_size() + 4 + 1;
         let per_tensor = self.len_size() + 4 + 4 + 8;
-        let need = metadata_count.saturating_mul(per_kv).saturating_add(tensor_count.saturating_mul(per_tensor));
-        self.need(need, &|| format!("a header of {metadata_count} metadata entries and {tensor_count} tensors"))?;
+        let need = metadata_count
+            .checked_mul(per_kv)
+            .and_then(|m| tensor_count.checked_mul(per_tensor).and_then(|t| m.checked_add(t)));
+        self.need_checked(need, &|| {
+            format!("a header of {metadata_count} metadata entries and {tensor_count} tensors")
+        })?;
 
         let mut alignment = DEFAULT_ALIGNMENT;
         for i in 0..metadata_count {
@@ -354,7 +366,9 @@ impl<R: Read> Walker<R> {
             .div_ceil(alignment)
             .checked_mul(alignment)
             .ok_or_else(|| format!("the header end {} aligned to {alignment} overflows", self.pos))?;
-        let data_end = tensor_data_offset.saturating_add(data_len);
+        let data_end = tensor_data_offset.checked_add(data_len).ok_or_else(|| {
+            format!("the tensors' data overflows 64 bits: {data_len} bytes after the header's {tensor_data_offset}")
+        })?;
         if data_end > self.size {
             // A truncated download must fail here, by name, rather than deep inside a tensor read.
             return Err(format!("truncated file: its tensors need {data_end} bytes but the file has {}", self.size));
@@ -447,6 +461,41 @@ mod tests {
             assert_eq!(s.tensor_data_offset, c.tensor_data_offset, "{}", p.display());
             assert_eq!(s.tensor_count as usize, c.tensor_infos.len());
             assert!(took < Duration::from_secs(2), "{}: {took:?}", p.display());
+        }
+    }
+
+    /// An overflowing size is said to overflow, never printed as u64::MAX (saturated).
+    #[test]
+    fn overflowing_sizes_say_so() {
+        let saturated = u64::MAX.to_string();
+        for b in [
+            {
+                let mut b = header(0, u64::MAX / 4); // entries x 13 bytes
+                b.extend([0u8; 64]);
+                b
+            },
+            {
+                let mut b = header(0, 1);
+                string(&mut b, "a");
+                b.extend(9u32.to_le_bytes()); // an array
+                b.extend(10u32.to_le_bytes()); // of u64
+                b.extend((u64::MAX / 4).to_le_bytes());
+                b.extend([0u8; 64]);
+                b
+            },
+            {
+                let mut b = header(1, 0);
+                string(&mut b, "w");
+                b.extend(1u32.to_le_bytes());
+                b.extend(32u64.to_le_bytes());
+                b.extend(0u32.to_le_bytes()); // F32: 128 bytes
+                b.extend((u64::MAX - 130).to_le_bytes()); // ends 2 bytes short of 2^64, before the header
+                b.extend([0u8; 64]);
+                b
+            },
+        ] {
+            let e = check_bytes(&b).expect_err("must be refused").to_string();
+            assert!(e.contains("overflows") && !e.contains(&saturated), "{e}");
         }
     }
 

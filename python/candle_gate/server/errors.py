@@ -7,6 +7,8 @@ checks (:func:`engine_error`). The engine's exceptions carry the parameter as da
 """
 from __future__ import annotations
 
+import json
+import math
 from typing import Any, Dict, List, Optional, Tuple
 
 from pydantic import ValidationError
@@ -83,23 +85,84 @@ def _clean_loc(loc: Tuple[Any, ...]) -> str:
                     if not (isinstance(x, str) and (x in _UNION_TAGS or "[" in x or "-" in x)))
 
 
-def validation_message(e: ValidationError) -> Tuple[str, Optional[str]]:
-    """The message and the field (``param``) for a body that does not validate."""
+def validation_message(e: ValidationError, raw: bytes = b"") -> Tuple[str, Optional[str]]:
+    """The message and the field (``param``) for a body (``raw``) that does not validate."""
     errs = e.errors()
     err = errs[0]
     if err.get("type") == "json_invalid":
+        surrogate = lone_surrogate(raw)
+        if surrogate is not None:
+            return surrogate
         return f"the request body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}", None
     if not err.get("loc"):
         return str(err.get("msg")), None
-    # A union reports each alternative: say them all (the first element names the field).
     param = str(err["loc"][0])
+    same = [x for x in errs if x.get("loc") and x["loc"][0] == err["loc"][0]]
+    # A union reports each alternative. Those the value's type matched but a bound refused (an
+    # empty string for a string) are the reason; the others (not a list) would only confuse.
+    matched = [x for x in same if not _is_type_error(x)]
     parts: List[str] = []
-    for x in errs:
-        if x.get("loc") and x["loc"][0] == err["loc"][0]:
-            m = f"{_clean_loc(x['loc'])}: {x.get('msg')}"
-            if m not in parts:
-                parts.append(m)
+    for x in matched or same:
+        m = f"{_clean_loc(x['loc'])}: {_reason(x)}"
+        if m not in parts:
+            parts.append(m)
     return "; or ".join(parts[:4]), param
+
+
+def _is_type_error(err: Dict[str, Any]) -> bool:
+    """pydantic's "the value is not of this type" (``string_type``, ``list_type``, ...)."""
+    t = str(err.get("type", ""))
+    return t.endswith("_type") or t.endswith("_parsing") or t in ("is_instance_of", "union_tag_invalid")
+
+
+def _reason(err: Dict[str, Any]) -> str:
+    t, value = err.get("type"), err.get("input")
+    if t in ("string_too_short", "too_short") and value in ("", [], ()):
+        return "must not be empty"
+    if t == "finite_number" and isinstance(value, float):
+        return f"must be a finite number, got {_float_name(value)}"
+    if t in ("greater_than", "greater_than_equal", "less_than", "less_than_equal") and isinstance(value, float) \
+            and not math.isfinite(value):
+        return f"must be a finite number, got {_float_name(value)}"
+    return str(err.get("msg"))
+
+
+def _float_name(x: float) -> str:
+    """JSON's spelling of a non-finite number (what the client sent)."""
+    return "NaN" if math.isnan(x) else ("Infinity" if x > 0 else "-Infinity") if math.isinf(x) else repr(x)
+
+
+def lone_surrogate(raw: bytes) -> Optional[Tuple[str, Optional[str]]]:
+    """For a body pydantic's JSON parser refused: ``(message, field)`` when the reason is a lone
+    UTF-16 surrogate escape (``"\\ud800"`` not followed by a low surrogate), which encodes no
+    character (Python's parser accepts it; the message is pydantic's otherwise misleading
+    "unexpected end of hex escape"); None for any other reason."""
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    found = _surrogate_path(doc, ())
+    if found is None:
+        return None
+    path, ch = found
+    where = ".".join(map(str, path)) or "the body"
+    return (f"{where}: the string holds a lone UTF-16 surrogate (\\u{ord(ch):04x}), which is not a character: a "
+            f"\\u escape of a surrogate must be a high one (d800-dbff) followed by a low one (dc00-dfff)",
+            str(path[0]) if path else None)
+
+
+def _surrogate_path(x: Any, path: Tuple[Any, ...]) -> Optional[Tuple[Tuple[Any, ...], str]]:
+    if isinstance(x, str):
+        ch = next((c for c in x if 0xD800 <= ord(c) <= 0xDFFF), None)
+        return None if ch is None else (path, ch)
+    items = x.items() if isinstance(x, dict) else enumerate(x) if isinstance(x, list) else ()
+    for k, v in items:
+        if isinstance(k, str) and _surrogate_path(k, ()) is not None:
+            return path + (k,), next(c for c in k if 0xD800 <= ord(c) <= 0xDFFF)
+        found = _surrogate_path(v, path + (k,))
+        if found is not None:
+            return found
+    return None
 
 
 def request_validation_message(errs: List[Dict[str, Any]]) -> str:

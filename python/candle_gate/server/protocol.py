@@ -41,14 +41,14 @@ class _Req(BaseModel):
     stop: StopT = None
     #: default 1.0 when omitted, as OpenAI; 0 is greedy
     temperature: Optional[Annotated[float, Field(ge=0, allow_inf_nan=False)]] = None
-    top_p: Optional[Annotated[float, Field(gt=0, le=1)]] = None
+    top_p: Optional[Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]] = None
     top_k: Optional[Annotated[int, Field(ge=0, le=_I64)]] = None
-    min_p: Optional[Annotated[float, Field(ge=0, le=1)]] = None
+    min_p: Optional[Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]] = None
     seed: Optional[Annotated[int, Field(ge=0, le=_U64)]] = None
     n: Optional[Annotated[int, Field(ge=1, le=64)]] = None
-    presence_penalty: Optional[Annotated[float, Field(ge=-2, le=2)]] = None
-    frequency_penalty: Optional[Annotated[float, Field(ge=-2, le=2)]] = None
-    repetition_penalty: Optional[Annotated[float, Field(gt=0, le=10)]] = None
+    presence_penalty: Optional[Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)]] = None
+    frequency_penalty: Optional[Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)]] = None
+    repetition_penalty: Optional[Annotated[float, Field(gt=0, le=10, allow_inf_nan=False)]] = None
     user: Optional[str] = None
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
@@ -349,5 +349,5 @@ def parse(cls: type, raw: bytes) -> Any:
     try:
         return cls.model_validate_json(raw)
     except ValidationError as e:
-        msg, param = validation_message(e)
+        msg, param = validation_message(e, raw)
         raise APIError(400, msg, param) from None
