@@ -5,6 +5,7 @@ token ids and dicts into :class:`Result` objects.
 """
 from __future__ import annotations
 
+import difflib
 import inspect
 import json
 import os
@@ -33,6 +34,32 @@ SAMPLING_KEYWORDS = frozenset(inspect.signature(SamplingParams).parameters)
 ENGINE_DEFAULTS: Dict[str, Any] = dict(_native.ENGINE_DEFAULTS)
 DEFAULT_MAX_NEW_TOKENS: int = _native.DEFAULT_MAX_NEW_TOKENS
 _D = ENGINE_DEFAULTS
+
+#: other libraries' names for a keyword (OpenAI's and vLLM's, Hugging Face's): a near miss gets
+#: a suggestion
+KEYWORD_ALIASES = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens",
+                   "max_length": "max_new_tokens", "num_return_sequences": "n", "stop_sequences": "stop",
+                   "stop_strings": "stop", "top_n_logprobs": "top_logprobs"}
+
+
+def did_you_mean(name: str, accepted: Iterable[str]) -> str:
+    """``"; did you mean X?"`` for a near miss of one of ``accepted`` (another API's name for it,
+    or a close spelling), else ``""``."""
+    accepted = list(accepted)
+    alias = KEYWORD_ALIASES.get(name)
+    if alias in accepted:
+        return f"; did you mean {alias}?"
+    close = difflib.get_close_matches(name, accepted, n=1, cutoff=0.75)
+    return f"; did you mean {close[0]}?" if close else ""
+
+
+def _check_sampling_keywords(given: Iterable[str]) -> None:
+    """A TypeError naming the first keyword SamplingParams does not take, with a suggestion."""
+    for k in given:
+        if k not in SAMPLING_KEYWORDS:
+            raise TypeError(f"unknown sampling keyword {k!r}{did_you_mean(k, SAMPLING_KEYWORDS)} "
+                            f"(sampling takes {', '.join(sorted(SAMPLING_KEYWORDS))})")
+
 
 Chat = List[Dict[str, str]]
 Prompt = Union[str, Chat, Sequence[int]]
@@ -226,11 +253,13 @@ class Model:
         the :class:`Engine` (``mode``, ``gate``, ``kv_dtype``, ...)."""
         sampling = {k: v for k, v in kwargs.items() if k in SAMPLING_KEYWORDS}
         engine_kwargs = {k: v for k, v in kwargs.items() if k not in SAMPLING_KEYWORDS}
-        unknown = set(engine_kwargs) - set(inspect.signature(Engine).parameters)
+        engine_params = [p for p in inspect.signature(Engine).parameters if p != "model"]
+        unknown = sorted(set(engine_kwargs) - set(engine_params))
         if unknown:
-            raise TypeError(f"unknown keyword {', '.join(sorted(unknown))}: sampling takes "
-                            f"{', '.join(sorted(SAMPLING_KEYWORDS))} (or params=), the engine "
-                            f"{', '.join(p for p in inspect.signature(Engine).parameters if p != 'model')}")
+            hint = did_you_mean(unknown[0], [*SAMPLING_KEYWORDS, *engine_params])
+            raise TypeError(f"unknown keyword {', '.join(unknown)}{hint} (sampling takes "
+                            f"{', '.join(sorted(SAMPLING_KEYWORDS))} or params=; the engine "
+                            f"{', '.join(engine_params)})")
         return Engine(self, **engine_kwargs).generate(prompts, max_new_tokens=max_new_tokens, stop=stop,
                                                       chat=chat, params=params, **sampling)
 
@@ -320,6 +349,7 @@ class Engine:
         :class:`SamplingParams` built from ``max_new_tokens``, ``stop`` and the keyword
         arguments (``temperature``, ``top_p``, ``seed``, ``n``, ``logprobs``, ...)."""
         if params is None:
+            _check_sampling_keywords(sampling)
             params = SamplingParams(max_new_tokens=max_new_tokens, stop=stop, **sampling)
         elif sampling:
             raise TypeError(f"pass either params= or sampling keywords, not both ({', '.join(sampling)})")

@@ -8,6 +8,7 @@ interrupted download never leaves a file that later passes for the model.
 """
 from __future__ import annotations
 
+import difflib
 import hashlib
 import os
 import shutil
@@ -61,6 +62,17 @@ KNOWN_MODELS = {d["name"]: _known(d) for d in _native.KNOWN_MODELS}
 
 class ModelDownloadError(RuntimeError):
     pass
+
+
+def close_model_names(name: str) -> str:
+    """``" (did you mean X?)"`` for a name close to a known model's (its spelling, or a known
+    name that contains it or its file's stem), else ``""``."""
+    low = name.lower()
+    names = list(KNOWN_MODELS)
+    close = difflib.get_close_matches(low, names, n=2, cutoff=0.6)
+    close += [n for n in names if n not in close and len(low) >= 4
+              and (low in n or low in KNOWN_MODELS[n].file_name.lower())]
+    return f" (did you mean {' or '.join(close[:2])}?)" if close else ""
 
 
 def cache_dir() -> Path:
@@ -142,7 +154,7 @@ def fetch(name: str = DEFAULT_MODEL, quiet: bool = False) -> Path:
     them into a temporary file (never whole in memory) and renamed into place only after the
     assembled file's sha256 matches."""
     if name not in KNOWN_MODELS:
-        raise ValueError(f"unknown model {name!r}; known: {', '.join(KNOWN_MODELS)}")
+        raise ValueError(f"unknown model {name!r}{close_model_names(name)}; known: {', '.join(KNOWN_MODELS)}")
     m = KNOWN_MODELS[name]
     d = cache_dir()
     target = d / m.file_name
@@ -192,5 +204,6 @@ def resolve(name_or_path: Optional[str] = None, download: bool = True, quiet: bo
     p = Path(name_or_path).expanduser()
     if not p.is_file():
         raise FileNotFoundError(
-            f"{name_or_path!r} is neither a file nor a known model name (known: {', '.join(KNOWN_MODELS)})")
+            f"{name_or_path!r} is neither a file nor a known model name{close_model_names(name_or_path)} "
+            f"(known: {', '.join(KNOWN_MODELS)})")
     return p
