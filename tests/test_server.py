@@ -482,3 +482,23 @@ def test_sigterm_lets_the_request_in_flight_finish_then_exits_0(keyed, model):
     assert [c["finish_reason"] for c in choices if c["finish_reason"]] == ["length"]
     assert chunks[-1]["usage"]["completion_tokens"] == len(want.token_ids) == n_tokens
     assert keyed.proc.wait(timeout=300) == 0, "".join(keyed.log)
+
+
+# --- issue 53: greedy answers repeat byte for byte; a small KV pool still serves a chat ---------
+
+def test_greedy_choices_are_byte_identical_between_runs(server):
+    body = {"messages": CHAT, "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+    a, b = (_post(server, "/v1/chat/completions", body).json() for _ in range(2))
+    assert json.dumps(a["choices"]) == json.dumps(b["choices"])  # no freshly drawn seed in them
+    assert "seed" not in a["choices"][0]
+
+
+def test_a_chat_without_max_tokens_fits_a_kv_pool_below_the_context():
+    s = Server("--kv-budget-tokens", "128")  # SmolLM2's context is 8192
+    try:
+        r = _post(s, "/v1/chat/completions", {"messages": CHAT, "temperature": 0})
+        assert r.status_code == 200, r.text  # was 400: "the rest of the context" cannot fit
+        u = r.json()["usage"]
+        assert u["prompt_tokens"] + u["completion_tokens"] <= 128
+    finally:
+        s.stop()

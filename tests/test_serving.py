@@ -145,12 +145,12 @@ class FakeWorker:
         pass
 
 
-def _app(**settings):
+def _app(kv_pool=None, **settings):
     workers = []
 
     def load(st, loop):
         workers.append(FakeWorker(loop, st.count_finished))
-        st.attach(FakeModel(), workers[0], "fp_fake")
+        st.attach(FakeModel(), workers[0], "fp_fake", kv_pool=kv_pool)
 
     app = create_app(Settings(served_model_name="fake", **settings), load=load)
     return app, workers
@@ -700,3 +700,37 @@ def test_a_server_whose_model_cannot_load_exits_non_zero(tmp_path):
                         str(free_port())], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1, r.stdout + r.stderr
     assert "could not load the model" in r.stderr and "GGUF" in r.stderr
+
+
+# --- defaults that fit, and answers that repeat (issue 53) -------------------------------------
+
+def test_a_chat_without_max_tokens_gets_what_the_kv_pool_holds():
+    """With a pool smaller than the context, "the rest of the context" could never be admitted:
+    the default becomes what the pool can hold for the request's choices (whole blocks)."""
+    app, workers = _app(kv_pool=(3, 16))  # 48 positions, the context 64
+    with TestClient(app) as client:
+        assert app.state.server.loaded.wait(10)
+        assert client.post("/v1/chat/completions", json={"messages": CHAT}).status_code == 200  # 8 tokens
+        client.post("/v1/chat/completions", json={"messages": CHAT, "n": 2})  # a block each... of 16
+        client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 50})  # asked for: as asked
+        client.post("/v1/completions", json={"prompt": "abcd"})  # completions: 16, as OpenAI
+    p = [params for _, params in workers[0].submitted]
+    assert p[0].max_new_tokens == 48 - 8
+    assert p[1].max_new_tokens == 16 - 8 and p[1].n == 2
+    assert p[2].max_new_tokens == 50
+    assert p[3].max_new_tokens == 16
+
+
+def test_a_greedy_answer_reports_no_drawn_seed(api):
+    """Greedy decoding draws nothing: no seed is reported unless the request gave one, so equal
+    requests get equal choices; sampling reports the seed its draws were keyed by."""
+    client = api[0]
+    greedy = {"prompt": "abcd", "max_tokens": 2, "temperature": 0}
+    for body in (greedy, {**greedy, "stream": True}):
+        r = client.post("/v1/completions", json=body)
+        choices = [c for ch in _events(r) for c in ch["choices"]] if body.get("stream") else r.json()["choices"]
+        assert all("seed" not in c for c in choices), choices
+    [c] = client.post("/v1/completions", json={**greedy, "seed": 3}).json()["choices"]
+    assert c["seed"] == 3
+    [c] = client.post("/v1/completions", json={"prompt": "abcd", "max_tokens": 2}).json()["choices"]  # 1.0
+    assert c["seed"] == 7  # the fake engine's drawn seed

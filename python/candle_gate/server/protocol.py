@@ -151,8 +151,9 @@ class _ChoiceExt(BaseModel):
     finish_reason: _Finish
     #: extension: the engine's output fingerprint of the choice (32 hex)
     fingerprint: str
-    #: extension: the seed the choice's draws were keyed by
-    seed: int
+    #: extension: the seed the choice's draws were keyed by; absent at temperature 0 without a
+    #: seed (greedy decoding draws nothing)
+    seed: Optional[int] = None
     #: extension, with ``return_margins``: the gate's per-step margin (null where not finite)
     margins: Optional[List[Optional[float]]] = None
     #: extension, with ``return_margins``: 1 where the step was rechecked

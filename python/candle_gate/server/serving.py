@@ -39,7 +39,7 @@ DONE = "data: [DONE]\n\n"
 class Prepared:
     """A request as the engine takes it: the prompt's token ids and what it asks for."""
     ids: List[int]
-    #: None: the rest of the context
+    #: None: the rest of the context, or what the KV pool can hold where that is less
     max_tokens: Optional[int]
     logprobs: bool = False
     top_logprobs: int = 0
@@ -57,6 +57,9 @@ class Call:
     timing: Timing
     return_token_ids: bool = False
     include_usage: bool = False
+    #: the choices report their ``seed``: the request sampled (temperature > 0), or gave one.
+    #: Greedy decoding draws nothing, and a seed drawn for it would make equal answers differ.
+    report_seed: bool = True
     #: the Result (or an error) has arrived: nothing to cancel any more
     finished: bool = False
 
@@ -121,7 +124,8 @@ class OpenAIServing:
         rid, q = await self.submit(prep.ids, params)
         call = Call(rid, q, params.n, self.head(), prep, bool(req.return_margins), Timing(self.st.metrics, t0),
                     return_token_ids=bool(req.return_token_ids),
-                    include_usage=bool(req.stream_options and req.stream_options.include_usage))
+                    include_usage=bool(req.stream_options and req.stream_options.include_usage),
+                    report_seed=params.temperature > 0 or params.seed is not None)
         if req.stream:
             return StreamingResponse(self.stream(call), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -137,7 +141,9 @@ class OpenAIServing:
 
     def sampling_params(self, req: Any, prep: Prepared) -> SamplingParams:
         """The request's decoding, ``max_tokens`` fitted to the context (the engine would stop
-        at its end anyway, ``finish_reason`` "length")."""
+        at its end anyway, ``finish_reason`` "length"). Without ``max_tokens`` (a chat): the rest
+        of the context, or what the KV pool can hold for the request's choices where that is
+        less (``--kv-budget-tokens`` below the context), rather than a refusal."""
         ctx, n_prompt = self.st.max_model_len, len(prep.ids)
         if ctx and n_prompt >= ctx:
             raise APIError(400, f"the prompt has {n_prompt} tokens but the context holds {ctx} "
@@ -145,6 +151,9 @@ class OpenAIServing:
         max_tokens = prep.max_tokens
         if max_tokens is None:
             max_tokens = ctx - n_prompt if ctx else DEFAULT_MAX_TOKENS
+            fit = self.st.kv_fit(n_prompt, req.n or 1)
+            if fit is not None:
+                max_tokens = min(max_tokens, fit)
         elif ctx:
             max_tokens = min(max_tokens, ctx - n_prompt)
         try:
@@ -319,10 +328,12 @@ def take(items: List[Any]) -> Tuple[List[Dict[str, Any]], Any, Optional[str]]:
 
 
 def extensions(c: Any, call: Call) -> Dict[str, Any]:
-    """A choice's extensions: ``fingerprint``, ``seed``, with ``return_margins`` the gate's
-    per-step ``margins`` (null where not finite) and ``rechecked``, with ``return_token_ids`` its
-    ``token_ids``."""
-    out = {"fingerprint": c.fingerprint, "seed": int(c.seed)}
+    """A choice's extensions: ``fingerprint``, ``seed`` (where it keyed draws, or was given), with
+    ``return_margins`` the gate's per-step ``margins`` (null where not finite) and
+    ``rechecked``, with ``return_token_ids`` its ``token_ids``."""
+    out: Dict[str, Any] = {"fingerprint": c.fingerprint}
+    if call.report_seed:
+        out["seed"] = int(c.seed)
     if call.return_margins:
         out["margins"] = [float(m) if math.isfinite(float(m)) else None for m in c.margins]
         out["rechecked"] = [int(x) for x in c.rechecked]

@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from ..engine import Engine, Model, speculative_options
 from .errors import APIError
@@ -50,6 +50,8 @@ class ServerState:
         #: the context a request may use (prompt + new tokens): the model's, or less with
         #: ``settings.max_model_len``
         self.max_model_len = 0
+        #: the KV pool, ``(blocks, positions per block)``, where known (a fake engine may not say)
+        self.kv_pool: Optional[Tuple[int, int]] = None
         self._tok_str: Dict[int, str] = {}
 
     # -- loading --------------------------------------------------------------------------------
@@ -72,15 +74,17 @@ class ServerState:
             return
         worker = EngineWorker(eng, loop, self.count_finished)
         worker.start()
-        self.attach(model, worker, system_fingerprint(model, eng, s.mode))
+        self.attach(model, worker, system_fingerprint(model, eng, s.mode),
+                    kv_pool=(eng.kv_stats()["total"], eng.kv_block_size))
         print(f"candle-gate serve: model {self.model_name} ({model.path}, mode {s.mode}, gate {s.gate}) "
               f"at http://{s.host}:{s.port}/v1 (system_fingerprint {self.system_fingerprint})", flush=True)
         if eng.gate_source:
             print(f"candle-gate serve: gate tau {eng.tau:.4g}, deep_tau {eng.deep_tau:.4g} "
                   f"from {eng.gate_source}", flush=True)
 
-    def attach(self, model: Any, worker: Any, fingerprint: str) -> None:
-        """Serves ``model`` through ``worker`` from now on."""
+    def attach(self, model: Any, worker: Any, fingerprint: str, kv_pool: Optional[Tuple[int, int]] = None) -> None:
+        """Serves ``model`` through ``worker`` from now on (``kv_pool``: the engine's KV pool,
+        ``(blocks, positions per block)``)."""
         from ..models import KNOWN_MODELS
         s = self.settings
         ctx = int(model.config.get("context_length", 0) or 0)
@@ -91,6 +95,7 @@ class ServerState:
         self.model_name = s.served_model_name or (s.model if s.model in KNOWN_MODELS else stem)
         self.model_aliases = {self.model_name, stem, Path(path).name, path, str(s.model)}
         self.system_fingerprint = fingerprint
+        self.kv_pool = kv_pool
         self.model, self.worker = model, worker
         self.metrics.bind(self.model_name)
         self.ready = True
@@ -109,6 +114,17 @@ class ServerState:
         if name is not None and name not in self.model_aliases:
             raise APIError(404, f"the model `{name}` does not exist; this server serves `{self.model_name}`",
                            param="model", code="model_not_found")
+
+    def kv_fit(self, n_prompt: int, n: int) -> Optional[int]:
+        """The most new tokens each of ``n`` choices of an ``n_prompt``-token prompt can have
+        with all of them in the KV pool at once, in whole blocks: the engine's admission rule
+        (``Engine::validate``: a request must be able to finish alone), which refuses anything
+        more. None where the pool is not known or cannot hold the prompt."""
+        if self.kv_pool is None:
+            return None
+        blocks, block = self.kv_pool
+        fit = blocks // max(n, 1) * block - n_prompt
+        return fit if fit > 0 else None
 
     def token_str(self, tid: int) -> str:
         """One token's text (cached)."""
