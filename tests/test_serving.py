@@ -604,6 +604,8 @@ def test_the_key_scope_guards_metrics_and_docs_only_when_asked(scope):
                 assert r.status_code == 200, path
         assert client.get("/health").status_code == 200  # open either way
         _error(client.get("/v1/models"), 401, None, "invalid_api_key")
+        doc = client.get("/openapi.json", headers=ok).json()  # the document says so
+        assert ("security" in doc["paths"]["/metrics"]["get"]) == (scope == "all")
 
 
 # --- the server's own bounds ------------------------------------------------------------------

@@ -272,7 +272,8 @@ def create_app(settings: Settings, load: Optional[Loader] = None) -> FastAPI:
     def openapi() -> Dict[str, Any]:
         if app.openapi_schema is not None:
             return app.openapi_schema
-        doc = openapi_document(app, bool(settings.api_key), st.model_name)
+        doc = openapi_document(app, bool(settings.api_key), st.model_name,
+                               ops_keyed=bool(settings.api_key) and settings.api_key_scope == "all")
         if st.ready:  # (before, the served name is not known yet)
             app.openapi_schema = doc
         return doc

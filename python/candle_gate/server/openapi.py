@@ -56,10 +56,11 @@ def request_body(model: type) -> Dict[str, Any]:
         "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
 
 
-def openapi_document(app: Any, keyed: bool, model_name: str) -> Dict[str, Any]:
+def openapi_document(app: Any, keyed: bool, model_name: str, ops_keyed: bool = False) -> Dict[str, Any]:
     """FastAPI's document for ``app``'s routes, with the request and stream models' schemas
     added, the 422s removed, the served model's name as the example of ``/v1/models/{name}`` and,
-    when ``keyed``, bearer authentication on the endpoints that need the key."""
+    when ``keyed``, bearer authentication on the endpoints that need the key (``ops_keyed``:
+    ``/metrics`` too, ``--api-key-scope all``)."""
     from fastapi.openapi.utils import get_openapi
     from pydantic.json_schema import models_json_schema
 
@@ -81,4 +82,9 @@ def openapi_document(app: Any, keyed: bool, model_name: str) -> Dict[str, Any]:
                     prm["schema"]["examples"] = [model_name]
             if keyed and (path.startswith("/v1/") or path in ("/tokenize", "/detokenize", "/reset_prefix_cache")):
                 op["security"] = [{"bearer": []}]
+            elif ops_keyed and path == "/metrics":
+                op["security"] = [{"bearer": []}]
+                op.setdefault("responses", {})["401"] = {
+                    "description": _ERROR_DESCRIPTIONS[401],
+                    "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
     return doc
