@@ -3,9 +3,10 @@
 # (docs/CUDA.md). Two halves, because the GPU machine has no Rust and cannot download:
 #
 #   benches/cuda_check.sh prepare     here: builds `cuda_check` with the `cuda` feature
-#                                     (scripts/build-cuda.sh), samples every registry model's
-#                                     weights (fetched first), packs both into target/cuda-check/
-#                                     (under 64 MiB)
+#                                     (scripts/build-cuda.sh, in target/cuda-build: a target
+#                                     directory of its own, so CPU builds are neither blocked nor
+#                                     rebuilt), samples every registry model's weights (fetched
+#                                     first), packs both into target/cuda-check/ (under 64 MiB)
 #   benches/cuda_check.sh run [OUT]   there, from the repo root with target/cuda-check/ copied
 #                                     in: inventory, then `cuda_check run`; tables on stdout,
 #                                     cuda_check.json and profile-cuda.json in OUT (default .)
@@ -21,14 +22,17 @@ prepare)
     python3 -m candle_gate fetch --model all
     # The sampler runs here, on the CPU build (the CUDA build needs the driver to start).
     cargo run --release -q -p candle-gate --example cuda_check -- extract --out "$pack"
-    scripts/build-cuda.sh build --example cuda_check
-    gzip -9 -c target/release/examples/cuda_check > "$pack/cuda_check.gz"
+    CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-target/cuda-build}" scripts/build-cuda.sh build --example cuda_check
+    gzip -9 -c "${CARGO_TARGET_DIR:-target/cuda-build}/release/examples/cuda_check" > "$pack/cuda_check.gz"
+    git rev-parse HEAD > "$pack/commit"
+    git status --porcelain -- crates/candle-gate examples >> "$pack/commit"
     du -ch "$pack"/* | tail -1
     ;;
 run)
     out="${2:-.}"
     mkdir -p "$out"
     echo "## Inventory"
+    echo "built from: $(cat "$pack/commit" 2>/dev/null | tr '\n' ' ')"
     nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv
     command -v nvcc >/dev/null && nvcc --version | tail -2
     ldconfig -p | grep -E 'libcuda\.so|cublas|nvrtc|curand|cudart' | head -20

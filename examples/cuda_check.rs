@@ -5,11 +5,14 @@
 //!   GPU machine, which cannot download, gets real weights in a few tens of MiB.
 //! - `cuda_check run --weights DIR/weights.gguf [--out DIR]` (built with `--features cuda`, on a
 //!   CUDA GPU): the differential tests (invariant at m rows == each row alone, bitwise, for
-//!   m = 1..=64; GPU == the CPU canonical kernel, bitwise; whether Candle's own dispatch changes a
-//!   row's bits with the row count; the reference matmul), then the crossover table and the
-//!   timings of native, row-split and invariant at 1/4/8/16/64 rows on the models' full shapes.
-//!   Prints the tables, writes `cuda_check.json` and `profile-cuda.json` to `--out`, and exits
-//!   non-zero when a bitwise claim fails.
+//!   m = 1..=64, 128, 256, 512; GPU == the CPU canonical kernel, bitwise, for every kernel of
+//!   canonical.cu (the one-warp-per-column kernel's tiles and the tiled kernel's); whether
+//!   Candle's own dispatch changes a row's bits with the row count; the reference matmul), then
+//!   on the models' full shapes the crossover table, the timings of native, row-split and
+//!   invariant, and every kernel's time at 1, 4, 8, 16, 64, 128, 256 and 512 rows (each also
+//!   checked equal to invariant's output and invariant to each row alone). Prints the tables,
+//!   writes `cuda_check.json` and `profile-cuda.json` to `--out`, and exits non-zero when a
+//!   bitwise claim fails.
 use std::path::PathBuf;
 
 fn arg(args: &[String], name: &str) -> Option<String> {
@@ -76,13 +79,22 @@ mod gpu {
     use candle_core::{Device, Module, Tensor};
     use candle_gate::dispatch::dtype_name;
     use candle_gate::kernels::canonical;
+    use candle_gate::kernels::cuda::{canonical_with, Kernel};
     use candle_gate::profile::{crossover, DtypeProfile, Profile, TableRow};
     use candle_gate::{Mode, Policy, QMatMul};
     use serde_json::json;
 
     use super::Result;
 
-    const MAX_ROWS: usize = 64;
+    /// The differential tests' row counts: every m up to 64, then the prefill sizes.
+    const MAX_ROWS: usize = 512;
+    const ROW_COUNTS: [usize; 3] = [128, 256, 512];
+    /// Rows of the reference matmul's checks (the dense order: the CPU side is slow).
+    const REFERENCE_ROWS: usize = 64;
+
+    fn differential_rows() -> Vec<usize> {
+        (1..=64).chain(ROW_COUNTS).collect()
+    }
 
     fn pseudo_random(len: usize, seed: u64) -> Vec<f32> {
         let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
@@ -104,6 +116,10 @@ mod gpu {
         Ok(QMatMul::new(w.clone(), Arc::new(Policy::new(mode)))?)
     }
 
+    fn with_kernel(w: &Arc<QTensor>, xs: &Tensor, kernel: Kernel) -> Result<Tensor> {
+        Ok(canonical_with(w, xs, Some(kernel))?.ok_or("no canonical kernel for this dtype")?)
+    }
+
     /// Rows of `y` (`[m, n]`) that differ in any bit from the same row computed alone.
     fn rows_differing(y: &[u32], alone: &[Vec<u32>], n: usize) -> usize {
         alone.iter().enumerate().filter(|(r, a)| y[r * n..(r + 1) * n] != a[..]).count()
@@ -113,6 +129,8 @@ mod gpu {
         label: String,
         invariant_ok: bool,
         equals_cpu: bool,
+        /// Kernels whose output at some tested row count differs from the CPU's.
+        kernels_differing: Vec<String>,
         native_rows_differing: Vec<(usize, usize)>,
         reference_invariant: bool,
         reference_equals_cpu: bool,
@@ -130,7 +148,7 @@ mod gpu {
         let (inv_alone, native_alone) = (alone(&inv)?, alone(&native)?);
         let mut invariant_ok = true;
         let mut native_rows_differing = Vec::new();
-        for m in 1..=MAX_ROWS {
+        for m in differential_rows() {
             let x_m = xs.narrow(0, 0, m)?;
             invariant_ok &= rows_differing(&bits(&inv.forward(&x_m)?)?, &inv_alone[..m], n) == 0;
             let d = rows_differing(&bits(&native.forward(&x_m)?)?, &native_alone[..m], n);
@@ -141,30 +159,48 @@ mod gpu {
         let cpu = canonical::matmul(w_cpu, &x, MAX_ROWS)?;
         let cpu_bits: Vec<u32> = cpu.iter().map(|v| v.to_bits()).collect();
         let equals_cpu = bits(&inv.forward(&xs)?)? == cpu_bits;
+        // Every kernel and tile, at row counts that fill, split and overrun their tiles.
+        let mut kernels_differing = Vec::new();
+        for kernel in Kernel::all() {
+            for m in [1, 3, 13, 64, 100, MAX_ROWS] {
+                let y = bits(&with_kernel(&w_gpu, &xs.narrow(0, 0, m)?, kernel)?)?;
+                if y[..] != cpu_bits[..m * n] {
+                    kernels_differing.push(format!("{}@{m}", kernel.label()));
+                }
+            }
+        }
         // The reference matmul over the weight dequantized by Candle on each device.
-        let ref_gpu = bits(&inv.forward_reference(&xs)?)?;
+        let xr = xs.narrow(0, 0, REFERENCE_ROWS)?;
+        let ref_gpu = bits(&inv.forward_reference(&xr)?)?;
         let ref_alone: Vec<Vec<u32>> =
-            (0..MAX_ROWS).map(|r| bits(&inv.forward_reference(&xs.narrow(0, r, 1)?)?)).collect::<Result<_>>()?;
+            (0..REFERENCE_ROWS).map(|r| bits(&inv.forward_reference(&xs.narrow(0, r, 1)?)?)).collect::<Result<_>>()?;
         let reference_invariant = rows_differing(&ref_gpu, &ref_alone, n) == 0;
         let cpu_ref =
             mm(&Arc::new(QTensor::quantize(&w_cpu.dequantize(&Device::Cpu)?, GgmlDType::F32)?), Mode::Canonical)?;
-        let ref_cpu = canonical::matmul(cpu_ref.weight(), &x, MAX_ROWS)?;
+        let ref_cpu = canonical::matmul(cpu_ref.weight(), &x[..REFERENCE_ROWS * k], REFERENCE_ROWS)?;
         let reference_equals_cpu = ref_gpu == ref_cpu.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
         Ok(Differential {
             label: label.to_string(),
             invariant_ok,
             equals_cpu,
+            kernels_differing,
             native_rows_differing,
             reference_invariant,
             reference_equals_cpu,
         })
     }
 
-    /// Mean seconds per call after warm-up, the GPU synchronized around the timed calls.
-    fn time(dev: &Device, iters: usize, f: impl Fn() -> Result<Tensor>) -> Result<f64> {
-        for _ in 0..3 {
-            f()?;
-        }
+    /// Mean seconds per call after warm-up, the GPU synchronized around the timed calls: 3 to 20
+    /// calls, as many as fit in about 40 ms (one call is timed first to tell).
+    fn time(dev: &Device, f: impl Fn() -> Result<Tensor>) -> Result<f64> {
+        f()?;
+        dev.synchronize()?;
+        let t0 = Instant::now();
+        f()?;
+        dev.synchronize()?;
+        let once = t0.elapsed().as_secs_f64();
+        let iters = ((0.04 / once) as usize).clamp(3, 20);
+        f()?;
         dev.synchronize()?;
         let t0 = Instant::now();
         for _ in 0..iters {
@@ -204,9 +240,12 @@ mod gpu {
         ("qwen2.5-1.5b", "ffn_down", GgmlDType::Q6K, 1536, 8960),
         ("qwen2.5-1.5b", "output", GgmlDType::Q6K, 151936, 1536),
     ];
-    const TIMED_ROWS: [usize; 5] = [1, 4, 8, 16, 64];
+    /// Row counts of the timing tables; row-split (m launches) is timed up to `SPLIT_ROWS`.
+    const TIMED_ROWS: [usize; 8] = [1, 4, 8, 16, 64, 128, 256, 512];
+    const SPLIT_ROWS: usize = 16;
 
     pub fn run(weights: &std::path::Path, out: &std::path::Path) -> Result<()> {
+        let started = Instant::now();
         let dev = Device::new_cuda(0)?;
         std::fs::create_dir_all(out)?;
         let mut file = std::fs::File::open(weights)?;
@@ -214,9 +253,9 @@ mod gpu {
         let mut names: Vec<String> = content.tensor_infos.keys().cloned().collect();
         names.sort();
 
-        println!("## Differential tests (bitwise), {} real weights, rows 1..={MAX_ROWS}\n", names.len());
-        println!("| weight | dtype | [n, k] | invariant: m rows == each alone | GPU == CPU canonical | native: (m, rows differing) | reference invariant | reference == CPU |");
-        println!("|---|---|---|---|---|---|---|---|");
+        println!("## Differential tests (bitwise), {} real weights, rows 1..=64, 128, 256, 512\n", names.len());
+        println!("| weight | dtype | [n, k] | invariant: m rows == each alone | GPU == CPU canonical | kernels != CPU | native: (m, rows differing) | reference invariant | reference == CPU |");
+        println!("|---|---|---|---|---|---|---|---|---|");
         let mut failed = Vec::new();
         let mut diffs = Vec::new();
         for name in &names {
@@ -225,69 +264,123 @@ mod gpu {
             let d = differential(&dev, name, &w_cpu, w_gpu)?;
             let native: Vec<String> = d.native_rows_differing.iter().map(|(m, r)| format!("{m}:{r}")).collect();
             let native = if native.is_empty() { "none".to_string() } else { native.join(" ") };
+            let kernels =
+                if d.kernels_differing.is_empty() { "none".to_string() } else { d.kernels_differing.join(" ") };
             println!(
-                "| {} | {} | {:?} | {} | {} | {} | {} | {} |",
+                "| {} | {} | {:?} | {} | {} | {} | {} | {} | {} |",
                 d.label,
                 dtype_name(w_cpu.dtype()),
                 w_cpu.shape().dims(),
                 d.invariant_ok,
                 d.equals_cpu,
+                kernels,
                 native,
                 d.reference_invariant,
                 d.reference_equals_cpu
             );
-            if !d.invariant_ok || !d.equals_cpu || !d.reference_invariant {
+            if !d.invariant_ok || !d.equals_cpu || !d.kernels_differing.is_empty() || !d.reference_invariant {
                 failed.push(d.label.clone());
             }
             diffs.push(json!({
                 "weight": d.label, "dtype": dtype_name(w_cpu.dtype()), "shape": w_cpu.shape().dims(),
                 "invariant_rows_equal_alone": d.invariant_ok, "gpu_equals_cpu_canonical": d.equals_cpu,
+                "kernels_differing_from_cpu": d.kernels_differing,
                 "native_rows_differing": d.native_rows_differing, "reference_invariant": d.reference_invariant,
                 "reference_equals_cpu": d.reference_equals_cpu,
             }));
         }
+        println!("\n(differential tests: {:.0} s)", started.elapsed().as_secs_f64());
 
+        let kernels = Kernel::all();
         println!("\n## Time per call (µs) on the models' full shapes; ratio = native / invariant\n");
-        println!("| model | matmul | dtype | [n, k] | rows | native | row_split | invariant | native/invariant |");
-        println!("|---|---|---|---|---|---|---|---|---|");
+        println!("invariant = the kernel `canonical` picks for the row count; best = the fastest of every kernel\n");
+        println!("| model | matmul | dtype | [n, k] | rows | native | row_split | invariant (kernel) | native/invariant | best kernel | native/best |");
+        println!("|---|---|---|---|---|---|---|---|---|---|---|");
         let mut timings = Vec::new();
+        let mut per_kernel = Vec::new();
         let mut profile = Profile::empty(candle_gate::dispatch::Backend::Cuda);
         let mut tables: std::collections::BTreeMap<String, Vec<TableRow>> = Default::default();
         for (model, what, dtype, n, k) in SHAPES {
             let w = random_weight(&dev, dtype, n, k)?;
             let (native, split, inv) = (mm(&w, Mode::Native)?, mm(&w, Mode::RowSplit)?, mm(&w, Mode::Invariant)?);
-            let rows: Vec<usize> = (1..=16).chain([MAX_ROWS]).collect();
+            let mut rows: Vec<usize> = (1..=SPLIT_ROWS).chain(TIMED_ROWS).collect();
+            rows.sort();
+            rows.dedup();
             // Invariance on the full shape too (these shapes pick the wider tiles).
-            let x_all = Tensor::from_vec(pseudo_random(MAX_ROWS * k, 3), (MAX_ROWS, k), &dev)?;
+            let max = *TIMED_ROWS.iter().max().unwrap();
+            let x_all = Tensor::from_vec(pseudo_random(max * k, 3), (max, k), &dev)?;
             let alone: Vec<Vec<u32>> =
-                (0..MAX_ROWS).map(|r| bits(&inv.forward(&x_all.narrow(0, r, 1)?)?)).collect::<Result<_>>()?;
+                (0..max).map(|r| bits(&inv.forward(&x_all.narrow(0, r, 1)?)?)).collect::<Result<_>>()?;
+            let mut shape_kernels = Vec::new();
             for m in rows {
                 let xs = x_all.narrow(0, 0, m)?.contiguous()?;
-                if rows_differing(&bits(&inv.forward(&xs)?)?, &alone[..m], n) > 0 {
+                let y_inv = bits(&inv.forward(&xs)?)?;
+                if rows_differing(&y_inv, &alone[..m], n) > 0 {
                     failed.push(format!("{model} {what} [{n}, {k}] at {m} rows"));
                 }
-                let iters = if m > 16 { 10 } else { 20 };
-                let t_native = time(&dev, iters, || Ok(native.forward(&xs)?))?;
-                let t_split = time(&dev, iters, || Ok(split.forward(&xs)?))?;
-                let t_inv = time(&dev, iters, || Ok(inv.forward(&xs)?))?;
+                let t_native = time(&dev, || Ok(native.forward(&xs)?))?;
+                let t_split = if m <= SPLIT_ROWS { Some(time(&dev, || Ok(split.forward(&xs)?))?) } else { None };
+                let t_inv = time(&dev, || Ok(inv.forward(&xs)?))?;
                 let table = tables.entry(dtype_name(dtype)).or_default();
-                for (kernel, t) in [("gemm", t_native), ("gemv_row_split", t_split), ("invariant", t_inv)] {
-                    table.push(TableRow { shape: [n, k], rows: m, kernel: kernel.into(), ns_per_call: t * 1e9 });
+                if let Some(t_split) = t_split {
+                    for (kernel, t) in [("gemm", t_native), ("gemv_row_split", t_split), ("invariant", t_inv)] {
+                        table.push(TableRow { shape: [n, k], rows: m, kernel: kernel.into(), ns_per_call: t * 1e9 });
+                    }
                 }
-                if TIMED_ROWS.contains(&m) {
-                    println!(
-                        "| {model} | {what} | {} | [{n}, {k}] | {m} | {:.1} | {:.1} | {:.1} | {:.2}x |",
-                        dtype_name(dtype),
-                        t_native * 1e6,
-                        t_split * 1e6,
-                        t_inv * 1e6,
-                        t_native / t_inv
-                    );
-                    timings.push(json!({
-                        "model": model, "matmul": what, "dtype": dtype_name(dtype), "shape": [n, k], "rows": m,
-                        "native_us": t_native * 1e6, "row_split_us": t_split * 1e6, "invariant_us": t_inv * 1e6,
-                    }));
+                if !TIMED_ROWS.contains(&m) {
+                    continue;
                 }
+                // Every kernel: the same bits as invariant's, and its time.
+                let mut kernel_us = serde_json::Map::new();
+                let mut best = (f64::INFINITY, String::new());
+                for kernel in &kernels {
+                    // The one-warp-per-column kernel re-reads the weights per row tile: past 64
+                    // rows it is far too slow to matter (and to time on the output matrices).
+                    if matches!(kernel, Kernel::Warp(_)) && m > 64 {
+                        continue;
+                    }
+                    let f = || with_kernel(&w, &xs, *kernel);
+                    if bits(&f()?)? != y_inv {
+                        failed.push(format!("{model} {what} [{n}, {k}] {} at {m} rows", kernel.label()));
+                    }
+                    let t = time(&dev, f)?;
+                    kernel_us.insert(kernel.label(), json!(t * 1e6));
+                    if t < best.0 {
+                        best = (t, kernel.label());
+                    }
+                }
+                let chosen = Kernel::for_rows(m).label();
+                println!(
+                    "| {model} | {what} | {} | [{n}, {k}] | {m} | {:.1} | {} | {:.1} ({chosen}) | {:.2}x | {} {:.1} | {:.2}x |",
+                    dtype_name(dtype),
+                    t_native * 1e6,
+                    t_split.map_or("-".to_string(), |t| format!("{:.1}", t * 1e6)),
+                    t_inv * 1e6,
+                    t_native / t_inv,
+                    best.1,
+                    best.0 * 1e6,
+                    t_native / best.0
+                );
+                timings.push(json!({
+                    "model": model, "matmul": what, "dtype": dtype_name(dtype), "shape": [n, k], "rows": m,
+                    "native_us": t_native * 1e6, "row_split_us": t_split.map(|t| t * 1e6), "invariant_us": t_inv * 1e6,
+                    "invariant_kernel": chosen, "kernels_us": kernel_us.clone(),
+                }));
+                shape_kernels.push((m, kernel_us));
+            }
+            per_kernel.push((model, what, dtype, n, k, shape_kernels));
+        }
+        println!("\n## Every kernel, µs per call (the same bits each)\n");
+        let labels: Vec<String> = kernels.iter().map(Kernel::label).collect();
+        println!("| shape | rows | {} |", labels.join(" | "));
+        println!("|---|---|{}", "---|".repeat(labels.len()));
+        for (model, what, dtype, n, k, shape_kernels) in &per_kernel {
+            for (m, us) in shape_kernels {
+                let cells: Vec<String> = labels
+                    .iter()
+                    .map(|l| us.get(l).and_then(|v| v.as_f64()).map_or("-".into(), |v| format!("{v:.1}")))
+                    .collect();
+                println!("| {model} {what} {} [{n}, {k}] | {m} | {} |", dtype_name(*dtype), cells.join(" | "));
             }
         }
         // Row-split's crossover against Candle's own batched dispatch ("gemm" in the table: on
@@ -299,8 +392,10 @@ mod gpu {
             profile.dtypes.insert(dtype, DtypeProfile { row_split_max: below, crossover_rows: cross, table });
         }
         profile.save(&out.join("profile-cuda.json"))?;
-        let report = json!({"differential": diffs, "timings": timings, "failed": failed});
+        let seconds = started.elapsed().as_secs_f64();
+        let report = json!({"differential": diffs, "timings": timings, "failed": failed, "seconds": seconds});
         std::fs::write(out.join("cuda_check.json"), serde_json::to_string_pretty(&report)? + "\n")?;
+        println!("\n(cuda_check: {seconds:.0} s)");
         if failed.is_empty() {
             println!("\nall bitwise claims hold");
             Ok(())
