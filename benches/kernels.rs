@@ -11,6 +11,8 @@
 //! where the shape's matrices together exceed the caches, that is the rate from memory.
 //! On a host with a wider kernel tier than AVX2 (`kernels::Isa`), `vs avx2` times the
 //! invariant kernel capped at AVX2 in the same rounds (the tiers give the same bits).
+//! The last columns time the `canonical` mode's kernel (packed as `canonical` mode packs, in
+//! the same rounds), its time over the invariant kernel's, and its cold rate.
 use std::collections::BTreeMap;
 use std::time::Instant;
 
@@ -20,7 +22,7 @@ use candle_core::{Device, Module, Tensor};
 use candle_gate::dispatch::Kernel;
 use candle_gate::gguf::GgufFile;
 use candle_gate::kernels::{isa, set_isa, Isa};
-use candle_gate::{registry, QMatMul};
+use candle_gate::{registry, Mode, Policy, QMatMul};
 use rayon::prelude::*;
 
 fn arg(args: &[String], name: &str) -> Option<String> {
@@ -118,7 +120,7 @@ fn run() {
     println!("model {model}: {}", path.display());
     println!("invariant kernels' tier: {} (CANDLE_GATE_ISA caps it)", tier.name());
     println!(
-        "{:<6} {:>7} {:>6} {:>5} {:>4} {:>11} {:>11} {:>8} {:>11} {:>8} {:>9} {:>11} {:>9} {:>8}",
+        "{:<6} {:>7} {:>6} {:>5} {:>4} {:>11} {:>11} {:>8} {:>11} {:>8} {:>9} {:>11} {:>9} {:>8} {:>11} {:>8} {:>9}",
         "dtype",
         "n",
         "k",
@@ -132,8 +134,12 @@ fn run() {
         "GB/s inv",
         "inv cold",
         "GB/s cold",
-        "vs avx2"
+        "vs avx2",
+        "canonical",
+        "vs inv",
+        "GB/s can"
     );
+    let canonical_policy = std::sync::Arc::new(Policy::new(Mode::Canonical));
     for ((dtype, n, k), names) in kinds {
         let (name, count) = (names[0].clone(), names.len());
         let layers: Vec<QMatMul> =
@@ -142,11 +148,17 @@ fn run() {
         let bytes = t.storage_size_in_bytes() as f64;
         let ours = QMatMul::from_qtensor(t).unwrap();
         let candle = candle_core::quantized::QMatMul::from_qtensor(f.tensor(&name).unwrap()).unwrap();
+        let canon = QMatMul::new(std::sync::Arc::new(f.tensor(&name).unwrap()), canonical_policy.clone()).unwrap();
+        let canon_layers: Vec<QMatMul> = names
+            .iter()
+            .map(|nm| QMatMul::new(std::sync::Arc::new(f.tensor(nm).unwrap()), canonical_policy.clone()).unwrap())
+            .collect();
         for &m in &rows {
             let x: Vec<f32> = (0..m * k).map(|i| ((i * 7919 % 1000) as f32 / 500.0) - 1.0).collect();
             let xt = Tensor::from_slice(&x, (m, k), &Device::Cpu).unwrap();
             // Alternating rounds, each side's best: a busy machine slows both, not one.
             let (mut ti, mut tc, mut tv, mut ta) = (f64::INFINITY, f64::INFINITY, f64::INFINITY, f64::INFINITY);
+            let mut tk = f64::INFINITY;
             let raw = f.tensor(&name).unwrap();
             for _ in 0..3 {
                 tv = tv.min(time(|| {
@@ -157,6 +169,9 @@ fn run() {
                 }));
                 tc = tc.min(time(|| {
                     std::hint::black_box(candle.forward(&xt).unwrap());
+                }));
+                tk = tk.min(time(|| {
+                    std::hint::black_box(canon.run_cpu(Kernel::Canonical, &x, m).unwrap());
                 }));
                 if tier > Isa::Avx2 {
                     set_isa(Isa::Avx2);
@@ -171,9 +186,14 @@ fn run() {
                     std::hint::black_box(l.run_cpu(Kernel::Invariant, &x, m).unwrap());
                 }
             }) / count as f64;
+            let canon_cold = time(|| {
+                for l in &canon_layers {
+                    std::hint::black_box(l.run_cpu(Kernel::Canonical, &x, m).unwrap());
+                }
+            }) / count as f64;
             let vs_avx2 = if ta.is_finite() { format!("{:.2}x", ta / ti) } else { "-".into() };
             println!(
-                "{dtype:<6} {n:>7} {k:>6} {count:>5} {m:>4} {:>9.3}ms {:>9.3}ms {:>7.2}x {:>9.3}ms {:>7.2}x {:>9.1} {:>9.3}ms {:>9.1} {vs_avx2:>8}",
+                "{dtype:<6} {n:>7} {k:>6} {count:>5} {m:>4} {:>9.3}ms {:>9.3}ms {:>7.2}x {:>9.3}ms {:>7.2}x {:>9.1} {:>9.3}ms {:>9.1} {vs_avx2:>8} {:>9.3}ms {:>7.2}x {:>9.1}",
                 ti * 1e3,
                 tc * 1e3,
                 tc / ti,
@@ -181,7 +201,10 @@ fn run() {
                 tv / ti,
                 bytes / ti / 1e9,
                 cold * 1e3,
-                bytes / cold / 1e9
+                bytes / cold / 1e9,
+                tk * 1e3,
+                tk / ti,
+                bytes / canon_cold / 1e9
             );
         }
     }

@@ -233,10 +233,11 @@ impl QMatMul {
     /// In `invariant` mode on a host whose kernels run AVX-512, a Q4_K, Q4_1 or Q5_0 weight
     /// nobody else holds (this is its only `Arc`) is repacked in place for the sixteen-column kernels
     /// ([`QMatMul::is_packed`]): the same bits, at about the memory rate at one row where the
-    /// GGUF layout's transposes or per-element sums cost compute. `CANDLE_GATE_PACK=0` keeps
-    /// the GGUF layout.
+    /// GGUF layout's transposes or per-element sums cost compute. In `canonical` mode Q6_K and
+    /// Q8_0 are packed too (`kernels::cpu_canonical`). `CANDLE_GATE_PACK=0` keeps the GGUF
+    /// layout.
     pub fn new(weight: Arc<QTensor>, policy: Arc<Policy>) -> Result<Self> {
-        let pack = policy.mode == Mode::Invariant
+        let pack = matches!(policy.mode, Mode::Invariant | Mode::Canonical)
             && kernels::isa() == kernels::Isa::Avx512
             && Arc::strong_count(&weight) == 1
             && std::env::var("CANDLE_GATE_PACK").map_or(true, |v| v != "0");
@@ -251,7 +252,11 @@ impl QMatMul {
         if weight.rank() != 2 {
             return Err(Error::BadInput(format!("a matmul weight must be rank 2, got shape {:?}", weight.shape())));
         }
-        let packed = if pack { kernels::cpu::pack(&weight)?.map(Arc::new) } else { None };
+        let packed = match (pack, policy.mode) {
+            (false, _) => None,
+            (true, Mode::Canonical) => kernels::cpu_canonical::pack(&weight)?.map(Arc::new),
+            (true, _) => kernels::cpu::pack(&weight)?.map(Arc::new),
+        };
         let is_packed = packed.is_some();
         let weight = packed.unwrap_or(weight);
         if weight.device().is_cpu() {
@@ -294,15 +299,22 @@ impl QMatMul {
     /// the groups that hold them).
     pub fn dequantize_rows(&self, rows: std::ops::Range<usize>) -> Result<Vec<f32>> {
         if self.packed {
-            kernels::cpu::dequantize_rows_packed(&self.weight, rows)
+            kernels::cpu_canonical::dequantize_rows_packed(&self.weight, rows)
         } else {
             kernels::cpu::dequantize_rows(&self.weight, rows)
         }
     }
 
-    /// Whether the CPU's invariant kernels read this weight repacked ([`QMatMul::new`]).
+    /// Whether the CPU's invariant or canonical kernels read this weight repacked
+    /// ([`QMatMul::new`]).
     pub fn is_packed(&self) -> bool {
         self.packed
+    }
+
+    /// Whether the weight is in the invariant kernels' packed layout: the canonical mode's
+    /// for Q4_K, Q4_1 and Q5_0 is the same one; its Q6_K and Q8_0 layouts are its own.
+    fn invariant_packed(&self) -> bool {
+        self.packed && kernels::cpu::packable(&self.weight)
     }
 
     fn plain(&self) -> Result<&Arc<QTensor>> {
@@ -312,7 +324,7 @@ impl QMatMul {
         if let Some(p) = self.plain.get() {
             return Ok(p);
         }
-        let p = Arc::new(kernels::cpu::unpack(&self.weight)?);
+        let p = Arc::new(kernels::cpu_canonical::unpack(&self.weight)?);
         Ok(self.plain.get_or_init(|| p))
     }
 
@@ -321,7 +333,7 @@ impl QMatMul {
     fn unpacked(&self) -> Result<Arc<QTensor>> {
         match self.plain.get() {
             Some(p) => Ok(p.clone()),
-            None if self.packed => Ok(Arc::new(kernels::cpu::unpack(&self.weight)?)),
+            None if self.packed => Ok(Arc::new(kernels::cpu_canonical::unpack(&self.weight)?)),
             None => Ok(self.weight.clone()),
         }
     }
@@ -420,13 +432,20 @@ impl QMatMul {
     pub fn forward_rows_into(&self, policy: &Policy, x: &[f32], m: usize, out: &mut Vec<f32>) -> Result<()> {
         let kernel = policy.kernel(Backend::Cpu, self.weight.dtype(), m);
         match kernel {
-            Kernel::GemvRowSplit | Kernel::Invariant if self.weight.device().is_cpu() => {
+            Kernel::GemvRowSplit | Kernel::Invariant | Kernel::Canonical if self.weight.device().is_cpu() => {
                 let n = self.dims().0;
                 let out = crate::scratch::sized(out, m * n);
                 match kernel {
                     Kernel::GemvRowSplit => kernels::cpu::gemv_rows_into(self.plain()?, x, m, out),
-                    _ if self.packed => kernels::cpu::invariant_packed_into(&self.weight, x, m, out),
-                    _ => kernels::cpu::invariant_into(&self.weight, x, m, out),
+                    Kernel::Canonical if self.packed => {
+                        kernels::cpu_canonical::matmul_packed_into(&self.weight, x, m, out)
+                    }
+                    Kernel::Canonical => {
+                        out.copy_from_slice(&kernels::canonical::matmul(&self.weight, x, m)?);
+                        Ok(())
+                    }
+                    _ if self.invariant_packed() => kernels::cpu::invariant_packed_into(&self.weight, x, m, out),
+                    _ => kernels::cpu::invariant_into(self.plain()?, x, m, out),
                 }
             }
             _ => {
@@ -444,13 +463,18 @@ impl QMatMul {
         let (n, k) = self.dims();
         match kernel {
             Kernel::GemvRowSplit => kernels::cpu::gemv_rows(self.plain()?, x, m),
-            Kernel::Invariant if self.packed => {
+            Kernel::Invariant if self.invariant_packed() => {
                 let mut out = vec![0f32; m * n];
                 kernels::cpu::invariant_packed_into(&self.weight, x, m, &mut out)?;
                 Ok(out)
             }
-            Kernel::Invariant => kernels::cpu::invariant(&self.weight, x, m),
-            Kernel::Canonical => kernels::canonical::matmul(self.plain()?, x, m),
+            Kernel::Invariant => kernels::cpu::invariant(self.plain()?, x, m),
+            Kernel::Canonical if self.packed => {
+                let mut out = vec![0f32; m * n];
+                kernels::cpu_canonical::matmul_packed_into(&self.weight, x, m, &mut out)?;
+                Ok(out)
+            }
+            Kernel::Canonical => kernels::canonical::matmul(&self.weight, x, m),
             Kernel::SplitKF16 => {
                 kernels::cpu::check(&self.weight, x, m)?;
                 Ok(kernels::cpu_split_k::matmul(self.half()?, x, m, k, n))

@@ -8,6 +8,7 @@ mod avx512;
 pub mod canonical;
 pub mod canonical_emulate;
 pub mod cpu;
+pub mod cpu_canonical;
 mod cpu_kquant;
 mod cpu_q32;
 mod cpu_q8_0;
