@@ -272,6 +272,15 @@ MATVEC_ALL_R(q6k, Q6K)
 // lane: `canonical_emulate::emulate_tile`).
 #define TILE_WARPS 4
 
+// (float) v for |v| < 2^22, exactly (the same value __int2float_rn gives): v added into the
+// mantissa of 1.5 * 2^23, whose unit is 1, then 1.5 * 2^23 taken away. An integer add and a float
+// add, where the conversion instruction runs at a quarter of the integer rate. The bounds of
+// every use: Q8_0 32 * 128 * 127; Q4_0, Q4_1, Q5_0 less; Q4_K 63 * 32 * 15 * 127 and 63 * 32 * 127
+// (all below 2^22 = 4194304; `small_int_to_float` in canonical_emulate.rs checks them).
+__device__ __forceinline__ float small_int_to_float(int v) {
+    return __fsub_rn(__int_as_float(0x4B400000 + v), 12582912.0f);
+}
+
 // `Unit::accumulate` against a staged unit: a, b its 32 int8 values (16 + 16), du its scale,
 // sum the integer sum of its values. The integer parts are those of `accumulate` regrouped
 // (exact integer arithmetic: sc * lo + sc * hi == sc * (lo + hi)); the float operations are the
@@ -301,9 +310,10 @@ __device__ __forceinline__ float tile_accumulate(const Unit &un, const int4 &a, 
         dot = __dp4a(un.w[7], b.w, dot);
         c = DT == Q4K ? un.scale_lo * dot : dot;
     }
-    acc = __fmaf_rn(__fmul_rn(un.coef, du), __int2float_rn(c), acc);
+    // Q6_K's c can reach 2 * 128 * 16 * 32 * 127 (past 2^22): the conversion instruction.
+    acc = __fmaf_rn(__fmul_rn(un.coef, du), DT == Q6K ? __int2float_rn(c) : small_int_to_float(c), acc);
     if (DT == Q4_1 || DT == Q4K)
-        acc = __fmaf_rn(__fmul_rn(un.min_coef, du), __int2float_rn(un.min_mult * sum), acc);
+        acc = __fmaf_rn(__fmul_rn(un.min_coef, du), small_int_to_float(un.min_mult * sum), acc);
     return acc;
 }
 

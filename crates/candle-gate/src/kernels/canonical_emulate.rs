@@ -46,10 +46,33 @@ fn tile_accumulate(dtype: GgmlDType, un: &Unit, q: &[i8; UNIT], du: f32, sum: i3
         GgmlDType::Q4K => un.scale_lo * dot(0..UNIT),
         _ => dot(0..UNIT),
     };
-    let acc = (un.coef * du).mul_add(c as f32, acc);
+    let cf = if dtype == GgmlDType::Q6K { c as f32 } else { small_int_to_float(c) };
+    let acc = (un.coef * du).mul_add(cf, acc);
     match (dtype, un.min) {
-        (GgmlDType::Q4_1 | GgmlDType::Q4K, Some((coef, mult))) => (coef * du).mul_add((mult * sum) as f32, acc),
+        (GgmlDType::Q4_1 | GgmlDType::Q4K, Some((coef, mult))) => {
+            (coef * du).mul_add(small_int_to_float(mult * sum), acc)
+        }
         _ => acc,
+    }
+}
+
+/// `small_int_to_float` in canonical.cu: `v as f32` for |v| < 2^22 through the mantissa of
+/// 1.5 · 2^23 (an integer add and a float subtraction). Panics outside that range, which the
+/// kernel's uses never reach (the bounds are in canonical.cu).
+pub fn small_int_to_float(v: i32) -> f32 {
+    assert!((-(1 << 22)..1 << 22).contains(&v), "{v} is outside the exact range of the conversion");
+    f32::from_bits((0x4B40_0000 + v) as u32) - 12_582_912.0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn small_int_to_float_is_the_conversion_over_its_whole_range() {
+        for v in -(1 << 22)..(1 << 22) {
+            assert_eq!(small_int_to_float(v).to_bits(), (v as f32).to_bits(), "{v}");
+        }
     }
 }
 
