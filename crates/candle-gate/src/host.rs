@@ -51,6 +51,18 @@ pub fn compile_target() -> String {
     format!("{}:{}", std::env::consts::ARCH, features.join(","))
 }
 
+/// The CPU's model name (`/proc/cpuinfo`), for records of where bits were produced.
+pub fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown CPU".into())
+}
+
 /// What the `gemm` crate (Candle's dense CPU matmul) picks on this host: its micro-kernel ISA and
 /// the cache sizes its blocking is computed from.
 pub fn gemm_dispatch() -> String {

@@ -128,14 +128,7 @@ fn invariant_reference_and_split_k_lanes_reproduce_the_golden_hashes() {
     }
     let file = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden/smollm2-135m-instruct-q4_1.json");
     if std::env::var("CANDLE_GATE_BLESS_GOLDEN").as_deref() == Ok("1") {
-        let cpu = std::fs::read_to_string("/proc/cpuinfo")
-            .ok()
-            .and_then(|s| {
-                s.lines()
-                    .find(|l| l.starts_with("model name"))
-                    .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
-            })
-            .unwrap_or_else(|| "unknown CPU".into());
+        let cpu = host::cpu_model();
         let g = Golden {
             model_sha256: m.sha256().unwrap(),
             compile_target: host::compile_target(),
