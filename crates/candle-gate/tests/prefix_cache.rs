@@ -1,4 +1,5 @@
-//! The prefix cache and preemption never change a bit (invariant mode, real models): every
+//! The prefix cache, preemption and speculation never change a bit (invariant mode, and the
+//! canonical order at the end; real models): every
 //! step's token, logits hash and logprob are the same when a prompt's prefix came from the
 //! cache as when it was prefilled cold (hits ending at every offset of a block, any prefill
 //! chunk, several sequences sharing cached blocks in one step, after eviction), when a
@@ -13,8 +14,12 @@ use candle_gate::*;
 const SMOL: &str = "smollm2-135m-instruct-q4_1";
 
 fn model(name: &str) -> (Arc<Model>, Arc<Policy>) {
+    model_in(name, Mode::Invariant)
+}
+
+fn model_in(name: &str, mode: Mode) -> (Arc<Model>, Arc<Policy>) {
     let path = registry::resolve(name).expect("run `candle-gate fetch --model all` first");
-    let policy = Arc::new(Policy::new(Mode::Invariant));
+    let policy = Arc::new(Policy::new(mode));
     (Arc::new(Model::load(&path, policy.clone()).unwrap()), policy)
 }
 
@@ -194,13 +199,14 @@ fn burst(m: &Model, n: usize) -> Vec<Vec<u32>> {
 /// against the same burst in a pool that never runs out; at least `at_least` preemptions.
 fn preempted_equals_uninterrupted(
     gate: GateConfig,
+    mode: Mode,
     seeded: bool,
     n: usize,
     max_new: usize,
     blocks: usize,
     at_least: u64,
 ) {
-    let (m, pol) = model(SMOL);
+    let (m, pol) = model_in(SMOL, mode);
     let p = params(max_new, seeded);
     let prompts = burst(&m, n);
     let cfg = |budget: usize| EngineConfig { kv_budget_tokens: budget, gate, ..config(64, true) };
@@ -227,14 +233,59 @@ fn preempted_equals_uninterrupted(
 
 #[test]
 fn preempted_equals_uninterrupted_greedy_and_seeded() {
-    preempted_equals_uninterrupted(GateConfig::off(), false, 16, 40, 16, 3);
-    preempted_equals_uninterrupted(GateConfig::off(), true, 16, 40, 16, 3);
+    preempted_equals_uninterrupted(GateConfig::off(), Mode::Invariant, false, 16, 40, 16, 3);
+    preempted_equals_uninterrupted(GateConfig::off(), Mode::Invariant, true, 16, 40, 16, 3);
 }
 
 #[test]
 fn preempted_equals_uninterrupted_when_the_gate_rewrote_positions() {
     // Every step rechecked (each position's K/V rewritten by the reference lane) ...
-    preempted_equals_uninterrupted(GateConfig::with_deep(GateMode::Always, 0.0, 0.0).unwrap(), false, 8, 40, 5, 2);
+    preempted_equals_uninterrupted(
+        GateConfig::with_deep(GateMode::Always, 0.0, 0.0).unwrap(),
+        Mode::Invariant,
+        false,
+        8,
+        40,
+        5,
+        2,
+    );
     // ... and every recheck deep (the whole history rebuilt in the reference lane).
-    preempted_equals_uninterrupted(GateConfig::with_deep(GateMode::Always, 0.0, f32::MAX).unwrap(), true, 8, 40, 5, 2);
+    let deep = GateConfig::with_deep(GateMode::Always, 0.0, f32::MAX).unwrap();
+    preempted_equals_uninterrupted(deep, Mode::Invariant, true, 8, 40, 5, 2);
+}
+
+/// The canonical order (the whole forward a GPU reproduces, docs/CANONICAL.md) keeps the same
+/// promises: a prefix-cache hit at any offset and chunk, a preempted and recomputed sequence,
+/// and prompt-lookup speculation give a cold, plain, uninterrupted run's bits, greedy and
+/// seeded. On the Qwen model, whose Q4_K and Q6_K matrices are what the packed kernels read.
+#[test]
+fn canonical_mode_keeps_every_bit_under_caching_preemption_and_speculation() {
+    const QWEN: &str = "qwen2.5-coder-0.5b-instruct-q4_k_m";
+    let (m, pol) = model_in(QWEN, Mode::Canonical);
+    let base = text_tokens(&m, 3 * KV_BLOCK + 10, 40);
+    let prompts: Vec<Vec<u32>> =
+        [(1, 1), (2, 9), (3, 3)].iter().map(|&(b, r)| base[..b * KV_BLOCK + r].to_vec()).collect();
+    for seeded in [false, true] {
+        let p = params(5, seeded);
+        let want = cold(&m, &pol, &prompts, &p);
+        for chunk in [7, 512] {
+            let mut e = Engine::new(m.clone(), pol.clone(), config(chunk, true)).unwrap();
+            run_all(&mut e, &[base.clone()], &p);
+            let outs = run_all(&mut e, &prompts, &p);
+            for (o, want) in outs.iter().zip(&want) {
+                assert!(o.cached_tokens > 0);
+                assert_eq!(&bits(o), want, "canonical, chunk {chunk}, seeded {seeded}");
+            }
+        }
+        // Prompt lookup: the same tokens, logits and logprobs as plain decoding.
+        let spec =
+            EngineConfig { speculative: Some(candle_gate::engine::SpeculativeConfig::ngram(4)), ..config(64, false) };
+        let mut e = Engine::new(m.clone(), pol.clone(), spec).unwrap();
+        for (t, want) in prompts.iter().zip(&want) {
+            assert_eq!(&bits(&run_all(&mut e, std::slice::from_ref(t), &p)[0]), want, "canonical, speculating");
+        }
+        assert!(e.spec_stats().accepted_tokens > 0, "no draft was kept: {:?}", e.spec_stats());
+    }
+    preempted_equals_uninterrupted(GateConfig::off(), Mode::Canonical, false, 8, 24, 6, 2);
+    preempted_equals_uninterrupted(GateConfig::off(), Mode::Canonical, true, 8, 24, 6, 2);
 }
