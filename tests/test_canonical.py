@@ -37,3 +37,22 @@ def test_canonical_logits_differ_from_invariant_only_by_rounding(canonical):
     assert a.view(np.uint32).tolist() != b.view(np.uint32).tolist()
     assert int(np.argmax(a)) == int(np.argmax(b))
     assert float(np.abs(a - b).max()) < 0.05 * float(np.abs(b).max())
+
+
+@pytest.mark.parametrize("name", [
+    "smollm2-135m-instruct-q4_1",
+    "qwen2.5-coder-0.5b-instruct-q4_k_m",
+    pytest.param("qwen2.5-coder-1.5b-instruct-q4_k_m", marks=pytest.mark.slow),
+    "gemma-3-270m-q4_k_m",
+])
+def test_probe_finds_no_mismatch_in_canonical_mode_on_every_registry_model(name):
+    # The whole forward in the canonical order (docs/CANONICAL.md): every composition the probe
+    # builds (batches, mixed prefill, staggered arrivals...) leaves each request's logits bitwise
+    # its solo run's, on each registry model's dtypes (Q4_1/Q8_0, Q5_0/Q4_K/Q6_K/Q8_0, ...).
+    import candle_gate.probe as probe
+    r = probe.run_probe(name, prompts=PROMPTS, max_new_tokens=6, mode="canonical", progress=False,
+                        mixed_prefill_every=1000)
+    assert r["scored_steps"] > 0
+    for c in r["compositions"]:
+        assert c["logit_bit_mismatches"] == 0 and c["diverging_sequences"] == 0, (name, c)
+    assert r["distinct_outputs"] == [1] * len(PROMPTS)
