@@ -257,6 +257,7 @@ mod gpu {
         println!("| weight | dtype | [n, k] | invariant: m rows == each alone | GPU == CPU canonical | kernels != CPU | native: (m, rows differing) | reference invariant | reference == CPU |");
         println!("|---|---|---|---|---|---|---|---|---|");
         let mut failed = Vec::new();
+        let mut experimental_failed: Vec<String> = Vec::new();
         let mut diffs = Vec::new();
         for name in &names {
             let w_cpu = content.tensor(&mut file, name, &Device::Cpu)?;
@@ -278,7 +279,17 @@ mod gpu {
                 d.reference_invariant,
                 d.reference_equals_cpu
             );
-            if !d.invariant_ok || !d.equals_cpu || !d.kernels_differing.is_empty() || !d.reference_invariant {
+            // The tensor-core kernel is not dispatched yet: its failures are reported apart.
+            let (mma, others): (Vec<&String>, Vec<&String>) =
+                d.kernels_differing.iter().partition(|k| k.starts_with("mma@"));
+            if !mma.is_empty() {
+                experimental_failed.push(format!(
+                    "{}: {}",
+                    d.label,
+                    mma.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(" ")
+                ));
+            }
+            if !d.invariant_ok || !d.equals_cpu || !others.is_empty() || !d.reference_invariant {
                 failed.push(d.label.clone());
             }
             diffs.push(json!({
@@ -341,7 +352,12 @@ mod gpu {
                     }
                     let f = || with_kernel(&w, &xs, *kernel);
                     if bits(&f()?)? != y_inv {
-                        failed.push(format!("{model} {what} [{n}, {k}] {} at {m} rows", kernel.label()));
+                        let what = format!("{model} {what} [{n}, {k}] {} at {m} rows", kernel.label());
+                        if *kernel == Kernel::Mma {
+                            experimental_failed.push(what);
+                        } else {
+                            failed.push(what);
+                        }
                     }
                     let t = time(&dev, f)?;
                     kernel_us.insert(kernel.label(), json!(t * 1e6));
@@ -393,9 +409,17 @@ mod gpu {
         }
         profile.save(&out.join("profile-cuda.json"))?;
         let seconds = started.elapsed().as_secs_f64();
-        let report = json!({"differential": diffs, "timings": timings, "failed": failed, "seconds": seconds});
+        let report = json!({
+            "differential": diffs, "timings": timings, "failed": failed,
+            "tensor_core_kernel_failed": experimental_failed, "seconds": seconds,
+        });
         std::fs::write(out.join("cuda_check.json"), serde_json::to_string_pretty(&report)? + "\n")?;
         println!("\n(cuda_check: {seconds:.0} s)");
+        if experimental_failed.is_empty() {
+            println!("\nthe tensor-core kernel (mma, not dispatched) equals the CPU everywhere it ran");
+        } else {
+            println!("\nthe tensor-core kernel (mma, not dispatched) DIFFERS: {}", experimental_failed.join("; "));
+        }
         if failed.is_empty() {
             println!("\nall bitwise claims hold");
             Ok(())

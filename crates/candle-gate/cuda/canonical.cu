@@ -420,6 +420,279 @@ TILE_ALL(q8_0, Q8_0)
 TILE_ALL(q4k, Q4K)
 TILE_ALL(q6k, Q6K)
 
+// The tensor-core kernel: the integer part of each unit on int8 MMA (exact), the float part in
+// the canonical lane order. A block of MMA_WARPS warps computes MMA_ROWS rows against MMA_COLS
+// columns; warp w holds the lane slots w, w + 8, w + 16, w + 24 of every output of the block
+// (slot l: units l, l + 32, ... in increasing order, as lane l of the warp kernel), so each
+// thread keeps, for each of its fragment's outputs, one accumulator per slot, walked with the
+// operations of `accumulate`. The butterfly's first two levels (offsets 16 and 8) pair slots of
+// the same warp and run in registers; the last three fold the 8 warps' sums through shared
+// memory, in the butterfly's order. `canonical_emulate::emulate_mma` runs this thread by thread.
+//
+// Fragments of mma.m16n8k32 (.s8), lane = 4 g + t: A (16 x 32, row) a0 = A[g][4t..], a1 =
+// A[g + 8][4t..], a2 = A[g][16 + 4t..], a3 = A[g + 8][16 + 4t..]; B (32 x 8, col) b0 = B[4t..][g],
+// b1 = B[16 + 4t..][g]; D (16 x 8) d0 = D[g][2t], d1 = D[g][2t + 1], d2 = D[g + 8][2t], d3 =
+// D[g + 8][2t + 1]. m16n8k16 (Q6_K's halves, each with its own scale) takes a0, a1 and b0.
+#define MMA_WARPS 8
+#define MMA_ROWS 32
+#define MMA_COLS 16
+#define MMA_SLOTS 4
+// Words per staged row: 32 units of 8 words, plus 4 so that the 8 rows of a fragment fall in
+// different banks.
+#define MMA_ROW_WORDS (LANES * 8 + 4)
+
+__device__ __forceinline__ void mma_k32(int (&dd)[4], const int (&a)[4], int b0, int b1) {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%10,%11,%12,%13};\n"
+                 : "=r"(dd[0]), "=r"(dd[1]), "=r"(dd[2]), "=r"(dd[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0), "r"(0), "r"(0), "r"(0));
+}
+
+__device__ __forceinline__ void mma_k16(int (&dd)[4], int a0, int a1, int b0) {
+    asm("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, "
+                 "{%7,%8,%9,%10};\n"
+                 : "=r"(dd[0]), "=r"(dd[1]), "=r"(dd[2]), "=r"(dd[3])
+                 : "r"(a0), "r"(a1), "r"(b0), "r"(0), "r"(0), "r"(0), "r"(0));
+}
+
+// Words i and 4 + i of unit u (values 4i..4i+4 and 16+4i..16+4i+4, as `decode` packs them).
+template <int DT>
+__device__ __forceinline__ void decode_pair(const uint8_t *row, int u, int i, int &w0, int &w1) {
+    const uint8_t *b = row + (size_t)(u / Layout<DT>::units) * Layout<DT>::bytes;
+    if (DT == Q4_0 || DT == Q4_1) {
+        const int v = DT == Q4_0 ? load4_a2(b + 2 + 4 * i) : load4_a4(b + 4 + 4 * i);
+        w0 = v & 0x0F0F0F0F;
+        w1 = (v >> 4) & 0x0F0F0F0F;
+        if (DT == Q4_0) {
+            w0 = __vsub4(w0, 0x08080808);
+            w1 = __vsub4(w1, 0x08080808);
+        }
+    } else if (DT == Q5_0) {
+        const unsigned qh = (unsigned)u16_pair(b + 2);
+        const int v = load4_a2(b + 6 + 4 * i);
+        int hlo = 0, hhi = 0;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            hlo |= ((qh >> (4 * i + j)) & 1) << (8 * j + 4);
+            hhi |= ((qh >> (16 + 4 * i + j)) & 1) << (8 * j + 4);
+        }
+        w0 = __vsub4((v & 0x0F0F0F0F) | hlo, 0x10101010);
+        w1 = __vsub4(((v >> 4) & 0x0F0F0F0F) | hhi, 0x10101010);
+    } else if (DT == Q8_0) {
+        w0 = load4_a2(b + 2 + 4 * i);
+        w1 = load4_a2(b + 2 + 16 + 4 * i);
+    } else if (DT == Q4K) {
+        const int j = u % 8;
+        const uint8_t *qs = b + 16 + 32 * (j / 2);
+        const int shift = 4 * (j % 2);
+        w0 = (load4_a4(qs + 4 * i) >> shift) & 0x0F0F0F0F;
+        w1 = (load4_a4(qs + 16 + 4 * i) >> shift) & 0x0F0F0F0F;
+    } else if (DT == Q6K) {
+        const int j = u % 8, h = j / 4, t = j % 4;
+        const uint8_t *ql = b + 64 * h + 32 * (t % 2);
+        const uint8_t *qh = b + 128 + 32 * h;
+        const int shift = 4 * (t / 2);
+        const int lo0 = (load4_a2(ql + 4 * i) >> shift) & 0x0F0F0F0F;
+        const int hi0 = ((load4_a2(qh + 4 * i) >> (2 * t)) & 0x03030303) << 4;
+        const int lo1 = (load4_a2(ql + 16 + 4 * i) >> shift) & 0x0F0F0F0F;
+        const int hi1 = ((load4_a2(qh + 16 + 4 * i) >> (2 * t)) & 0x03030303) << 4;
+        w0 = __vsub4(lo0 | hi0, 0x20202020);
+        w1 = __vsub4(lo1 | hi1, 0x20202020);
+    }
+}
+
+// The coefficients of unit u (`decode` without the values).
+struct Coefs {
+    int scale_lo, scale_hi;
+    float coef, min_coef;
+    int min_mult;
+};
+
+template <int DT>
+__device__ __forceinline__ void decode_coefs(const uint8_t *row, int u, Coefs &cf) {
+    const uint8_t *b = row + (size_t)(u / Layout<DT>::units) * Layout<DT>::bytes;
+    cf.scale_lo = 1;
+    cf.scale_hi = 1;
+    cf.min_coef = 0.0f;
+    cf.min_mult = 0;
+    if (DT == Q4_0 || DT == Q5_0 || DT == Q8_0) {
+        cf.coef = f16_at(b);
+    } else if (DT == Q4_1) {
+        cf.coef = f16_at(b);
+        cf.min_coef = f16_at(b + 2);
+        cf.min_mult = 1;
+    } else if (DT == Q4K) {
+        int sc, mn;
+        scale_min_k4(u % 8, b + 4, sc, mn);
+        cf.scale_lo = sc;
+        cf.scale_hi = sc;
+        cf.coef = f16_at(b);
+        cf.min_coef = -f16_at(b + 2);
+        cf.min_mult = mn;
+    } else if (DT == Q6K) {
+        const int j = u % 8, h = j / 4, t = j % 4;
+        const int8_t *sc = (const int8_t *)(b + 192);
+        cf.scale_lo = sc[8 * h + 2 * t];
+        cf.scale_hi = sc[8 * h + 2 * t + 1];
+        cf.coef = f16_at(b + 208);
+    }
+}
+
+// Grid: (ceil(rows / MMA_ROWS), ceil(n / MMA_COLS)); blocks of MMA_WARPS warps.
+template <int DT>
+__device__ void canonical_mma(const uint8_t *__restrict__ w, const int8_t *__restrict__ q,
+                              const float *__restrict__ d, float *__restrict__ y, int n, int k, int rows) {
+    constexpr int MT = MMA_ROWS / 16, NT = MMA_COLS / 8, THREADS = MMA_WARPS * LANES;
+    constexpr int STAGE_BYTES = MMA_ROWS * MMA_ROW_WORDS * 4 + 2 * MMA_ROWS * (LANES + 1) * 4;
+    constexpr int PART_BYTES = MMA_ROWS * MMA_COLS * (MMA_WARPS + 1) * 4;
+    __shared__ __align__(16) unsigned char smem[STAGE_BYTES > PART_BYTES ? STAGE_BYTES : PART_BYTES];
+    int *sq = (int *)smem;                                      // [MMA_ROWS][MMA_ROW_WORDS]
+    float *sd = (float *)(smem + MMA_ROWS * MMA_ROW_WORDS * 4);  // [MMA_ROWS][LANES + 1]
+    int *ss = (int *)(sd + MMA_ROWS * (LANES + 1));              // [MMA_ROWS][LANES + 1]
+    float *part = (float *)smem;                                 // [MMA_ROWS * MMA_COLS][MMA_WARPS + 1]
+
+    const int lane = threadIdx.x % LANES, warp = threadIdx.x / LANES;
+    const int g = lane / 4, t = lane % 4;
+    const int row0 = blockIdx.x * MMA_ROWS;
+    const int col0 = blockIdx.y * MMA_COLS;
+    const int units = k / UNIT;
+    const size_t row_bytes = (size_t)(units / Layout<DT>::units) * Layout<DT>::bytes;
+    // acc[s][mt][nt][e]: slot warp + 8 s, output (16 mt + g + 8 (e / 2), 8 nt + 2 t + e % 2).
+    float acc[MMA_SLOTS][MT][NT][4];
+#pragma unroll
+    for (int s = 0; s < MMA_SLOTS; ++s)
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[s][mt][nt][e] = 0.0f;
+
+    for (int base = 0; base < units; base += LANES) {
+        __syncthreads();  // the previous chunk's reads of the stage are done
+#pragma unroll
+        for (int it = 0; it < MMA_ROWS * LANES / THREADS; ++it) {
+            const int i = threadIdx.x + it * THREADS;
+            const int r = i / LANES, j = i % LANES, uj = base + j;
+            int4 a = make_int4(0, 0, 0, 0), b = make_int4(0, 0, 0, 0);
+            float du = 0.0f;
+            int sum = 0;
+            if (row0 + r < rows && uj < units) {
+                const int4 *src = (const int4 *)(q + (size_t)(row0 + r) * k + (size_t)uj * UNIT);
+                a = src[0];
+                b = src[1];
+                du = d[(size_t)(row0 + r) * units + uj];
+                sum = __dp4a(a.x, 0x01010101, sum);
+                sum = __dp4a(a.y, 0x01010101, sum);
+                sum = __dp4a(a.z, 0x01010101, sum);
+                sum = __dp4a(a.w, 0x01010101, sum);
+                sum = __dp4a(b.x, 0x01010101, sum);
+                sum = __dp4a(b.y, 0x01010101, sum);
+                sum = __dp4a(b.z, 0x01010101, sum);
+                sum = __dp4a(b.w, 0x01010101, sum);
+            }
+            int4 *dst = (int4 *)(sq + r * MMA_ROW_WORDS + j * 8);
+            dst[0] = a;
+            dst[1] = b;
+            sd[r * (LANES + 1) + j] = du;
+            ss[r * (LANES + 1) + j] = sum;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int s = 0; s < MMA_SLOTS; ++s) {
+            const int j = warp + 8 * s, u = base + j;
+            if (u >= units) continue;  // the same for the whole warp
+            int a[MT][4];
+            float dr[MT][2];
+            int sr[MT][2];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                const int r0 = 16 * mt + g, r1 = r0 + 8;
+                a[mt][0] = sq[r0 * MMA_ROW_WORDS + j * 8 + t];
+                a[mt][1] = sq[r1 * MMA_ROW_WORDS + j * 8 + t];
+                a[mt][2] = sq[r0 * MMA_ROW_WORDS + j * 8 + 4 + t];
+                a[mt][3] = sq[r1 * MMA_ROW_WORDS + j * 8 + 4 + t];
+                dr[mt][0] = sd[r0 * (LANES + 1) + j];
+                dr[mt][1] = sd[r1 * (LANES + 1) + j];
+                sr[mt][0] = ss[r0 * (LANES + 1) + j];
+                sr[mt][1] = ss[r1 * (LANES + 1) + j];
+            }
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                // B: column 8 nt + g's words t and 4 + t. Columns past n read the last column.
+                int b0, b1;
+                decode_pair<DT>(w + (size_t)min(col0 + 8 * nt + g, n - 1) * row_bytes, u, t, b0, b1);
+                Coefs cf[2];
+#pragma unroll
+                for (int e = 0; e < 2; ++e)
+                    decode_coefs<DT>(w + (size_t)min(col0 + 8 * nt + 2 * t + e, n - 1) * row_bytes, u, cf[e]);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    int c[4];
+                    if (DT == Q6K) {
+                        int lo[4], hi[4];
+                        mma_k16(lo, a[mt][0], a[mt][1], b0);
+                        mma_k16(hi, a[mt][2], a[mt][3], b1);
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) c[e] = cf[e % 2].scale_lo * lo[e] + cf[e % 2].scale_hi * hi[e];
+                    } else {
+                        int dot[4];
+                        mma_k32(dot, a[mt], b0, b1);
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) c[e] = DT == Q4K ? cf[e % 2].scale_lo * dot[e] : dot[e];
+                    }
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const Coefs &ce = cf[e % 2];
+                        const float du = dr[mt][e / 2];
+                        float v = acc[s][mt][nt][e];
+                        v = __fmaf_rn(__fmul_rn(ce.coef, du), DT == Q6K ? __int2float_rn(c[e]) : small_int_to_float(c[e]), v);
+                        if (DT == Q4_1 || DT == Q4K)
+                            v = __fmaf_rn(__fmul_rn(ce.min_coef, du), small_int_to_float(ce.min_mult * sr[mt][e / 2]), v);
+                        acc[s][mt][nt][e] = v;
+                    }
+                }
+            }
+        }
+    }
+    __syncthreads();  // every warp is done with the stage: its memory now holds the warps' sums
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                // Offsets 16 and 8: slots (w, w + 16) and (w + 8, w + 24), then the two sums.
+                const float s2 = __fadd_rn(__fadd_rn(acc[0][mt][nt][e], acc[2][mt][nt][e]),
+                                           __fadd_rn(acc[1][mt][nt][e], acc[3][mt][nt][e]));
+                const int r = 16 * mt + g + 8 * (e / 2), c = 8 * nt + 2 * t + e % 2;
+                part[(r * MMA_COLS + c) * (MMA_WARPS + 1) + warp] = s2;
+            }
+    __syncthreads();
+    for (int o = threadIdx.x; o < MMA_ROWS * MMA_COLS; o += THREADS) {
+        const float *p = part + o * (MMA_WARPS + 1);
+        // Offsets 4, 2, 1 over the 8 warps' sums.
+        const float s3_0 = __fadd_rn(p[0], p[4]), s3_1 = __fadd_rn(p[1], p[5]);
+        const float s3_2 = __fadd_rn(p[2], p[6]), s3_3 = __fadd_rn(p[3], p[7]);
+        const float s = __fadd_rn(__fadd_rn(s3_0, s3_2), __fadd_rn(s3_1, s3_3));
+        const int r = o / MMA_COLS, c = o % MMA_COLS;
+        if (row0 + r < rows && col0 + c < n) y[(size_t)(row0 + r) * n + col0 + c] = s;
+    }
+}
+
+#define MMA(NAME, DT)                                                                            \
+    extern "C" __global__ void __launch_bounds__(MMA_WARPS * LANES, 2)                           \
+        canonical_mma_##NAME(const uint8_t *w, const int8_t *q, const float *d, float *y, int n,  \
+                             int k, int rows) {                                                  \
+        canonical_mma<DT>(w, q, d, y, n, k, rows);                                               \
+    }
+MMA(q4_0, Q4_0)
+MMA(q4_1, Q4_1)
+MMA(q5_0, Q5_0)
+MMA(q8_0, Q8_0)
+MMA(q4k, Q4K)
+MMA(q6k, Q6K)
+
 #define DENSE(R)                                                                                 \
     extern "C" __global__ void __launch_bounds__(WARPS * LANES)                                  \
         canonical_f32_r##R(const float *w, const float *x, float *y, int n, int k, int rows) {   \

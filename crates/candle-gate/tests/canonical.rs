@@ -154,10 +154,11 @@ fn canonical_mode_refuses_dtypes_it_has_no_order_for() {
 // tile, every row count, equal to the CPU kernel bit for bit. This is what lets the host pick
 // the tile by row count.
 
-use candle_gate::kernels::canonical_emulate::{emulate_tile, tile_for_rows, TILES, TILE_DTYPES};
+use candle_gate::kernels::canonical_emulate::{emulate_mma, emulate_tile, tile_for_rows, TILES, TILE_DTYPES};
 
-/// `emulate_tile` with every tile at each of `rows`, and with the host's tile at every row count
-/// in `1..=max`, against the first rows of the CPU kernel's `reference` (itself row-invariant).
+/// `emulate_tile` with every tile and `emulate_mma` (the tensor-core kernel) at each of `rows`,
+/// and with the host's tile at every row count in `1..=max`, against the first rows of the CPU
+/// kernel's `reference` (itself row-invariant).
 fn check_tiles(label: &str, w: &QTensor, x: &[f32], reference: &[f32], rows: &[usize], max: usize) {
     let (n, k) = (w.shape().dims()[0], w.shape().dims()[1]);
     for &m in rows {
@@ -165,6 +166,8 @@ fn check_tiles(label: &str, w: &QTensor, x: &[f32], reference: &[f32], rows: &[u
             let y = emulate_tile(w, &x[..m * k], m, tile).unwrap();
             assert_eq!(bits(&y), bits(&reference[..m * n]), "{label}: tile {tile:?} at {m} rows");
         }
+        let y = emulate_mma(w, &x[..m * k], m).unwrap();
+        assert_eq!(bits(&y), bits(&reference[..m * n]), "{label}: tensor-core kernel at {m} rows");
     }
     for m in 1..=max {
         if let Some(tile) = tile_for_rows(m) {
@@ -210,6 +213,8 @@ fn tiled_kernel_emulation_equals_the_cpu_kernel_at_hundreds_of_rows() {
                 let y = emulate_tile(&w, &x[..m * k], m, tile).unwrap();
                 assert_eq!(bits(&y), bits(&reference[..m * n]), "{dtype:?} tile {tile:?} at {m} rows");
             }
+            let y = emulate_mma(&w, &x[..m * k], m).unwrap();
+            assert_eq!(bits(&y), bits(&reference[..m * n]), "{dtype:?} tensor-core kernel at {m} rows");
         }
     }
 }

@@ -56,6 +56,261 @@ fn tile_accumulate(dtype: GgmlDType, un: &Unit, q: &[i8; UNIT], du: f32, sum: i3
     }
 }
 
+/// The tensor-core kernel's block: `MMA_ROWS` rows by `MMA_COLS` columns, `MMA_WARPS` warps,
+/// each holding `MMA_SLOTS` lane slots of every output (canonical.cu's names).
+pub const MMA_WARPS: usize = 8;
+pub const MMA_ROWS: usize = 32;
+pub const MMA_COLS: usize = 16;
+const MMA_SLOTS: usize = 4;
+const MMA_ROW_WORDS: usize = LANES * 8 + 4;
+
+fn load4(b: &[u8], at: usize) -> i32 {
+    i32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+
+/// `__vsub4`: bytewise subtraction, each byte wrapping on its own.
+fn vsub4(a: i32, b: i32) -> i32 {
+    let (a, b) = (a.to_le_bytes(), b.to_le_bytes());
+    i32::from_le_bytes(std::array::from_fn(|i| a[i].wrapping_sub(b[i])))
+}
+
+/// `decode_pair` in canonical.cu, line for line: words `i` and `4 + i` of unit `u` of `row`.
+fn decode_pair(dtype: GgmlDType, row: &[u8], u: usize, i: usize) -> (i32, i32) {
+    let (bytes, per_block) = match dtype {
+        GgmlDType::Q4_0 => (18, 1),
+        GgmlDType::Q4_1 => (20, 1),
+        GgmlDType::Q5_0 => (22, 1),
+        GgmlDType::Q8_0 => (34, 1),
+        GgmlDType::Q4K => (144, 8),
+        _ => (210, 8),
+    };
+    let b = &row[(u / per_block) * bytes..][..bytes];
+    match dtype {
+        GgmlDType::Q4_0 | GgmlDType::Q4_1 => {
+            let v = if dtype == GgmlDType::Q4_0 { load4(b, 2 + 4 * i) } else { load4(b, 4 + 4 * i) };
+            let (w0, w1) = (v & 0x0F0F0F0F, (v >> 4) & 0x0F0F0F0F);
+            if dtype == GgmlDType::Q4_0 {
+                (vsub4(w0, 0x08080808), vsub4(w1, 0x08080808))
+            } else {
+                (w0, w1)
+            }
+        }
+        GgmlDType::Q5_0 => {
+            let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+            let v = load4(b, 6 + 4 * i);
+            let (mut hlo, mut hhi) = (0i32, 0i32);
+            for j in 0..4 {
+                hlo |= (((qh >> (4 * i + j)) & 1) << (8 * j + 4)) as i32;
+                hhi |= (((qh >> (16 + 4 * i + j)) & 1) << (8 * j + 4)) as i32;
+            }
+            (vsub4((v & 0x0F0F0F0F) | hlo, 0x10101010), vsub4(((v >> 4) & 0x0F0F0F0F) | hhi, 0x10101010))
+        }
+        GgmlDType::Q8_0 => (load4(b, 2 + 4 * i), load4(b, 2 + 16 + 4 * i)),
+        GgmlDType::Q4K => {
+            let j = u % 8;
+            let qs = 16 + 32 * (j / 2);
+            let shift = 4 * (j % 2);
+            ((load4(b, qs + 4 * i) >> shift) & 0x0F0F0F0F, (load4(b, qs + 16 + 4 * i) >> shift) & 0x0F0F0F0F)
+        }
+        _ => {
+            let j = u % 8;
+            let (h, t) = (j / 4, j % 4);
+            let (ql, qh) = (64 * h + 32 * (t % 2), 128 + 32 * h);
+            let shift = 4 * (t / 2);
+            let word = |o: usize| {
+                let lo = (load4(b, ql + o) >> shift) & 0x0F0F0F0F;
+                let hi = ((load4(b, qh + o) >> (2 * t)) & 0x03030303) << 4;
+                vsub4(lo | hi, 0x20202020)
+            };
+            (word(4 * i), word(16 + 4 * i))
+        }
+    }
+}
+
+/// One warp's `mma.m16n8k{32,16}.row.col.s32.s8.s8.s32` with zero accumulators, from the
+/// registers of its 32 lanes (`a[lane]`, `b[lane]`) to theirs (`d[lane]`), through the matrices
+/// the PTX ISA's fragment layouts define (see canonical.cu): `k` is 32 (a: 4 words, b: 2) or 16
+/// (a: 2 words, b: 1).
+fn mma(k: usize, a: &[[i32; 4]; LANES], b: &[[i32; 2]; LANES]) -> [[i32; 4]; LANES] {
+    let byte = |w: i32, e: usize| w.to_le_bytes()[e] as i8 as i32;
+    let mut am = [[0i32; 32]; 16];
+    let mut bm = [[0i32; 8]; 32];
+    for lane in 0..LANES {
+        let (g, t) = (lane / 4, lane % 4);
+        for e in 0..4 {
+            am[g][4 * t + e] = byte(a[lane][0], e);
+            am[g + 8][4 * t + e] = byte(a[lane][1], e);
+            bm[4 * t + e][g] = byte(b[lane][0], e);
+            if k == 32 {
+                am[g][16 + 4 * t + e] = byte(a[lane][2], e);
+                am[g + 8][16 + 4 * t + e] = byte(a[lane][3], e);
+                bm[16 + 4 * t + e][g] = byte(b[lane][1], e);
+            }
+        }
+    }
+    let dm = |r: usize, c: usize| (0..k).map(|i| am[r][i] * bm[i][c]).sum::<i32>();
+    std::array::from_fn(|lane| {
+        let (g, t) = (lane / 4, lane % 4);
+        [dm(g, 2 * t), dm(g, 2 * t + 1), dm(g + 8, 2 * t), dm(g + 8, 2 * t + 1)]
+    })
+}
+
+/// `x` (`m` rows of `k`) times `w`ᵀ as `canonical_mma` computes it: the stage, each warp's
+/// fragments and tensor-core products, each thread's epilogue per slot, the butterfly split
+/// between registers and shared memory.
+pub fn emulate_mma(w: &QTensor, x: &[f32], m: usize) -> Result<Vec<f32>> {
+    let dtype = w.dtype();
+    if !TILE_DTYPES.contains(&dtype) {
+        return Err(Error::Unsupported(format!("the tensor-core kernel has no {dtype:?}")));
+    }
+    let (n, k) = w.shape().dims2()?;
+    if k % UNIT != 0 || x.len() != m * k {
+        return Err(Error::BadInput(format!("{} values for {m} rows of k = {k}", x.len())));
+    }
+    let bytes = w.data()?;
+    let rb = row_bytes(dtype, k);
+    let qa = quantize_rows(x, m, k);
+    let units = k / UNIT;
+    let (mt_n, nt_n) = (MMA_ROWS / 16, MMA_COLS / 8);
+    let row_of = |c: usize| &bytes[c.min(n - 1) * rb..][..rb];
+    let mut out = vec![0f32; m * n];
+    for by in 0..n.div_ceil(MMA_COLS) {
+        for bx in 0..m.div_ceil(MMA_ROWS) {
+            let (row0, col0) = (bx * MMA_ROWS, by * MMA_COLS);
+            // acc[warp][lane][s][mt][nt][e]
+            let mut acc = vec![[[[[[0f32; 4]; 2]; 2]; MMA_SLOTS]; LANES]; MMA_WARPS];
+            let mut base = 0;
+            while base < units {
+                let mut sq = vec![0i32; MMA_ROWS * MMA_ROW_WORDS];
+                let mut sd = vec![0f32; MMA_ROWS * (LANES + 1)];
+                let mut ss = vec![0i32; MMA_ROWS * (LANES + 1)];
+                for i in 0..MMA_ROWS * LANES {
+                    let (r, j, uj) = (i / LANES, i % LANES, base + i % LANES);
+                    if row0 + r < m && uj < units {
+                        let (qv, du) = qa.unit(row0 + r, uj);
+                        for wd in 0..8 {
+                            let q4 = &qv[4 * wd..4 * wd + 4];
+                            sq[r * MMA_ROW_WORDS + j * 8 + wd] =
+                                i32::from_le_bytes([q4[0] as u8, q4[1] as u8, q4[2] as u8, q4[3] as u8]);
+                        }
+                        sd[r * (LANES + 1) + j] = du;
+                        ss[r * (LANES + 1) + j] = qv.iter().map(|&v| v as i32).sum();
+                    }
+                }
+                for (warp, acc_w) in acc.iter_mut().enumerate() {
+                    for s in 0..MMA_SLOTS {
+                        let j = warp + 8 * s;
+                        let u = base + j;
+                        if u >= units {
+                            continue;
+                        }
+                        // Each lane's registers, as the kernel loads them.
+                        let mut a = [[[0i32; 4]; LANES]; 2];
+                        let mut dr = [[[0f32; 2]; 2]; LANES];
+                        let mut sr = [[[0i32; 2]; 2]; LANES];
+                        for lane in 0..LANES {
+                            let (g, t) = (lane / 4, lane % 4);
+                            for mt in 0..mt_n {
+                                let (r0, r1) = (16 * mt + g, 16 * mt + g + 8);
+                                a[mt][lane] = [
+                                    sq[r0 * MMA_ROW_WORDS + j * 8 + t],
+                                    sq[r1 * MMA_ROW_WORDS + j * 8 + t],
+                                    sq[r0 * MMA_ROW_WORDS + j * 8 + 4 + t],
+                                    sq[r1 * MMA_ROW_WORDS + j * 8 + 4 + t],
+                                ];
+                                dr[lane][mt] = [sd[r0 * (LANES + 1) + j], sd[r1 * (LANES + 1) + j]];
+                                sr[lane][mt] = [ss[r0 * (LANES + 1) + j], ss[r1 * (LANES + 1) + j]];
+                            }
+                        }
+                        for nt in 0..nt_n {
+                            let mut b = [[0i32; 2]; LANES];
+                            let mut cf = [[unit(dtype, row_of(0), 0); 2]; LANES];
+                            for (lane, (bl, cl)) in b.iter_mut().zip(cf.iter_mut()).enumerate() {
+                                let (g, t) = (lane / 4, lane % 4);
+                                let (b0, b1) = decode_pair(dtype, row_of(col0 + 8 * nt + g), u, t);
+                                *bl = [b0, b1];
+                                for (e, c) in cl.iter_mut().enumerate() {
+                                    *c = unit(dtype, row_of(col0 + 8 * nt + 2 * t + e), u);
+                                }
+                            }
+                            for mt in 0..mt_n {
+                                let c: Vec<[i32; 4]> = if dtype == GgmlDType::Q6K {
+                                    let lo_a: [[i32; 4]; LANES] =
+                                        std::array::from_fn(|l| [a[mt][l][0], a[mt][l][1], 0, 0]);
+                                    let hi_a: [[i32; 4]; LANES] =
+                                        std::array::from_fn(|l| [a[mt][l][2], a[mt][l][3], 0, 0]);
+                                    let lo = mma(16, &lo_a, &std::array::from_fn(|l| [b[l][0], 0]));
+                                    let hi = mma(16, &hi_a, &std::array::from_fn(|l| [b[l][1], 0]));
+                                    (0..LANES)
+                                        .map(|l| {
+                                            std::array::from_fn(|e| {
+                                                cf[l][e % 2].scale_lo * lo[l][e] + cf[l][e % 2].scale_hi * hi[l][e]
+                                            })
+                                        })
+                                        .collect()
+                                } else {
+                                    let dot = mma(32, &a[mt], &b);
+                                    (0..LANES)
+                                        .map(|l| {
+                                            std::array::from_fn(|e| {
+                                                if dtype == GgmlDType::Q4K {
+                                                    cf[l][e % 2].scale_lo * dot[l][e]
+                                                } else {
+                                                    dot[l][e]
+                                                }
+                                            })
+                                        })
+                                        .collect()
+                                };
+                                for lane in 0..LANES {
+                                    for e in 0..4 {
+                                        let ce = &cf[lane][e % 2];
+                                        let du = dr[lane][mt][e / 2];
+                                        let v = &mut acc_w[lane][s][mt][nt][e];
+                                        let cv = if dtype == GgmlDType::Q6K {
+                                            c[lane][e] as f32
+                                        } else {
+                                            small_int_to_float(c[lane][e])
+                                        };
+                                        *v = (ce.coef * du).mul_add(cv, *v);
+                                        if let (GgmlDType::Q4_1 | GgmlDType::Q4K, Some((mc, mult))) = (dtype, ce.min) {
+                                            *v = (mc * du).mul_add(small_int_to_float(mult * sr[lane][mt][e / 2]), *v);
+                                        }
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+                base += LANES;
+            }
+            // The butterfly: offsets 16 and 8 in registers, 4, 2, 1 over the warps' sums.
+            let mut part = vec![[0f32; MMA_WARPS]; MMA_ROWS * MMA_COLS];
+            for (warp, acc_w) in acc.iter().enumerate() {
+                for (lane, al) in acc_w.iter().enumerate() {
+                    let (g, t) = (lane / 4, lane % 4);
+                    for mt in 0..mt_n {
+                        for nt in 0..nt_n {
+                            for e in 0..4 {
+                                let v = |s: usize| al[s][mt][nt][e];
+                                let (r, c) = (16 * mt + g + 8 * (e / 2), 8 * nt + 2 * t + e % 2);
+                                part[r * MMA_COLS + c][warp] = (v(0) + v(2)) + (v(1) + v(3));
+                            }
+                        }
+                    }
+                }
+            }
+            for (o, p) in part.iter().enumerate() {
+                let (r, c) = (o / MMA_COLS, o % MMA_COLS);
+                if row0 + r < m && col0 + c < n {
+                    out[(row0 + r) * n + col0 + c] = ((p[0] + p[4]) + (p[2] + p[6])) + ((p[1] + p[5]) + (p[3] + p[7]));
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
 /// `small_int_to_float` in canonical.cu: `v as f32` for |v| < 2^22 through the mantissa of
 /// 1.5 · 2^23 (an integer add and a float subtraction). Panics outside that range, which the
 /// kernel's uses never reach (the bounds are in canonical.cu).

@@ -22,7 +22,7 @@ const MODULE: &str = "candle_gate_canonical";
 const WARPS: usize = 4;
 const THREADS: u32 = (WARPS * 32) as u32;
 
-pub use super::canonical_emulate::{tile_for_rows, Tile, TILES, TILE_WARPS};
+pub use super::canonical_emulate::{tile_for_rows, Tile, MMA_COLS, MMA_ROWS, MMA_WARPS, TILES, TILE_WARPS};
 
 /// Which kernel of canonical.cu computes a quantized call. Every choice gives the same bits
 /// (`tests/canonical.rs` emulates each); [`Kernel::for_rows`] picks one for speed, and the
@@ -34,6 +34,9 @@ pub enum Kernel {
     /// `canonical_tile_<dtype>_r<rows>_c<cols>`: [`TILE_WARPS`] warps per block, `cols` columns
     /// per warp, `rows` rows staged in shared memory.
     Tile(Tile),
+    /// `canonical_mma_<dtype>`: the integer part on int8 tensor cores, [`MMA_ROWS`] rows by
+    /// [`MMA_COLS`] columns per block of [`MMA_WARPS`] warps.
+    Mma,
 }
 
 impl Kernel {
@@ -45,9 +48,15 @@ impl Kernel {
         }
     }
 
-    /// Every kernel, for the device check: the warp kernel's tiles, then the tiled kernel's.
+    /// Every kernel, for the device check: the warp kernel's tiles, the tiled kernel's, the
+    /// tensor-core kernel.
     pub fn all() -> Vec<Kernel> {
-        [1, 2, 4, 8].into_iter().map(Kernel::Warp).chain(TILES.into_iter().map(Kernel::Tile)).collect()
+        [1, 2, 4, 8]
+            .into_iter()
+            .map(Kernel::Warp)
+            .chain(TILES.into_iter().map(Kernel::Tile))
+            .chain([Kernel::Mma])
+            .collect()
     }
 
     /// A short label: `warp_r8`, `tile_r16_c4`.
@@ -55,6 +64,7 @@ impl Kernel {
         match self {
             Kernel::Warp(r) => format!("warp_r{r}"),
             Kernel::Tile(t) => format!("tile_r{}_c{}", t.rows, t.cols),
+            Kernel::Mma => "mma".to_string(),
         }
     }
 
@@ -62,6 +72,7 @@ impl Kernel {
         match self {
             Kernel::Warp(r) => format!("canonical_{dtype}_r{r}"),
             Kernel::Tile(t) => format!("canonical_tile_{dtype}_r{}_c{}", t.rows, t.cols),
+            Kernel::Mma => format!("canonical_mma_{dtype}"),
         }
     }
 
@@ -71,6 +82,11 @@ impl Kernel {
             Kernel::Tile(t) => LaunchConfig {
                 grid_dim: (m.div_ceil(t.rows) as u32, n.div_ceil(TILE_WARPS * t.cols) as u32, 1),
                 block_dim: ((TILE_WARPS * 32) as u32, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            Kernel::Mma => LaunchConfig {
+                grid_dim: (m.div_ceil(MMA_ROWS) as u32, n.div_ceil(MMA_COLS) as u32, 1),
+                block_dim: ((MMA_WARPS * 32) as u32, 1, 1),
                 shared_mem_bytes: 0,
             },
         }
@@ -183,6 +199,9 @@ impl CustomOp1 for Canonical {
             if n.div_ceil(TILE_WARPS * t.cols) > 65535 {
                 candle_core::bail!("canonical matmul: n = {n} is past the tiled kernel's grid");
             }
+        }
+        if kernel == Kernel::Mma && n.div_ceil(MMA_COLS) > 65535 {
+            candle_core::bail!("canonical matmul: n = {n} is past the tensor-core kernel's grid");
         }
         let f = dev.get_or_load_custom_func(&kernel.function(self.name), MODULE, PTX)?;
         // SAFETY: every output element is written by the kernel (each (row, column) by one warp).
