@@ -24,7 +24,10 @@ import hashlib
 import os
 import signal
 import socket
+import sys
 import threading
+import uuid
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from ray import serve
@@ -66,8 +69,9 @@ SERVE_ENV = {
 #: Ray Serve LLM's ``stream_batching_interval_ms`` defaults to 50 ms too.
 REPLICA_STREAM_INTERVAL_MS = 50
 
-__all__ = ["APP_NAME", "REPLICA_HEADER", "REPLICA_STREAM_INTERVAL_MS", "ROUTINGS", "SERVE_ENV", "SESSION_HEADER",
-           "SessionAffinityRouter", "application", "serve_env", "serve_replicas"]
+__all__ = ["APP_NAME", "FLEET_NAMESPACE", "FleetMismatch", "REPLICA_HEADER", "REPLICA_STREAM_INTERVAL_MS", "ROUTINGS",
+           "SERVE_ENV", "SESSION_HEADER", "SessionAffinityRouter", "application", "fleet_fingerprint", "join_fleet",
+           "serve_env", "serve_replicas"]
 
 
 def serve_env() -> Dict[str, str]:
@@ -120,34 +124,106 @@ class SessionAffinityRouter(PowerOfTwoChoicesRequestRouter):
         return [[r] for r in ranked]
 
 
+#: Ray's internal key-value namespace where a fleet keeps its ``system_fingerprint``
+FLEET_NAMESPACE = "candle-gate-fleet"
+
+
+class FleetMismatch(RuntimeError):
+    """A replica whose ``system_fingerprint`` is not its fleet's (another build, model file,
+    mode, K/V dtype, gate or host class): it would answer differently, so it does not serve."""
+
+
+def fleet_fingerprint(settings: Settings) -> Optional[str]:
+    """The ``system_fingerprint`` every replica of a fleet over ``settings`` must report, where
+    the deploying process can tell it without loading the model: a known model (the registry's
+    SHA-256) or a file here, no profile, the gate off, and a mode whose host signature is the
+    build target's alone (``host_signature(mode) == host_signature("invariant")``: the same on
+    every x86-64 host of this build). None otherwise: the first replica to load sets it."""
+    from . import _native
+    from .engine import ENGINE_DEFAULTS
+    from .models import KNOWN_MODELS, _sha256
+
+    if settings.gate != "off" or settings.profile is not None:
+        return None
+    if _native.host_signature(settings.mode) != _native.host_signature("invariant"):
+        return None
+    if settings.model in KNOWN_MODELS:
+        sha = KNOWN_MODELS[settings.model].sha256
+    elif os.path.isfile(settings.model):
+        sha = _sha256(Path(settings.model))
+    else:
+        return None
+    return _native.system_fingerprint(sha, settings.mode, settings.kv_dtype or ENGINE_DEFAULTS["kv_dtype"])
+
+
+def join_fleet(fleet: str, fingerprint: str) -> None:
+    """Claims ``fleet``'s fingerprint for ``fingerprint`` (the first to claim, or the deploying
+    process, sets it) and raises :class:`FleetMismatch` when it is another."""
+    from ray.experimental import internal_kv
+    internal_kv._internal_kv_put(fleet, fingerprint, overwrite=False, namespace=FLEET_NAMESPACE)
+    got = internal_kv._internal_kv_get(fleet, namespace=FLEET_NAMESPACE)
+    fleet_fp = got.decode() if isinstance(got, bytes) else got
+    if fleet_fp != fingerprint:
+        raise FleetMismatch(f"this replica's system_fingerprint {fingerprint} is not its fleet's {fleet_fp} (another "
+                            f"build, model file, mode, K/V dtype, gate or host class): it would answer "
+                            f"differently, so it does not serve")
+
+
 @serve.ingress()
 class CandleGateReplica:
-    """One replica: the server app over its own engine."""
+    """One replica: the server app over its own engine, in a fleet whose replicas all report one
+    ``system_fingerprint`` (``fleet``: the key of the fleet's, :func:`join_fleet`)."""
 
-    def __init__(self, settings: Dict[str, Any]):
+    def __init__(self, settings: Dict[str, Any], fleet: Optional[str] = None):
         self.settings = Settings(**settings)
+        self.fleet = fleet
         self._server: Any = None
 
-    def __serve_build_asgi_app__(self) -> Any:
+    async def __serve_build_asgi_app__(self) -> Any:
+        """The app, its model loaded here rather than in its lifespan: a failure to load, or a
+        fingerprint that is not the fleet's (:class:`FleetMismatch`), fails the replica's start
+        with its reason, which Ray shows in the deployment's status (an ASGI lifespan's failure
+        reaches it only as "ASGI lifespan startup failed")."""
+        import asyncio
+        import ray
         from .server.app import create_app
+        from .server.state import ServerState
         ctx = serve.get_replica_context()
-        name = f"{ctx.replica_id.unique_id}@{socket.gethostname()}/{os.getpid()}"
-        self._server = create_app(dataclasses.replace(self.settings, replica=name, ready_before_serving=True))
-        return self._server
+        node = ray.get_runtime_context().get_node_id()[:8]
+        name = f"{ctx.replica_id.unique_id}@{socket.gethostname()}:{node}/{os.getpid()}"
+        app = create_app(dataclasses.replace(self.settings, replica=name, ready_before_serving=True),
+                         load=lambda st, loop: None)  # (loaded below: the lifespan finds it ready)
+        st = app.state.server
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, ServerState.load, st, loop)
+        if st.load_error is not None:
+            raise RuntimeError(f"could not load the model: {st.load_error}")
+        if self.fleet is not None:
+            try:
+                join_fleet(self.fleet, st.system_fingerprint)
+            except FleetMismatch:
+                st.worker.shutdown()
+                raise
+        self._server = app
+        return app
 
     def check_health(self) -> None:
-        """Ray's health check: failed when the engine thread has died (Ray then replaces the replica)."""
+        """Ray's health check: failed when the engine thread has died, or the replica's stack is
+        not its fleet's (Ray then replaces the replica)."""
         st = self._server.state.server if self._server is not None else None
         if st is not None and st.worker is not None and not st.worker.thread.is_alive():
             raise RuntimeError("the engine thread has stopped")
+        if st is not None and st.ready and self.fleet is not None:
+            join_fleet(self.fleet, st.system_fingerprint)
 
 
 def application(settings: Settings, num_replicas: Optional[int] = 1, *, num_cpus: float = 1.0,
                 autoscaling_config: Optional[Dict[str, Any]] = None, routing: str = "session",
-                max_imbalance: int = 4) -> Any:
+                max_imbalance: int = 4, fleet: Optional[str] = None) -> Any:
     """The Serve application: ``num_replicas`` (or Ray's ``autoscaling_config``) replicas of the
     server app built from ``settings``, ``num_cpus`` each, routed by ``routing`` (``session``:
-    :class:`SessionAffinityRouter` with ``max_imbalance``)."""
+    :class:`SessionAffinityRouter` with ``max_imbalance``); with ``fleet`` (a key of
+    :func:`join_fleet`), a replica whose ``system_fingerprint`` is not the fleet's is refused."""
     from ray.serve.config import RequestRouterConfig
     if routing not in ROUTINGS:
         raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, got {routing!r}")
@@ -168,7 +244,7 @@ def application(settings: Settings, num_replicas: Optional[int] = 1, *, num_cpus
     if settings.stream_interval_ms is None:
         settings = dataclasses.replace(settings, stream_interval_ms=REPLICA_STREAM_INTERVAL_MS)
     fields = {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)}
-    return serve.deployment(CandleGateReplica).options(**options).bind(fields)
+    return serve.deployment(CandleGateReplica).options(**options).bind(fields, fleet)
 
 
 def parse_autoscaling_config(text: str) -> Dict[str, Any]:
@@ -209,6 +285,7 @@ def serve_replicas(settings: Settings, replicas: Optional[int], ray_address: Opt
     else:
         ray.init(include_dashboard=False, namespace="serve", log_to_driver=False)
     stop = threading.Event()
+    failed = 0
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
@@ -218,15 +295,64 @@ def serve_replicas(settings: Settings, replicas: Optional[int], ray_address: Opt
                  f"(autoscaling)")
         print(f"candle-gate serve: deploying {count} replica(s) of {settings.model} on Ray "
               f"({ray.get_runtime_context().gcs_address}), routing {routing}", flush=True)
+        # One fleet, one answer: the fingerprint every replica must report, set here where it
+        # can be told without the model (else by the first replica to load).
+        from ray.experimental import internal_kv
+        fleet = f"{APP_NAME}-{uuid.uuid4().hex}"
+        expected = fleet_fingerprint(settings)
+        if expected is not None:
+            internal_kv._internal_kv_put(fleet, expected, namespace=FLEET_NAMESPACE)
         app = application(settings, replicas, num_cpus=num_cpus, routing=routing,
-                          autoscaling_config=autoscaling_config)
-        serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
-        print(f"candle-gate serve: {count} replica(s) ready at http://{settings.host}:{settings.port}/v1",
-              flush=True)
-        stop.wait()
-        print("candle-gate serve: shutting down (draining the replicas)", flush=True)
+                          autoscaling_config=autoscaling_config, fleet=fleet)
+        # serve.run waits until every replica runs: in a thread, so that a replica refused (not
+        # the fleet's fingerprint) or failing to start is reported while the others serve, and a
+        # signal is acted on meanwhile.
+        deployed: List[Optional[BaseException]] = []
+
+        def deploy() -> None:
+            try:
+                serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+                deployed.append(None)
+            except Exception as e:  # DEPLOY_FAILED: no replica could start
+                deployed.append(e)
+
+        threading.Thread(target=deploy, name="candle-gate-deploy", daemon=True).start()
+        said: Dict[str, str] = {}
+        ready = False
+        while not stop.is_set():
+            if deployed and not ready:
+                if deployed[0] is not None:
+                    print(f"candle-gate serve: error: {deployed[0]}", file=sys.stderr, flush=True)
+                    failed = 1
+                    break
+                ready = True
+                print(f"candle-gate serve: {count} replica(s) ready at http://{settings.host}:{settings.port}/v1",
+                      flush=True)
+            _say_deployment_status(said)
+            stop.wait(2.0)
+        if not failed:
+            print("candle-gate serve: shutting down (draining the replicas)", flush=True)
         serve.delete(APP_NAME)
         serve.shutdown()
+        internal_kv._internal_kv_del(fleet, namespace=FLEET_NAMESPACE)
     finally:
         ray.shutdown()
-    return 0
+    return failed
+
+
+def _say_deployment_status(said: Dict[str, str]) -> None:
+    """Prints each deployment's status message when it changes (a replica failing to start, with
+    the reason: a fleet mismatch, a model that cannot load)."""
+    try:
+        apps = serve.status().applications
+    except Exception:  # the controller is busy or going away: said next time
+        return
+    app = apps.get(APP_NAME)
+    for name, d in (app.deployments.items() if app is not None else ()):
+        lines = [x.strip() for x in (d.message or "").splitlines() if x.strip()]
+        # (a start failure's message is a traceback: its first line and the exception, its last)
+        line = f"{d.status}: {lines[0]}{' ... ' + lines[-1] if len(lines) > 1 else ''}" if lines else str(d.status)
+        if said.get(name) != line:
+            said[name] = line
+            if lines:
+                print(f"candle-gate serve: deployment {name}: {line}", flush=True)
