@@ -347,7 +347,7 @@ mod gpu {
                 for kernel in &kernels {
                     // The one-warp-per-column kernel re-reads the weights per row tile: past 64
                     // rows it is far too slow to matter (and to time on the output matrices).
-                    if matches!(kernel, Kernel::Warp(_)) && m > 64 {
+                    if matches!(kernel, Kernel::Warp(_) | Kernel::WarpUnrolled) && m > 64 {
                         continue;
                     }
                     let f = || with_kernel(&w, &xs, *kernel);

@@ -183,7 +183,10 @@ extern "C" __global__ void canonical_quantize(const float *__restrict__ x, int8_
 }
 
 // w: n rows of k quantized values; y: rows of n. Grid: (ceil(n / WARPS), ceil(rows / R)).
-template <int DT, int R>
+// U > 1: each lane decodes U of its units (u, u + 32, ...) before accumulating them, in the same
+// order, so that more weight loads are in flight (for one row and long rows, where the kernel
+// waits on memory one unit at a time).
+template <int DT, int R, int U = 1>
 __device__ void canonical_matvec(const uint8_t *__restrict__ w, const int8_t *__restrict__ q,
                                  const float *__restrict__ d, float *__restrict__ y, int n, int k,
                                  int rows) {
@@ -197,18 +200,25 @@ __device__ void canonical_matvec(const uint8_t *__restrict__ w, const int8_t *__
     float acc[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[r] = 0.0f;
-    for (int u = lane; u < units; u += LANES) {
-        Unit un;
-        decode<DT>(wrow, u, un);
+    for (int u0 = lane; u0 < units; u0 += LANES * U) {
+        Unit un[U];
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
-            if (row0 + r < rows) {
-                const size_t at = (size_t)(row0 + r) * k + (size_t)u * UNIT;
-                const int *qa = (const int *)(q + at);
-                int qv[8];
+        for (int x = 0; x < U; ++x)
+            if (u0 + x * LANES < units) decode<DT>(wrow, u0 + x * LANES, un[x]);
 #pragma unroll
-                for (int i = 0; i < 8; ++i) qv[i] = qa[i];
-                acc[r] = accumulate<DT>(un, qv, d[(size_t)(row0 + r) * units + u], acc[r]);
+        for (int x = 0; x < U; ++x) {
+            const int u = u0 + x * LANES;
+            if (u >= units) break;
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                if (row0 + r < rows) {
+                    const size_t at = (size_t)(row0 + r) * k + (size_t)u * UNIT;
+                    const int *qa = (const int *)(q + at);
+                    int qv[8];
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) qv[i] = qa[i];
+                    acc[r] = accumulate<DT>(un[x], qv, d[(size_t)(row0 + r) * units + u], acc[r]);
+                }
             }
         }
     }
@@ -250,7 +260,14 @@ __device__ void canonical_dense(const float *__restrict__ w, const float *__rest
                                 int n, int k, int rows) {                                        \
         canonical_matvec<DT, R>(w, q, d, y, n, k, rows);                                         \
     }
-#define MATVEC_ALL_R(NAME, DT) MATVEC(NAME, DT, 1) MATVEC(NAME, DT, 2) MATVEC(NAME, DT, 4) MATVEC(NAME, DT, 8)
+#define MATVEC_U4(NAME, DT)                                                                      \
+    extern "C" __global__ void __launch_bounds__(WARPS * LANES)                                  \
+        canonical_##NAME##_r1_u4(const uint8_t *w, const int8_t *q, const float *d, float *y,     \
+                                 int n, int k, int rows) {                                       \
+        canonical_matvec<DT, 1, 4>(w, q, d, y, n, k, rows);                                      \
+    }
+#define MATVEC_ALL_R(NAME, DT)                                                                   \
+    MATVEC(NAME, DT, 1) MATVEC(NAME, DT, 2) MATVEC(NAME, DT, 4) MATVEC(NAME, DT, 8) MATVEC_U4(NAME, DT)
 
 MATVEC_ALL_R(q4_0, Q4_0)
 MATVEC_ALL_R(q4_1, Q4_1)

@@ -31,6 +31,9 @@ pub use super::canonical_emulate::{tile_for_rows, Tile, MMA_COLS, MMA_ROWS, MMA_
 pub enum Kernel {
     /// `canonical_<dtype>_r<rows>`: one warp per column, `rows` (1, 2, 4 or 8) rows per block.
     Warp(usize),
+    /// `canonical_<dtype>_r1_u4`: the warp kernel for one row, each lane decoding 4 of its units
+    /// before accumulating them (more loads in flight).
+    WarpUnrolled,
     /// `canonical_tile_<dtype>_r<rows>_c<cols>`: [`TILE_WARPS`] warps per block, `cols` columns
     /// per warp, `rows` rows staged in shared memory.
     Tile(Tile),
@@ -54,6 +57,7 @@ impl Kernel {
         [1, 2, 4, 8]
             .into_iter()
             .map(Kernel::Warp)
+            .chain([Kernel::WarpUnrolled])
             .chain(TILES.into_iter().map(Kernel::Tile))
             .chain([Kernel::Mma])
             .collect()
@@ -63,6 +67,7 @@ impl Kernel {
     pub fn label(&self) -> String {
         match self {
             Kernel::Warp(r) => format!("warp_r{r}"),
+            Kernel::WarpUnrolled => "warp_r1_u4".to_string(),
             Kernel::Tile(t) => format!("tile_r{}_c{}", t.rows, t.cols),
             Kernel::Mma => "mma".to_string(),
         }
@@ -71,6 +76,7 @@ impl Kernel {
     fn function(&self, dtype: &str) -> String {
         match self {
             Kernel::Warp(r) => format!("canonical_{dtype}_r{r}"),
+            Kernel::WarpUnrolled => format!("canonical_{dtype}_r1_u4"),
             Kernel::Tile(t) => format!("canonical_tile_{dtype}_r{}_c{}", t.rows, t.cols),
             Kernel::Mma => format!("canonical_mma_{dtype}"),
         }
@@ -79,6 +85,7 @@ impl Kernel {
     fn launch_config(&self, n: usize, m: usize) -> LaunchConfig {
         match self {
             Kernel::Warp(r) => launch_config(n, m, *r),
+            Kernel::WarpUnrolled => launch_config(n, m, 1),
             Kernel::Tile(t) => LaunchConfig {
                 grid_dim: (m.div_ceil(t.rows) as u32, n.div_ceil(TILE_WARPS * t.cols) as u32, 1),
                 block_dim: ((TILE_WARPS * 32) as u32, 1, 1),
