@@ -622,15 +622,19 @@ def test_settings_are_the_serve_flags_defaults():
 
 
 class _Uvicorn:
-    """The app (with the fakes) under a real uvicorn on loopback, in a thread."""
+    """The app (with the fakes) under a real uvicorn on loopback, in a thread, configured as
+    ``serve`` configures it (``uvicorn_config``)."""
 
     def __init__(self, **settings):
+        import dataclasses
         import threading
         import uvicorn
+        from candle_gate.server.app import uvicorn_config
         from conftest import free_port
         self.app, self.workers = _app(**settings)
         self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        s = dataclasses.replace(self.app.state.server.settings, port=self.port, log_level="warning")
+        self.server = uvicorn.Server(uvicorn_config(self.app, s))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         from conftest import wait_until
@@ -656,10 +660,10 @@ def _http_response(sock):
     return head.decode("latin-1"), json.loads(body)
 
 
-def test_a_body_trickling_in_is_cut_at_the_body_timeout():
+def test_a_body_trickling_in_is_cut_at_the_read_timeout():
     import socket
     import time
-    srv = _Uvicorn(body_timeout=1.0)
+    srv = _Uvicorn(read_timeout=1.0)
     try:
         with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as s:
             s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -676,12 +680,45 @@ def test_a_body_trickling_in_is_cut_at_the_body_timeout():
             waited = time.monotonic() - t0
             assert head is not None and head.startswith("HTTP/1.1 408"), head
             assert "connection: close" in head.lower()
-            assert body["error"]["code"] == "body_timeout" and body["error"]["type"] == "invalid_request_error"
+            assert body["error"]["code"] == "read_timeout" and body["error"]["type"] == "invalid_request_error"
             assert waited < 6  # cut before the body was whole, not answered after it
         assert srv.workers[0].submitted == []
         # a body sent whole is served as before
         r = json.loads(_post_raw(srv.port, {"prompt": "ab", "max_tokens": 2}))
         assert r["choices"][0]["text"] == "ab"
+    finally:
+        srv.close()
+
+
+@pytest.mark.parametrize("first", [False, True], ids=["new-connection", "kept-alive"])
+def test_a_request_head_trickling_in_is_cut_at_the_read_timeout(first):
+    """uvicorn itself never bounds the request line and headers: a client sending them a byte at
+    a time held the connection for ever. Also on a kept-alive connection's next request."""
+    import socket
+    import time
+    srv = _Uvicorn(read_timeout=1.0)
+    try:
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as s:
+            if first:  # one whole request first: the connection is kept alive
+                s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                head, body = _http_response(s)
+                assert head.startswith("HTTP/1.1 200") and body["status"] == "ok"
+            t0 = time.monotonic()
+            s.settimeout(0.3)
+            head = None
+            for b in b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 40:  # 0.3 s a byte: 20 s
+                try:
+                    s.sendall(bytes([b]))
+                    head, body = _http_response(s)
+                    break
+                except socket.timeout:
+                    pass
+                except (BrokenPipeError, ConnectionResetError):
+                    break
+            waited = time.monotonic() - t0
+        assert head is not None and head.startswith("HTTP/1.1 408"), head
+        assert body["error"]["code"] == "read_timeout" and "request head" in body["error"]["message"]
+        assert waited < 10
     finally:
         srv.close()
 

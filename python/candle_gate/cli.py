@@ -377,8 +377,9 @@ def _add_serve(sub) -> None:
                         "through Ray's proxy)")
     s.add_argument("--threads", type=int, default=None,
                    help="the engine's threads (default: rayon's, one per core)")
-    s.add_argument("--body-timeout", type=float, default=d["body_timeout"], metavar="SECONDS",
-                   help="seconds a request's body may take to arrive; a slower one gets 408")
+    s.add_argument("--read-timeout", type=float, default=d["read_timeout"], metavar="SECONDS",
+                   help="seconds a request's head (request line and headers) may take to arrive, and then its "
+                        "body; a slower one gets 408 and its connection closed")
     s.add_argument("--drain-timeout", type=int, default=d["drain_timeout"],
                    help="seconds SIGTERM waits for in-flight requests before cancelling them")
     s.add_argument("--log-level", default=d["log_level"], help="uvicorn's log level")

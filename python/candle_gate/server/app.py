@@ -285,6 +285,70 @@ def create_app(settings: Settings, load: Optional[Loader] = None) -> FastAPI:
 # ---------------------------------------------------------------------------------------------
 # Running it
 
+def uvicorn_config(app: FastAPI, s: Settings) -> Any:
+    """uvicorn's configuration for ``app`` under ``s``, with :func:`timed_head_protocol`."""
+    import uvicorn
+    return uvicorn.Config(app, host=s.host, port=s.port, log_level=s.log_level, http=timed_head_protocol(s.read_timeout),
+                          timeout_graceful_shutdown=s.drain_timeout, access_log=s.access_log)
+
+
+#: what a connection whose request head did not arrive in time gets, before it is closed
+_HEAD_TIMEOUT_RESPONSE = (b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                          b"Content-Length: %d\r\n\r\n%s")
+
+
+def timed_head_protocol(timeout: float) -> type:
+    """uvicorn's HTTP protocol (httptools where installed, else h11: its "auto") with a bound on
+    the time a request's head (the request line and headers) takes to arrive, from the
+    connection or from the first byte of a kept-alive connection's next request: past
+    ``timeout`` seconds it gets 408 and its connection is closed. uvicorn has no such bound (a
+    client trickling its headers holds a connection for ever); the body has its own, in the app
+    (``protocol.read_body``). A head is complete when uvicorn made the request's cycle."""
+    import json
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    body = json.dumps(error_body(408, f"the request head did not arrive within {timeout:g} s",
+                                 code="read_timeout")).encode()
+
+    class TimedHeadProtocol(AutoHTTPProtocol):  # type: ignore[valid-type, misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._head_timer: Any = None
+            self._head_cycle: Any = None
+
+        def _arm(self) -> None:
+            self._head_cycle = self.cycle
+            self._head_timer = self.loop.call_later(timeout, self._head_timed_out)
+
+        def _disarm(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_timed_out(self) -> None:
+            self._head_timer = None
+            if self.cycle is self._head_cycle and not self.transport.is_closing():
+                self.transport.write(_HEAD_TIMEOUT_RESPONSE % (len(body), body))
+                self.transport.close()
+
+        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            if self._head_timer is None and (self.cycle is None or self.cycle.response_complete):
+                self._arm()  # a kept-alive connection's next request begins
+            super().data_received(data)
+            if self._head_timer is not None and self.cycle is not self._head_cycle:
+                self._disarm()  # its head is in
+
+        def connection_lost(self, exc: Optional[Exception]) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return TimedHeadProtocol
+
+
 def serve(settings: Union[Settings, argparse.Namespace]) -> int:
     """``candle-gate serve``: the app under uvicorn until SIGTERM or Ctrl-C (docs/SERVER.md,
     "Cancellation and shutdown"); 0 once drained, 1 when the model cannot be loaded."""
@@ -325,9 +389,7 @@ def serve(settings: Union[Settings, argparse.Namespace]) -> int:
             server.should_exit = True
 
     print(f"candle-gate serve: loading {s.model} on http://{s.host}:{s.port}", flush=True)
-    config = uvicorn.Config(app, host=s.host, port=s.port, log_level=s.log_level,
-                            timeout_graceful_shutdown=s.drain_timeout, access_log=s.access_log)
-    server = Server(config)
+    server = Server(uvicorn_config(app, s))
     threading.Thread(target=stop_if_the_model_fails, name="candle-gate-load-watch", daemon=True).start()
     server.run()
     return 1 if st.load_error is not None else 0

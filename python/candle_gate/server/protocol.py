@@ -338,7 +338,7 @@ async def read_body(request: Any, timeout: Optional[float] = None) -> bytes:
     try:
         await asyncio.wait_for(read(), timeout)
     except asyncio.TimeoutError:
-        raise APIError(408, f"the request body did not arrive within {timeout:g} s", code="body_timeout",
+        raise APIError(408, f"the request body did not arrive within {timeout:g} s", code="read_timeout",
                        headers={"Connection": "close"}) from None
     return b"".join(parts)
 

@@ -117,7 +117,7 @@ class OpenAIServing:
     async def create(self, request: Request) -> Union[Dict[str, Any], Response]:
         """The endpoint: the JSON response, a stream, or 499 when the client went away."""
         t0 = time.perf_counter()
-        req = parse(self.request_model, await read_body(request, self.st.settings.body_timeout))
+        req = parse(self.request_model, await read_body(request, self.st.settings.read_timeout))
         self.st.check_model(req.model)
         prep = self.prepare(req)
         params = self.sampling_params(req, prep)

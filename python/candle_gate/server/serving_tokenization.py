@@ -17,7 +17,7 @@ class OpenAIServingTokenization:
 
     async def tokenize(self, request: Request) -> Dict[str, Any]:
         """``prompt`` (a string) or ``messages`` (through the chat template) -> token ids."""
-        req = parse(TokenizeRequest, await read_body(request, self.st.settings.body_timeout))
+        req = parse(TokenizeRequest, await read_body(request, self.st.settings.read_timeout))
         self.st.check_model(req.model)
         if req.messages is None and req.prompt is None:
             raise APIError(400, "pass `prompt` (a string) or `messages`", "prompt")
@@ -33,7 +33,7 @@ class OpenAIServingTokenization:
 
     async def detokenize(self, request: Request) -> Dict[str, Any]:
         """Token ids (within the vocabulary) -> text."""
-        req = parse(DetokenizeRequest, await read_body(request, self.st.settings.body_timeout))
+        req = parse(DetokenizeRequest, await read_body(request, self.st.settings.read_timeout))
         self.st.check_model(req.model)
         vocab = int(self.st.model.config.get("vocab", 0) or 0)
         bad = [t for t in req.tokens if t < 0 or (vocab and t >= vocab)]

@@ -66,9 +66,9 @@ class Settings:
     port: int = 8000
     #: seconds SIGTERM waits for the requests in flight
     drain_timeout: int = 30
-    #: seconds a request's body may take to arrive (a slow trickle gets 408 and its connection
-    #: closed)
-    body_timeout: float = 30.0
+    #: seconds a request's head (request line and headers) may take to arrive, and then its body
+    #: (a slow trickle gets 408 and its connection closed)
+    read_timeout: float = 30.0
     log_level: str = "info"
     access_log: bool = False
     # -- behind a router (candle_gate.ray) --------------------------------------------------------
@@ -82,8 +82,8 @@ class Settings:
     def __post_init__(self) -> None:
         if self.api_key_scope not in API_KEY_SCOPES:
             raise ValueError(f"api_key_scope must be one of {', '.join(API_KEY_SCOPES)}, got {self.api_key_scope!r}")
-        if not self.body_timeout > 0:
-            raise ValueError(f"body_timeout must be a number of seconds above 0, got {self.body_timeout}")
+        if not self.read_timeout > 0:
+            raise ValueError(f"read_timeout must be a number of seconds above 0, got {self.read_timeout}")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "Settings":
