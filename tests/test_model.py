@@ -70,6 +70,13 @@ def test_stop_string_spanning_tokens_cuts_at_its_first_occurrence(model):
     assert r.text == full.text[:full.text.index(stop)]
 
 
+def test_cli_greedy_json_is_the_same_each_run():
+    """Greedy decoding draws nothing: no freshly drawn seed makes two runs' JSON differ (issue 53)."""
+    a, b = (run_cli("generate", "The capital of France is", "--max-new-tokens", "4", "--json") for _ in range(2))
+    assert a.returncode == 0, a.stderr
+    assert a.stdout == b.stdout and "seed" not in json.loads(a.stdout)
+
+
 def test_cli_json_and_chat():
     r = run_cli("generate", "What is 2+2?", "--chat", "--json", "--max-new-tokens", "48")
     assert r.returncode == 0, r.stderr

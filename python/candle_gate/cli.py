@@ -123,8 +123,11 @@ def cmd_generate(a: argparse.Namespace) -> int:
     if a.json:
         [r] = eng.run([rid])
         choices = []
+        drew = params.temperature > 0 or params.seed is not None
         for c in r.choices:
             out = c.to_json()
+            if not drew:  # greedy: nothing was drawn, and a fresh seed would make equal runs differ
+                del out["seed"]
             out.update({"model": model.path, "mode": a.mode, "gate": a.gate, "index": c.index})
             choices.append(out)
         print(json.dumps(choices[0] if params.n == 1 else choices))
@@ -138,7 +141,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
     for c in r.choices[1:]:
         sys.stdout.write(f"--- choice {c.index}\n{c.text}\n")
     spec = f", drafts {r.accepted_tokens}/{r.draft_tokens} kept" if r.draft_tokens else ""
-    print(f"[{len(r.token_ids)} tokens, finish={r.finish_reason}, seed={r.seed}, fingerprint={r.fingerprint}{spec}]",
+    seed = f", seed={r.seed}" if params.temperature > 0 or params.seed is not None else ""
+    print(f"[{len(r.token_ids)} tokens, finish={r.finish_reason}{seed}, fingerprint={r.fingerprint}{spec}]",
           file=sys.stderr)
     return 0
 
