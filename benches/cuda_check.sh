@@ -2,11 +2,10 @@
 # The CUDA check: batch invariance and CPU == GPU bits on a real GPU, and the timings
 # (docs/CUDA.md). Two halves, because the GPU machine has no Rust and cannot download:
 #
-#   benches/cuda_check.sh prepare     here: builds `cuda_check` with the `cuda` feature
-#                                     (scripts/build-cuda.sh, in target/cuda-build: a target
-#                                     directory of its own, so CPU builds are neither blocked nor
-#                                     rebuilt), samples every registry model's weights (fetched
-#                                     first), packs both into target/cuda-check/ (under 64 MiB)
+#   benches/cuda_check.sh prepare     here: builds `cuda_check` with the `cuda` feature from the
+#                                     committed tree (scripts/build-cuda.sh, in target/cuda-build),
+#                                     samples every registry model's weights (fetched first) with
+#                                     it, packs both into target/cuda-check/ (under 64 MiB)
 #   benches/cuda_check.sh run [OUT]   there, from the repo root with target/cuda-check/ copied
 #                                     in: inventory, then `cuda_check run`; tables on stdout,
 #                                     cuda_check.json and profile-cuda.json in OUT (default .)
@@ -19,13 +18,26 @@ pack=target/cuda-check
 case "${1:-}" in
 prepare)
     set -e
-    python3 -m candle_gate fetch --model all
-    # The sampler runs here, on the CPU build (the CUDA build needs the driver to start).
-    cargo run --release -q -p candle-gate --example cuda_check -- extract --out "$pack"
-    CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-target/cuda-build}" scripts/build-cuda.sh build --example cuda_check
-    gzip -9 -c "${CARGO_TARGET_DIR:-target/cuda-build}/release/examples/cuda_check" > "$pack/cuda_check.gz"
+    python3 -m candle_gate fetch --model all || echo "fetch failed: sampling the models already fetched" >&2
+    # Built from the committed tree (git archive HEAD), so that uncommitted edits in the working
+    # tree neither break the build nor slip into the binary, in a target directory of its own
+    # (CPU builds are neither blocked nor rebuilt).
+    target="${CARGO_TARGET_DIR:-$PWD/target/cuda-build}"
+    src="$(mktemp -d)"
+    git archive HEAD | tar -x -C "$src"
+    (cd "$src" && CARGO_TARGET_DIR="$target" scripts/build-cuda.sh build --example cuda_check)
+    rm -rf "$src"
+    bin="$target/release/examples/cuda_check"
+    # The sampler runs here, on that build: it makes no CUDA call, so the link stub stands in for
+    # the driver's libcuda.so.1.
+    eval "$(scripts/build-cuda.sh env)"
+    stub="$(mktemp -d)"
+    ln -s "$CUDA_HOME/lib/libcuda.so" "$stub/libcuda.so.1"
+    mkdir -p "$pack"
+    LD_LIBRARY_PATH="$stub:$CUDA_HOME/lib" "$bin" extract --out "$pack"
+    rm -rf "$stub"
+    gzip -9 -c "$bin" > "$pack/cuda_check.gz"
     git rev-parse HEAD > "$pack/commit"
-    git status --porcelain -- crates/candle-gate examples >> "$pack/commit"
     du -ch "$pack"/* | tail -1
     ;;
 run)
