@@ -233,12 +233,18 @@ impl QMatMul {
     /// In `invariant` mode on a host whose kernels run AVX-512, a Q4_K, Q4_1 or Q5_0 weight
     /// nobody else holds (this is its only `Arc`) is repacked in place for the sixteen-column kernels
     /// ([`QMatMul::is_packed`]): the same bits, at about the memory rate at one row where the
-    /// GGUF layout's transposes or per-element sums cost compute. In `canonical` mode Q6_K and
-    /// Q8_0 are packed too (`kernels::cpu_canonical`). `CANDLE_GATE_PACK=0` keeps the GGUF
-    /// layout.
+    /// GGUF layout's transposes or per-element sums cost compute. In `canonical` mode, on a host
+    /// with AVX2 or wider, Q6_K and Q8_0 are packed too (`kernels::cpu_canonical`).
+    /// `CANDLE_GATE_PACK=0` keeps the GGUF layout.
     pub fn new(weight: Arc<QTensor>, policy: Arc<Policy>) -> Result<Self> {
-        let pack = matches!(policy.mode, Mode::Invariant | Mode::Canonical)
-            && kernels::isa() == kernels::Isa::Avx512
+        // The invariant kernels read packed weights fast with AVX-512 only; the canonical ones
+        // have an AVX2 tier too.
+        let tier_reads_packed = match policy.mode {
+            Mode::Invariant => kernels::isa() == kernels::Isa::Avx512,
+            Mode::Canonical => kernels::isa() >= kernels::Isa::Avx2,
+            _ => false,
+        };
+        let pack = tier_reads_packed
             && Arc::strong_count(&weight) == 1
             && std::env::var("CANDLE_GATE_PACK").map_or(true, |v| v != "0");
         Self::with_layout(weight, policy, pack)
