@@ -383,7 +383,7 @@ mod gpu {
                     "native_us": t_native * 1e6, "row_split_us": t_split.map(|t| t * 1e6), "invariant_us": t_inv * 1e6,
                     "invariant_kernel": chosen, "kernels_us": kernel_us.clone(),
                 }));
-                shape_kernels.push((m, kernel_us));
+                shape_kernels.push((m, t_native * 1e6, kernel_us));
             }
             per_kernel.push((model, what, dtype, n, k, shape_kernels));
         }
@@ -392,13 +392,44 @@ mod gpu {
         println!("| shape | rows | {} |", labels.join(" | "));
         println!("|---|---|{}", "---|".repeat(labels.len()));
         for (model, what, dtype, n, k, shape_kernels) in &per_kernel {
-            for (m, us) in shape_kernels {
+            for (m, _, us) in shape_kernels {
                 let cells: Vec<String> = labels
                     .iter()
                     .map(|l| us.get(l).and_then(|v| v.as_f64()).map_or("-".into(), |v| format!("{v:.1}")))
                     .collect();
                 println!("| {model} {what} {} [{n}, {k}] | {m} | {} |", dtype_name(*dtype), cells.join(" | "));
             }
+        }
+        // For the dispatch by row count: each kernel against native over the shapes.
+        println!(
+            "\n## Each kernel against native by row count: native / kernel, geometric mean over the shapes (worst)\n"
+        );
+        println!("| rows | {} | best (by worst shape) |", labels.join(" | "));
+        println!("|---|{}---|", "---|".repeat(labels.len()));
+        let mut summary = Vec::new();
+        for m in TIMED_ROWS {
+            let mut cells = Vec::new();
+            let mut best = (0.0f64, String::new());
+            for l in &labels {
+                let ratios: Vec<f64> = per_kernel
+                    .iter()
+                    .flat_map(|(.., sk)| sk.iter())
+                    .filter(|(mm, ..)| *mm == m)
+                    .filter_map(|(_, native_us, us)| us.get(l).and_then(|v| v.as_f64()).map(|v| native_us / v))
+                    .collect();
+                if ratios.is_empty() {
+                    cells.push("-".to_string());
+                    continue;
+                }
+                let gm = (ratios.iter().map(|r| r.ln()).sum::<f64>() / ratios.len() as f64).exp();
+                let worst = ratios.iter().cloned().fold(f64::INFINITY, f64::min);
+                if worst > best.0 {
+                    best = (worst, l.clone());
+                }
+                cells.push(format!("{gm:.2} ({worst:.2})"));
+                summary.push(json!({"rows": m, "kernel": l, "geomean_native_over_kernel": gm, "worst": worst}));
+            }
+            println!("| {m} | {} | {} ({:.2}) |", cells.join(" | "), best.1, best.0);
         }
         // Row-split's crossover against Candle's own batched dispatch ("gemm" in the table: on
         // CUDA that is whatever Candle picks for the row count).
@@ -411,7 +442,7 @@ mod gpu {
         profile.save(&out.join("profile-cuda.json"))?;
         let seconds = started.elapsed().as_secs_f64();
         let report = json!({
-            "differential": diffs, "timings": timings, "failed": failed,
+            "differential": diffs, "timings": timings, "kernels_vs_native": summary, "failed": failed,
             "tensor_core_kernel_failed": experimental_failed, "seconds": seconds,
         });
         std::fs::write(out.join("cuda_check.json"), serde_json::to_string_pretty(&report)? + "\n")?;
