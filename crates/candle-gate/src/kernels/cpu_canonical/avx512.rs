@@ -1,0 +1,264 @@
+//! The AVX-512 tier: sixteen columns a vector, one `vpdpbusd` per four weights of sixteen
+//! columns against a row's broadcast bytes, every row's 32 lane vectors in L1.
+
+use std::arch::x86_64::*;
+
+use super::{GroupOut, Layout, Pass, PACK_COLS, Q6K_QH, Q6K_SCALES};
+use crate::kernels::canonical::{BUTTERFLY, LANES};
+use candle_core::quantized::GgmlDType;
+
+/// How far ahead of the tile it reads the kernel asks for memory, at up to
+/// [`PREFETCH_ROWS_MAX`] rows (beyond them each tile's bytes take long enough to use).
+const PREFETCH_AHEAD: usize = 4096;
+const PREFETCH_ROWS_MAX: usize = 2;
+
+/// Each row's 32 lane accumulators, sixteen columns a vector.
+type Lanes<const R: usize> = [[__m512; LANES]; R];
+
+/// The order's one float step, sixteen outputs at once: `acc = fma(coef · d, c, acc)`.
+#[inline(always)]
+unsafe fn step(acc: &mut __m512, coef: __m512, d: f32, c: __m512) {
+    *acc = _mm512_fmadd_ps(_mm512_mul_ps(coef, _mm512_set1_ps(d)), c, *acc);
+}
+
+/// `Σ_i dpbusd(w[i], word(i))` over `w.len()` dwords of a unit (or half unit) of row `r`,
+/// `first` the first dword, in two chains (exact: integers).
+#[inline(always)]
+unsafe fn dot(pass: &Pass, r: usize, u: usize, w: &[__m512i], first: usize) -> __m512i {
+    let (mut even, mut odd) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+    for i in (0..w.len()).step_by(2) {
+        even = _mm512_dpbusd_epi32(even, w[i], _mm512_set1_epi32(pass.word(r, u, first + i)));
+        odd = _mm512_dpbusd_epi32(odd, w[i + 1], _mm512_set1_epi32(pass.word(r, u, first + i + 1)));
+    }
+    _mm512_add_epi32(even, odd)
+}
+
+#[inline(always)]
+unsafe fn load(p: *const u8) -> __m512i {
+    _mm512_loadu_si512(p as *const _)
+}
+
+/// Sixteen f16 at `p` as f32.
+#[inline(always)]
+unsafe fn halves_f32(p: *const u8) -> __m512 {
+    _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
+}
+
+/// Byte `byte` of each lane of `v`, zero-extended.
+#[inline(always)]
+unsafe fn byte_u(v: __m512i, byte: u32) -> __m512i {
+    _mm512_and_si512(_mm512_srlv_epi32(v, _mm512_set1_epi32(8 * byte as i32)), _mm512_set1_epi32(0xFF))
+}
+
+/// Q4_K super-block `sb` (units `8sb..8sb + 8`), the `invariant` mode's packed tile: segment
+/// `s` (16 bytes of each column) at `256s`, as four vectors of a dword per column. Segment
+/// 0 is `(d, dmin)` and the twelve scale bytes; 1..9 are `qs`, unit `2p` in the low
+/// nibbles of `qs[32p..32p + 32]` and unit `2p + 1` in the high ones.
+#[inline(always)]
+unsafe fn q4k<const R: usize>(tile: *const u8, sb: usize, pass: &Pass, acc: &mut Lanes<R>) {
+    let v = |s: usize, t: usize| load(tile.add(256 * s + 64 * t));
+    let head = v(0, 0);
+    let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head));
+    let dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(head)));
+    let neg_dmin = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(dmin), _mm512_set1_epi32(i32::MIN)));
+    let (s0, s1, s2) = (v(0, 1), v(0, 2), v(0, 3));
+    let (m63, m15, m3) = (_mm512_set1_epi32(63), _mm512_set1_epi32(15), _mm512_set1_epi32(3));
+    // llama.cpp's `get_scale_min_k4`, sixteen columns a vector, as f32 (exact: < 64).
+    let scale_min = |j: u32| -> (__m512, __m512) {
+        let (sc, mn) = if j < 4 {
+            (_mm512_and_si512(byte_u(s0, j), m63), _mm512_and_si512(byte_u(s1, j), m63))
+        } else {
+            let i = j - 4;
+            let (lo, a, b) = (byte_u(s2, i), byte_u(s0, i), byte_u(s1, i));
+            let high = |x: __m512i| _mm512_slli_epi32::<4>(_mm512_and_si512(_mm512_srli_epi32::<6>(x), m3));
+            (_mm512_or_si512(_mm512_and_si512(lo, m15), high(a)), _mm512_or_si512(_mm512_srli_epi32::<4>(lo), high(b)))
+        };
+        (_mm512_cvtepi32_ps(sc), _mm512_cvtepi32_ps(mn))
+    };
+    let low4 = _mm512_set1_epi8(0x0F);
+    for p in 0..4 {
+        let mut w = [[_mm512_setzero_si512(); 8]; 2];
+        for i in 0..8 {
+            let x = v(1 + 2 * p + i / 4, i % 4);
+            w[0][i] = _mm512_and_si512(x, low4);
+            w[1][i] = _mm512_and_si512(_mm512_srli_epi16::<4>(x), low4);
+        }
+        for (half, w) in w.iter().enumerate() {
+            let j = 2 * p + half;
+            let u = 8 * sb + j;
+            let (sc, mn) = scale_min(j as u32);
+            for (r, lanes) in acc.iter_mut().enumerate() {
+                let lane = &mut lanes[u % LANES];
+                // (sc · isum) and (m · Σq) as f32: exact products of exact floats (< 2^24).
+                let c = _mm512_mul_ps(_mm512_cvtepi32_ps(dot(pass, r, u, w, 0)), sc);
+                let dr = pass.d(r, u);
+                step(lane, d, dr, c);
+                step(lane, neg_dmin, dr, _mm512_mul_ps(mn, _mm512_set1_ps(pass.sum(r, u) as f32)));
+            }
+        }
+    }
+}
+
+/// Q6_K super-block `sb`, this file's tile: `ql` as 32 vectors, `qh` as 16 (from
+/// [`Q6K_QH`]), the scales as 4 (from [`Q6K_SCALES`]), then the sixteen `d`. Unit
+/// `j = 4h + t` takes `ql[64h + 32(t % 2)..][..32]` shifted by `4(t / 2)` and bits `2t, 2t+1`
+/// of `qh[32h..][..32]`, as `w + 32` (0..64), and the int8 scales `sc[8h + 2t]` (values
+/// 0..16) and `sc[8h + 2t + 1]` (16..32). Units `t` and `t + 2` share their `ql` and `qh`
+/// bytes, so they are decoded from one load of each.
+#[inline(always)]
+unsafe fn q6k<const R: usize>(tile: *const u8, sb: usize, pass: &Pass, acc: &mut Lanes<R>) {
+    let d = halves_f32(tile.add(super::Q6K_TILE.d_at()));
+    let (low4, bits45) = (_mm512_set1_epi8(0x0F), _mm512_set1_epi8(0x30));
+    for h in 0..2 {
+        for t in 0..2 {
+            let mut w = [[_mm512_setzero_si512(); 8]; 2];
+            for i in 0..8 {
+                let ql = load(tile.add(64 * (16 * h + 8 * t + i)));
+                let qh = load(tile.add(Q6K_QH + 64 * (8 * h + i)));
+                // Bits 2t, 2t + 1 (unit t) and 2t + 4, 2t + 5 (unit t + 2) of each qh byte
+                // to bits 4, 5; a 16-bit shift moves bits across bytes only into places
+                // the mask clears.
+                let (high_t, high_t2) = if t == 0 {
+                    (_mm512_slli_epi16::<4>(qh), qh)
+                } else {
+                    (_mm512_slli_epi16::<2>(qh), _mm512_srli_epi16::<2>(qh))
+                };
+                // (ql & 0x0F) | (high & 0x30)
+                w[0][i] = _mm512_ternarylogic_epi32::<0xEC>(ql, _mm512_and_si512(high_t, bits45), low4);
+                w[1][i] = _mm512_ternarylogic_epi32::<0xEC>(
+                    _mm512_srli_epi16::<4>(ql),
+                    _mm512_and_si512(high_t2, bits45),
+                    low4,
+                );
+            }
+            for (pair, w) in w.iter().enumerate() {
+                let tt = t + 2 * pair;
+                let scales = load(tile.add(Q6K_SCALES + 64 * (2 * h + tt / 2)));
+                // Bytes 2t and 2t + 1 of the dword, sign-extended, as f32 (exact).
+                let signed_byte = |byte: usize| {
+                    let shifted = _mm512_sllv_epi32(scales, _mm512_set1_epi32(24 - 8 * byte as i32));
+                    _mm512_cvtepi32_ps(_mm512_srai_epi32::<24>(shifted))
+                };
+                let (sc_lo, sc_hi) = (signed_byte(2 * t), signed_byte(2 * t + 1));
+                let u = 8 * sb + 4 * h + tt;
+                for (r, lanes) in acc.iter_mut().enumerate() {
+                    let offset = |h: usize| _mm512_set1_epi32(32 * pass.half(r, u, h));
+                    let lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot(pass, r, u, &w[..4], 0), offset(0)));
+                    let hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot(pass, r, u, &w[4..], 4), offset(1)));
+                    // sc_lo · lo + sc_hi · hi in f32 is the integer sum exactly: each
+                    // product is below 2^23 and the sum below 2^24.
+                    let c = _mm512_fmadd_ps(sc_lo, lo, _mm512_mul_ps(sc_hi, hi));
+                    step(&mut lanes[u % LANES], d, pass.d(r, u), c);
+                }
+            }
+        }
+    }
+}
+
+/// Q4_1 or Q5_0 unit `u`, the `invariant` mode's packed tile (`cpu_q32::Packed`): the
+/// sixteen `d`, then Q4_1's `m` or Q5_0's fifth bits as eight 64-bit lane masks (from byte
+/// 32), then the nibbles as four vectors (from `qs_at`), vector t lane c holding column c's
+/// `qs[4t..4t + 4]`: weights 4t.. in the low nibbles, 16 + 4t.. in the high.
+#[inline(always)]
+unsafe fn q32<const R: usize, const Q5: bool>(tile: *const u8, u: usize, pass: &Pass, acc: &mut Lanes<R>) {
+    let low4 = _mm512_set1_epi8(0x0F);
+    let qs_at = if Q5 { 96 } else { 64 };
+    // Dwords in the order of the unit's values: low nibbles (values 0..16), then high.
+    let mut w = [_mm512_setzero_si512(); 8];
+    for t in 0..4 {
+        let x = load(tile.add(qs_at + 64 * t));
+        w[t] = _mm512_and_si512(x, low4);
+        w[4 + t] = _mm512_and_si512(_mm512_srli_epi16::<4>(x), low4);
+    }
+    if Q5 {
+        let fifth = _mm512_set1_epi8(0x10);
+        let mask = |i: usize| std::ptr::read_unaligned(tile.add(32 + 8 * i) as *const u64);
+        for t in 0..4 {
+            w[t] = _mm512_mask_add_epi8(w[t], mask(2 * t), w[t], fifth);
+            w[4 + t] = _mm512_mask_add_epi8(w[4 + t], mask(2 * t + 1), w[4 + t], fifth);
+        }
+    }
+    let d = halves_f32(tile);
+    let m = halves_f32(tile.add(32));
+    for (r, lanes) in acc.iter_mut().enumerate() {
+        let lane = &mut lanes[u % LANES];
+        let mut c = dot(pass, r, u, &w, 0);
+        if Q5 {
+            c = _mm512_sub_epi32(c, _mm512_set1_epi32(16 * pass.sum(r, u)));
+        }
+        let dr = pass.d(r, u);
+        step(lane, d, dr, _mm512_cvtepi32_ps(c));
+        if !Q5 {
+            step(lane, m, dr, _mm512_set1_ps(pass.sum(r, u) as f32));
+        }
+    }
+}
+
+/// Q8_0 unit `u`, this file's tile: the sixteen `d`, then `qs` as eight vectors, read as
+/// `w + 128` (one xor) with `128 · Σq` taken off after.
+#[inline(always)]
+unsafe fn q8_0<const R: usize>(tile: *const u8, u: usize, pass: &Pass, acc: &mut Lanes<R>) {
+    let mut w = [_mm512_setzero_si512(); 8];
+    let bias = _mm512_set1_epi8(i8::MIN);
+    for (i, w) in w.iter_mut().enumerate() {
+        *w = _mm512_xor_si512(load(tile.add(2 * PACK_COLS + 64 * i)), bias);
+    }
+    let d = halves_f32(tile);
+    for (r, lanes) in acc.iter_mut().enumerate() {
+        let c = _mm512_sub_epi32(dot(pass, r, u, &w, 0), _mm512_set1_epi32(128 * pass.sum(r, u)));
+        step(&mut lanes[u % LANES], d, pass.d(r, u), _mm512_cvtepi32_ps(c));
+    }
+}
+
+/// Rows `pass.first..pass.first + R` against one group: every tile in order, then each
+/// row's butterfly, into `out[r]`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn group<const R: usize>(layout: Layout, group: *const u8, blocks: usize, pass: &Pass, out: &mut [[f32; 16]]) {
+    let mut acc: Lanes<R> = [[_mm512_setzero_ps(); LANES]; R];
+    for b in 0..blocks {
+        let tile = group.add(b * layout.tile_bytes());
+        if R <= PREFETCH_ROWS_MAX {
+            // A group's tiles are one run of bytes; at few rows the kernel reads them
+            // faster than the hardware prefetcher alone brings them (past the group's end
+            // this asks for the next group's, or for nothing: a prefetch never faults).
+            for line in (0..layout.tile_bytes()).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T0>(tile.wrapping_add(PREFETCH_AHEAD + line) as *const i8);
+            }
+        }
+        match layout.dtype {
+            GgmlDType::Q4K => q4k(tile, b, pass, &mut acc),
+            GgmlDType::Q6K => q6k(tile, b, pass, &mut acc),
+            GgmlDType::Q4_1 => q32::<R, false>(tile, b, pass, &mut acc),
+            GgmlDType::Q5_0 => q32::<R, true>(tile, b, pass, &mut acc),
+            _ => q8_0(tile, b, pass, &mut acc),
+        }
+    }
+    for (lanes, out) in acc.iter_mut().zip(out) {
+        // The xor butterfly: after offset `off`, lane l < off holds lane l + lane l + off
+        // (lanes l ≥ off would hold the same sums, commuted; nothing reads them).
+        for off in BUTTERFLY {
+            for l in 0..off {
+                lanes[l] = _mm512_add_ps(lanes[l], lanes[l + off]);
+            }
+        }
+        _mm512_storeu_ps(out.as_mut_ptr(), lanes[0]);
+    }
+}
+
+/// Rows `pass.first..pass.first + count` against one group, into `out`.
+pub(super) fn pass(layout: Layout, tiles: *const u8, blocks: usize, pass: &Pass, count: usize, out: &mut GroupOut) {
+    // SAFETY: the caller checked the AVX-512 tier at run time (`isa()`); the group's tiles
+    // lie inside its data (`drive`).
+    unsafe {
+        match count {
+            1 => group::<1>(layout, tiles, blocks, pass, out),
+            2 => group::<2>(layout, tiles, blocks, pass, out),
+            3 => group::<3>(layout, tiles, blocks, pass, out),
+            4 => group::<4>(layout, tiles, blocks, pass, out),
+            5 => group::<5>(layout, tiles, blocks, pass, out),
+            6 => group::<6>(layout, tiles, blocks, pass, out),
+            7 => group::<7>(layout, tiles, blocks, pass, out),
+            _ => group::<8>(layout, tiles, blocks, pass, out),
+        }
+    }
+}
