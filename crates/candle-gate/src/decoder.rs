@@ -401,7 +401,10 @@ impl Layer {
 
 pub struct Decoder {
     pub cfg: DecoderConfig,
-    pub embed: Arc<QTensor>,
+    /// `token_embd.weight`, or `None` where the output matrix is the embedding (tied): the
+    /// output `QMatMul` then holds it alone, so that it may pack it, and embedding rows are
+    /// read through it ([`Decoder::embed_rows`]).
+    pub embed: Option<Arc<QTensor>>,
     pub layers: Vec<Layer>,
     pub out_norm: Vec<f32>,
     pub lm_head: QMatMul,
@@ -512,11 +515,11 @@ impl Decoder {
         }
         let out_norm = to_f32(f.tensor_shaped("output_norm.weight", &[h])?)?;
         let embed = Arc::new(f.tensor_shaped("token_embd.weight", &[vocab, h])?);
-        let lm_head = if f.has_tensor("output.weight") {
-            lin(f, "output.weight", &[vocab, h])?
+        let (embed, lm_head) = if f.has_tensor("output.weight") {
+            (Some(embed), lin(f, "output.weight", &[vocab, h])?)
         } else {
             weight_bytes += embed.storage_size_in_bytes();
-            QMatMul::new(embed.clone(), policy.clone())?
+            (None, QMatMul::new(embed, policy.clone())?)
         };
         Ok(Decoder { cfg, embed, layers, out_norm, lm_head, weight_bytes, scratch: ScratchPool::default() })
     }
@@ -538,7 +541,11 @@ impl Decoder {
 
     /// Bytes of weights one decode step reads (every linear layer plus one embedding row).
     pub fn bytes_per_decode_token(&self) -> usize {
-        self.weight_bytes + self.embed.storage_size_in_bytes() / self.cfg.vocab
+        let embedding_row = match &self.embed {
+            Some(e) => e.storage_size_in_bytes() / self.cfg.vocab,
+            None => self.lm_head.weight_bytes() / self.cfg.vocab,
+        };
+        self.weight_bytes + embedding_row
     }
 
     /// Bytes an FP32 copy of every linear layer would take (the reference lane's dense weights).
@@ -551,8 +558,21 @@ impl Decoder {
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= self.cfg.vocab) {
             return Err(Error::BadInput(format!("token id {bad} is outside the vocabulary of {}", self.cfg.vocab)));
         }
-        let ids = Tensor::new(tokens, &Device::Cpu)?;
-        Ok(self.embed.embedding(&ids)?.flatten_all()?.to_vec1::<f32>()?)
+        match &self.embed {
+            Some(embed) => {
+                let ids = Tensor::new(tokens, &Device::Cpu)?;
+                Ok(embed.embedding(&ids)?.flatten_all()?.to_vec1::<f32>()?)
+            }
+            // The same dequantization of the same blocks (GGML's `to_float`), from the output
+            // matrix's layout.
+            None => {
+                let mut rows = Vec::with_capacity(tokens.len() * self.cfg.hidden);
+                for &t in tokens {
+                    rows.extend(self.lm_head.dequantize_rows(t as usize..t as usize + 1)?);
+                }
+                Ok(rows)
+            }
+        }
     }
 
     /// The layer loop, once for both lanes: `rows` (whose positions already exist in their

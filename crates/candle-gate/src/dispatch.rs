@@ -311,6 +311,11 @@ impl QMatMul {
         }
     }
 
+    /// Bytes the weight occupies (a packed layout has the GGUF size).
+    pub fn weight_bytes(&self) -> usize {
+        self.weight.storage_size_in_bytes()
+    }
+
     /// Whether the CPU's invariant or canonical kernels read this weight repacked
     /// ([`QMatMul::new`]).
     pub fn is_packed(&self) -> bool {
