@@ -22,7 +22,7 @@ peer (``--llama-flash-attn off --ik-flash-attn off``) and few streams.
 Both engines get the same prompts as the same token ids (candle-gate's tokenizer and chat
 template render them once; a base model without a template, such as Gemma 3 270M, gets the same
 requests as plain text) and decode greedily. For each model, stream count and round,
-candle-gate (``invariant`` mode) and llama.cpp run in alternation, and each reports:
+candle-gate (``invariant`` mode, or ``--mode``) and llama.cpp run in alternation, and each reports:
 
 * prefill tok/s: prompt tokens / time to the first token, one stream;
 * decode tok/s: tokens generated after every stream's first token / the time that took, summed
@@ -139,9 +139,9 @@ def long_prompt(model: Model, n: int, salt: int) -> List[int]:
 
 
 def candle_gate_run(model: Model, toks: List[List[int]], new_tokens: int, threads: int,
-                    chunk: int = 4096) -> Dict[str, float]:
+                    chunk: int = 4096, mode: str = "invariant") -> Dict[str, float]:
     longest = max(len(t) for t in toks)
-    eng = Engine(model, mode="invariant", max_num_seqs=max(16, len(toks)), max_tokens_per_step=chunk + len(toks),
+    eng = Engine(model, mode=mode, max_num_seqs=max(16, len(toks)), max_tokens_per_step=chunk + len(toks),
                  prefill_chunk=chunk, threads=threads,
                  kv_budget_tokens=max(65536, (longest + new_tokens + 64) * len(toks)))
     t0 = time.perf_counter()
@@ -452,11 +452,11 @@ def compare(model: Model, name: str, ctx: int, c: int, a: argparse.Namespace, bw
             return None
 
     warm = [t[:64] for t in toks]  # warm-up: page in the weights, every side
-    candle_gate_run(model, warm, 4, a.threads)
+    candle_gate_run(model, warm, 4, a.threads, mode=a.mode)
     for label, _, peer in list(peers):
         peer_run(label, peer, warm, 4)
     for rnd in range(a.rounds):
-        sides = [("candle-gate", "candle_gate", lambda: candle_gate_run(model, toks, a.new_tokens, a.threads, chunk))]
+        sides = [("candle-gate", "candle_gate", lambda: candle_gate_run(model, toks, a.new_tokens, a.threads, chunk, a.mode))]
         sides += [(label, key, (lambda lb=label, p=peer: peer_run(lb, p, toks, a.new_tokens)))
                   for label, key, peer in peers]
         for side, key, fn in sides:
@@ -552,6 +552,8 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--mode", default="invariant",
+                    help="candle-gate's mode (weights packed as that mode packs them; default: invariant)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--context", default="", help="prompt lengths in tokens, e.g. 1024,4096,16384 (default: short chat prompts)")
     ap.add_argument("--peers", default=",".join(PEERS),
@@ -593,7 +595,7 @@ def main(argv=None) -> int:
         # A shared host's bandwidth moves: measured again before each model, and the best seen is
         # the limit (the share is then, if anything, understated).
         bw = max(bw, read_bandwidth_gbs(a.threads))
-        model = Model.load(name)
+        model = Model.load(name, mode=a.mode)
         for ctx in contexts:
             for c in streams:
                 row, bw = compare(model, name, ctx, c, a, bw)
@@ -605,7 +607,7 @@ def main(argv=None) -> int:
     print_table(rows)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"read_bandwidth_gbs": bw, "threads": a.threads, "peers": a.peers, **builds, "rows": rows},
+            json.dump({"read_bandwidth_gbs": bw, "threads": a.threads, "mode": a.mode, "peers": a.peers, **builds, "rows": rows},
                       f, indent=1)
     return 0
 
