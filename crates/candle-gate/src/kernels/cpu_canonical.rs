@@ -47,7 +47,24 @@ pub struct Rows {
 }
 
 impl Rows {
+    /// `x` (`m` rows of `k`) quantized by the scalar definition ([`quantize_rows`]).
     pub fn new(x: &[f32], m: usize, k: usize) -> Rows {
+        Rows::new_on(super::Isa::Portable, x, m, k)
+    }
+
+    /// [`Rows::new`] on kernel tier `isa`: with AVX-512, sixteen values a vector, the same bits
+    /// (every step is one IEEE operation, or a max, which is exact; tested).
+    pub fn new_on(isa: super::Isa, x: &[f32], m: usize, k: usize) -> Rows {
+        #[cfg(target_arch = "x86_64")]
+        if isa == super::Isa::Avx512 && isa <= super::Isa::best() && x.len() == m * k && k % UNIT == 0 {
+            let units = m * k / UNIT;
+            let mut rows =
+                Rows { q: vec![0; m * k], d: vec![0.0; units], sum: vec![0; units], halves: vec![0; 2 * units], k };
+            // SAFETY: the AVX-512 tier was checked at run time; every slice holds `units` units.
+            unsafe { avx512::quantize_units(x, &mut rows.q, &mut rows.d, &mut rows.sum, &mut rows.halves) };
+            return rows;
+        }
+        let _ = isa;
         let qa = quantize_rows(x, m, k);
         let units = m * k / UNIT;
         let mut sum = Vec::with_capacity(units);
@@ -240,7 +257,7 @@ fn matmul_packed_on(isa: super::Isa, w: &QTensor, x: &[f32], m: usize, out: &mut
     if isa >= super::Isa::Avx2 && isa <= super::Isa::best() {
         let layout = Layout::of(w.dtype()).expect("packable");
         let data = w.data()?;
-        let rows = Rows::new(x, m, k);
+        let rows = Rows::new_on(isa, x, m, k);
         let tier = if isa == super::Isa::Avx512 { avx512::pass } else { avx2::pass };
         drive(layout, &data, &rows, m, n, out, |g, blocks, p, count, got| tier(layout, g, blocks, p, count, got));
         return Ok(());
@@ -420,6 +437,33 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    #[test]
+    fn vector_quantization_gives_the_scalar_definitions_bits() {
+        let mut next = noise(9);
+        let k = 32 * 9;
+        let mut x: Vec<f32> = (0..3 * k).map(|_| next() * 8.0).collect();
+        // Units of zeros, of signed zeros and subnormals, a huge value, infinities, NaN, and
+        // exact ties of x · (1/d).
+        x[..32].fill(0.0);
+        x[32..64].iter_mut().enumerate().for_each(|(i, v)| *v = if i % 2 == 0 { -0.0 } else { 1e-42 });
+        x[70] = 3.0e38;
+        x[100] = f32::INFINITY;
+        x[130] = f32::NEG_INFINITY;
+        x[160] = f32::NAN;
+        x[192..224].iter_mut().enumerate().for_each(|(i, v)| *v = (i as f32 - 16.0) * 0.5);
+        x[200] = 127.0 * 0.5;
+        for isa in crate::kernels::Isa::available() {
+            let (a, b) = (Rows::new(&x, 3, k), Rows::new_on(isa, &x, 3, k));
+            assert_eq!(a.q, b.q, "{isa:?}");
+            assert_eq!(
+                a.d.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                b.d.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "{isa:?}"
+            );
+            assert_eq!((&a.sum, &a.halves), (&b.sum, &b.halves), "{isa:?}");
         }
     }
 

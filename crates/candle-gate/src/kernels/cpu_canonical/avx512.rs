@@ -262,3 +262,38 @@ pub(super) fn pass(layout: Layout, tiles: *const u8, blocks: usize, pass: &Pass,
         }
     }
 }
+
+/// The canonical activation quantization (`canonical::quantize_rows`) a unit at a time in two
+/// vectors, with each unit's sums of `q`: `amax` as a max of absolute values (exact in any
+/// order; `max(|x|, acc)` keeps `acc` where `|x|` is NaN, as `f32::max` does), the scale and its
+/// inverse as the scalar code computes them, `q = rint(x · inv)` clamped to ±127 with NaN to 0
+/// (what the scalar code's `as i8` makes of it).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(super) unsafe fn quantize_units(x: &[f32], q: &mut [i8], d: &mut [f32], sum: &mut [i32], halves: &mut [i32]) {
+    let magnitude = _mm512_set1_epi32(i32::MAX);
+    let (lo_bound, hi_bound) = (_mm512_set1_ps(-127.0), _mm512_set1_ps(127.0));
+    for (u, (xs, qs)) in x.chunks_exact(32).zip(q.chunks_exact_mut(32)).enumerate() {
+        let v = [_mm512_loadu_ps(xs.as_ptr()), _mm512_loadu_ps(xs.as_ptr().add(16))];
+        let abs = |v: __m512| _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), magnitude));
+        let acc = _mm512_max_ps(abs(v[1]), _mm512_max_ps(abs(v[0]), _mm512_setzero_ps()));
+        let amax = _mm512_reduce_max_ps(acc);
+        let scale = amax / 127.0;
+        let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+        d[u] = scale;
+        let mut part = [0i32; 2];
+        for (h, v) in v.into_iter().enumerate() {
+            let y = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(
+                v,
+                _mm512_set1_ps(inv),
+            ));
+            let clamped = _mm512_min_ps(_mm512_max_ps(y, lo_bound), hi_bound);
+            let ordered = _mm512_cmp_ps_mask::<_CMP_ORD_Q>(y, y);
+            let ints = _mm512_maskz_cvtps_epi32(ordered, clamped);
+            _mm_storeu_si128(qs.as_mut_ptr().add(16 * h) as *mut __m128i, _mm512_cvtepi32_epi8(ints));
+            part[h] = _mm512_reduce_add_epi32(ints);
+        }
+        sum[u] = part[0] + part[1];
+        halves[2 * u] = part[0];
+        halves[2 * u + 1] = part[1];
+    }
+}
