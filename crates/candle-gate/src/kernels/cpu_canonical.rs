@@ -56,7 +56,7 @@ impl Rows {
     /// (every step is one IEEE operation, or a max, which is exact; tested).
     pub fn new_on(isa: super::Isa, x: &[f32], m: usize, k: usize) -> Rows {
         #[cfg(target_arch = "x86_64")]
-        if isa == super::Isa::Avx512 && isa <= super::Isa::best() && x.len() == m * k && k % UNIT == 0 {
+        if isa == super::Isa::Avx512 && isa <= super::Isa::best() && x.len() == m * k && k.is_multiple_of(UNIT) {
             let units = m * k / UNIT;
             let mut rows =
                 Rows { q: vec![0; m * k], d: vec![0.0; units], sum: vec![0; units], halves: vec![0; 2 * units], k };
