@@ -40,7 +40,7 @@ from serve_load import free_port, server_command, start, stop  # noqa: E402
 
 import candle_gate  # noqa: E402
 from candle_gate.probe import endpoint as ep  # noqa: E402
-from candle_gate.bench import parse_concurrency  # noqa: E402
+from candle_gate.cli import parse_concurrency  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL = "qwen2.5-coder-0.5b-instruct-q4_k_m"

@@ -40,7 +40,8 @@ from typing import Any, Dict, List, Optional
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import candle_gate  # noqa: E402
 import candle_gate.ray  # noqa: E402
-from candle_gate.bench import bench_prompt, parse_concurrency  # noqa: E402
+from candle_gate.bench import bench_prompt  # noqa: E402
+from candle_gate.cli import parse_concurrency  # noqa: E402
 import prefix_cache  # noqa: E402
 from prefix_cache import pct, run_chats  # noqa: E402
 from serve_load import free_port, level, one_request, stop, wait_ready  # noqa: E402

@@ -34,7 +34,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 import candle_gate
-from candle_gate.bench import bench_prompt, parse_concurrency
+from candle_gate.bench import bench_prompt
+from candle_gate.cli import parse_concurrency
 
 
 def free_port() -> int:

@@ -6,11 +6,11 @@ import sys
 
 import pytest
 
-from candle_gate.cli import _all_parsers, build_parser
+from candle_gate.cli import all_parsers, build_parser
 
 
 def _flags():
-    for p in _all_parsers(build_parser()):
+    for p in all_parsers(build_parser()):
         for a in p._actions:
             if not isinstance(a, (argparse._HelpAction, argparse._VersionAction, argparse._SubParsersAction)):
                 yield p, a

@@ -53,7 +53,7 @@ def invariant_reports(invariant_server, token_ids):
     """The same probe of the invariant server, non-streaming and streaming: PROMPTS and
     PROMPTS[0] again as token ids (sent to /v1/completions as ``prompt: [int, ...]``)."""
     prompts = PROMPTS + [token_ids]
-    return {stream: ep.probe_endpoint(invariant_server.url + "/v1", M, prompts, repeats=3, concurrency="1,4",
+    return {stream: ep.probe_endpoint(invariant_server.url + "/v1", M, prompts, repeats=3, concurrency=[1, 4],
                                       max_tokens=8, temperature=0, seed=0, stream=stream)
             for stream in (False, True)}
 
@@ -243,16 +243,16 @@ def test_token_id_prompts_are_loaded_and_checked(tmp_path):
 
 
 def test_the_endpoint_probe_shares_the_probe_package_helpers():
-    """One probe package: the endpoint probe reads prompts, compares outputs and writes its files
-    with candle_gate.probe.common, as the in-process probe does."""
+    """One probe package: the endpoint probe checks prompts and concurrency levels and compares
+    outputs with candle_gate.probe.common, as the in-process probe does."""
     import numpy as np
 
     import candle_gate.probe as probe
     from candle_gate.probe import common, endpoint_report
     assert ep.check_prompts is probe.check_prompts is common.check_prompts
-    assert ep.cli_prompts is common.cli_prompts and probe.load_prompts is common.load_prompts
+    assert probe.load_prompts is common.load_prompts
+    assert ep.check_concurrency is probe.check_concurrency is common.check_concurrency
     assert endpoint_report.first_difference is probe.report.first_difference is common.first_difference
-    assert ep.write_outputs is probe.write_outputs
     fd = common.first_difference
     assert fd(["A", " B"], ["A", " D"]) == 1 and fd("abc", "abcdef") == 3 and fd("abc", "abc") is None
     assert fd(np.array([1, 2, 3]), np.array([1, 2, 4])) == 2 and fd(np.array([1, 2]), np.array([1, 2])) is None
@@ -508,7 +508,7 @@ def test_retry_after_is_bounded(stub, waits):
 def test_logprobs_rejected_falls_back_without():
     s = _Stub(reject_logprobs=True)
     try:
-        r = ep.probe_endpoint(s.url, "m", ["a", [{"role": "user", "content": "b"}]], repeats=2, concurrency="1,2",
+        r = ep.probe_endpoint(s.url, "m", ["a", [{"role": "user", "content": "b"}]], repeats=2, concurrency=[1, 2],
                               retry=FAST)
     finally:
         s.close()

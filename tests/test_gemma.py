@@ -191,7 +191,7 @@ def test_server_completes_refuses_a_chat_and_the_endpoint_probe_finds_no_flip(ge
     srv = Server("--model", GEMMA, "--mode", "invariant")
     try:
         r = ep.probe_endpoint(srv.url + "/v1", GEMMA, ["def add(a, b):", "Once upon a time"], repeats=2,
-                              concurrency="1,3", max_tokens=8, temperature=0, seed=0, stream=False)
+                              concurrency=[1, 3], max_tokens=8, temperature=0, seed=0, stream=False)
         assert r["errors"] == 0 and r["all_identical"] is True and r["prompts_with_flips"] == 0, ep.format_report(r)
         c = srv.client()
         r = c.completions.create(model=GEMMA, prompt="def fibonacci(n):", max_tokens=16, temperature=0)

@@ -150,7 +150,7 @@ def test_replicas_and_proxy_run_with_the_serve_settings(fleet, monkeypatch):
 
 def test_endpoint_probe_finds_one_completion_per_prompt(fleet):
     prompts = ["The capital of France is", [{"role": "user", "content": "Name three colors."}]]
-    r = ep.probe_endpoint(fleet.url + "/v1", M, prompts, repeats=2, concurrency="1,4", max_tokens=12,
+    r = ep.probe_endpoint(fleet.url + "/v1", M, prompts, repeats=2, concurrency=[1, 4], max_tokens=12,
                           temperature=0, seed=0)
     assert r["errors"] == 0 and r["all_identical"] is True and len(r["fingerprints"]) == 1
     assert all(e["distinct"] == 1 for e in r["prompts"])

@@ -21,12 +21,12 @@ The sampling benchmark runs the same requests greedy and sampled in turn at each
 """
 from __future__ import annotations
 
-import json
-import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence, Union
 
+from .calibrate import CALIBRATION_MODE
 from .engine import DEFAULT_MAX_NEW_TOKENS, Engine, Model, resolve_gate
+from .probe.common import check_concurrency
 
 # Chat prompts that ask for long answers, so requests rarely stop before max_new_tokens.
 BENCH_TOPICS = [
@@ -54,23 +54,6 @@ def chat_ids(model: Model, chat: List[Dict[str, str]]) -> List[int]:
 def bench_ids(model: Model, i: int) -> List[int]:
     """Request ``i``'s prompt as token ids (:func:`chat_ids`)."""
     return chat_ids(model, bench_prompt(i))
-
-
-def parse_concurrency(spec: Union[str, int, Sequence[int]]) -> List[int]:
-    """Concurrency levels from ``"1,4,8"``, an int or a list: positive, in order, without repeats."""
-    msg = f"--concurrency must be a comma-separated list of positive ints, got {spec!r}"
-    try:
-        if isinstance(spec, int):
-            vals = [spec]
-        elif isinstance(spec, str):
-            vals = [int(x) for x in spec.split(",") if x.strip()]
-        else:
-            vals = [int(x) for x in spec]
-    except ValueError:
-        raise ValueError(msg) from None
-    if not vals or any(v <= 0 for v in vals):
-        raise ValueError(msg)
-    return list(dict.fromkeys(vals))
 
 
 def _sampling_for(sampling: Optional[Dict[str, Any]], i: int) -> Dict[str, Any]:
@@ -109,7 +92,7 @@ def _measure(model: Model, mode: str, c: int, max_new_tokens: int, gate: str,
 
 
 def throughput(model: Union[None, str, Model] = None, mode: str = "invariant",
-               concurrency_list: Union[str, Sequence[int]] = (1, 2, 4, 8, 16), max_new_tokens: int = 32,
+               concurrency_list: Union[int, Sequence[int]] = (1, 2, 4, 8, 16), max_new_tokens: int = 32,
                gate: str = "off", tau: Optional[float] = None, profile: Optional[str] = None,
                warmup: bool = True, deep_tau: Optional[float] = None,
                speculative: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
@@ -121,7 +104,7 @@ def throughput(model: Union[None, str, Model] = None, mode: str = "invariant",
     resolve_gate(gate, tau, deep_tau, profile)  # a bad gate fails before the model loads
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 2:
         raise ValueError(f"max_new_tokens must be an int >= 2 (the first token is not timed), got {max_new_tokens!r}")
-    cs = parse_concurrency(concurrency_list)
+    cs = check_concurrency(concurrency_list)
     if not isinstance(model, Model):
         model = Model.load(model, mode=mode, profile=profile)
     if warmup:
@@ -134,7 +117,7 @@ def throughput(model: Union[None, str, Model] = None, mode: str = "invariant",
     return {"mode": mode, "gate": gate, "speculative": named or None, "results": results}
 
 
-def gate_cost(model: Union[None, str, Model] = None, mode: str = "split_k_f16", concurrency: int = 4,
+def gate_cost(model: Union[None, str, Model] = None, mode: str = CALIBRATION_MODE, concurrency: int = 4,
               max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, tau: Optional[float] = None, deep_tau: Optional[float] = None,
               profile: Optional[str] = None, repeats: int = 2,
               sampling: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
@@ -174,7 +157,7 @@ def gate_cost(model: Union[None, str, Model] = None, mode: str = "split_k_f16", 
 
 
 def sampling_cost(model: Union[None, str, Model] = None, mode: str = "invariant",
-                  concurrency_list: Union[str, Sequence[int]] = (1, 8), max_new_tokens: int = 32,
+                  concurrency_list: Union[int, Sequence[int]] = (1, 8), max_new_tokens: int = 32,
                   sampling: Optional[Dict[str, Any]] = None, repeats: int = 2) -> Dict[str, Any]:
     """Greedy and sampled decoding of the same requests in turn (see the module docstring)."""
     sampling = dict(sampling or {"temperature": 0.8, "top_p": 0.95, "seed": 0})
@@ -182,7 +165,7 @@ def sampling_cost(model: Union[None, str, Model] = None, mode: str = "invariant"
         raise ValueError("the sampling benchmark needs a temperature > 0")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 2:
         raise ValueError(f"max_new_tokens must be an int >= 2, got {max_new_tokens!r}")
-    cs = parse_concurrency(concurrency_list)
+    cs = check_concurrency(concurrency_list)
     if not isinstance(model, Model):
         model = Model.load(model, mode=mode)
     _measure(model, mode, 1, 2, "off", None, None, sampling=sampling)
@@ -231,33 +214,3 @@ def format_table(r: Dict[str, Any]) -> str:
         tail = f" {'-' if acc is None else f'{acc:.0%}':>9}" if spec else ""
         lines.append(f"{x['concurrency']:>11} {x['tok_per_s']:9.1f} {sp:7.2f}x{tail}")
     return "\n".join(lines)
-
-
-def main(args) -> int:
-    from .probe import sampling_args
-    which = getattr(args, "bench", "throughput")
-    if which == "sampling":
-        r = sampling_cost(model=args.model, mode=args.mode, concurrency_list=args.concurrency,
-                          max_new_tokens=args.max_new_tokens, sampling=sampling_args(args) or None)
-        print(json.dumps(r) if args.json else format_sampling_cost(r))
-        sys.stdout.flush()
-        return 0
-    if which == "gate":
-        r = gate_cost(model=args.model, mode=args.mode, concurrency=args.concurrency,
-                      max_new_tokens=args.max_new_tokens, tau=args.tau, deep_tau=args.deep_tau,
-                      profile=args.profile, sampling=sampling_args(args) or None)
-        print(json.dumps(r) if args.json else format_gate_cost(r))
-        sys.stdout.flush()
-        return 0
-    if which != "throughput":
-        raise ValueError(f"unknown benchmark {which!r}")
-    from .cli import speculative_from_args
-    r = throughput(model=args.model, mode=args.mode, concurrency_list=args.concurrency,
-                   max_new_tokens=args.max_new_tokens, gate=args.gate, tau=args.tau,
-                   profile=args.profile, deep_tau=args.deep_tau, speculative=speculative_from_args(args))
-    if args.json:
-        print(json.dumps(r))
-    else:
-        print(format_table(r))
-    sys.stdout.flush()
-    return 0

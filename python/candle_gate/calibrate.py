@@ -3,7 +3,7 @@
 Gate calibration (docs/DESIGN.md §2 "Gate": tau is calibrated from measured discrepancy, not guessed).
 The calibration prompts (``CALIBRATION_PROMPTS``, disjoint from the probe's default prompts and
 from the prompts the tests judge determinism on, or ``--prompts``) are decoded alone in ``mode``
-(default ``split_k_f16``, a lane whose numbers depend on the batch by construction) and then, teacher-forced to those
+(default :data:`CALIBRATION_MODE`, a lane whose numbers depend on the batch by construction) and then, teacher-forced to those
 tokens, under the compositions batch4, batch8 and mixed_prefill (see :mod:`candle_gate.probe`).
 Every run uses ``gate="shadow"``: each step also runs the reference step over the cache the fast
 lane wrote (exactly what a recheck computes), records its margin and puts the fast lane's K/V
@@ -33,15 +33,13 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
 from . import _native
-from .engine import DEFAULT_MAX_NEW_TOKENS, MODES, Model, Result, user_profile_path
-from .models import resolve
-from .probe import Runner, check_prompts, load_prompts, progress_bar
+from .engine import DEFAULT_MAX_NEW_TOKENS, MODES, Model, Result
+from .probe import Runner, check_prompts, progress_bar
 
 # Disjoint from probe.DEFAULT_PROMPTS.
 CALIBRATION_PROMPTS: List[Any] = [
@@ -64,6 +62,12 @@ CALIBRATION_PROMPTS: List[Any] = [
     [{"role": "user", "content": "Give three reasons to learn to play a musical instrument."}],
 ]
 
+#: The mode the gate is calibrated in (``calibrate --gate``) and measured in (``bench gate``) by
+#: default: a lane whose bits follow the batch by construction (the stand-in for a GPU's
+#: half-precision lane), so there are margin movements to measure and flips to catch; in
+#: ``invariant`` mode nothing moves and tau comes out 0.
+CALIBRATION_MODE = "split_k_f16"
+
 GATE_COMPOSITIONS = ("batch4", "batch8", "mixed_prefill")
 RULE = ("tau = safety x max(batch_shift, reference_shift); deep_tau = safety x recheck_shift. "
         "batch_shift: the fast lane's top1-top2 margin, alone vs teacher-forced in batch4/batch8/"
@@ -72,15 +76,11 @@ RULE = ("tau = safety x max(batch_shift, reference_shift); deep_tau = safety x r
         "(movement |m1-m2|, or m1+m2 where the top token changed)")
 
 
-def calibrate_kernels(args) -> Any:
-    """Kernel crossovers: delegated to the native ``calibrate_kernels`` when this build has it."""
-    fn = getattr(_native, "calibrate_kernels", None)
-    if fn is None:
-        raise NotImplementedError(
-            "calibrate --kernels is not available in this build (candle_gate._native has no "
-            "calibrate_kernels); measure crossovers with `cargo bench` for now")
-    model_path = str(resolve(getattr(args, "model", None)))
-    return fn(model_path, bool(getattr(args, "quick", False)), args.out)
+def calibrate_kernels(out: str, quick: bool = False) -> str:
+    """Times the kernels (``quick``: only the default model's dtypes and shapes), writes their
+    crossover thresholds into the profile at ``out`` (its gate calibrations kept) and returns the
+    table. The measuring is the Rust crate's (``profile::measure``)."""
+    return _native.calibrate_kernels(quick=bool(quick), out=str(out))
 
 
 def _moves(m1: np.ndarray, m2: np.ndarray, swapped: np.ndarray) -> np.ndarray:
@@ -149,7 +149,7 @@ def _shadow_runs(runner: Runner, progress: bool):
     return base, batch, ref, recheck, by_comp
 
 
-def calibrate_gate(model: Union[None, str, Model] = None, mode: str = "split_k_f16",
+def calibrate_gate(model: Union[None, str, Model] = None, mode: str = CALIBRATION_MODE,
                    prompts: Optional[Sequence[Any]] = None, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                    safety: float = 2.0, quick: bool = False, profile: Optional[str] = None,
                    progress: bool = True) -> Dict[str, Any]:
@@ -203,33 +203,3 @@ def merge_gate(path: str, gate: Dict[str, Any]) -> Dict[str, Any]:
     file that is not a JSON object. The profile format is the Rust crate's
     (``Profile::merge_gate``)."""
     return json.loads(_native.merge_gate(str(path), json.dumps(gate)))
-
-
-def main(args) -> int:
-    rc = 0
-    if getattr(args, "out", None) is None:
-        args.out = user_profile_path()
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    if getattr(args, "kernels", False):
-        try:
-            r = calibrate_kernels(args)
-        except NotImplementedError as e:
-            print(f"candle-gate calibrate: {e}", file=sys.stderr)
-            rc = 2
-        else:
-            if isinstance(r, str) and r.strip():
-                print(r.rstrip())
-            print(f"kernels: crossover profile written to {args.out}")
-    if getattr(args, "gate", False):
-        prompts = load_prompts(args.prompts) if getattr(args, "prompts", None) else None
-        g = calibrate_gate(model=args.model, mode=args.mode, prompts=prompts,
-                           max_new_tokens=args.max_new_tokens, safety=args.safety,
-                           quick=bool(getattr(args, "quick", False)), profile=args.profile)
-        merge_gate(args.out, g)
-        print(f"gate: mode {g['mode']}, {g['calibration_prompts']} prompts x {g['max_new_tokens']} tokens "
-              f"({g['steps']} steps): batch shift {g['batch_shift']:.4g}, reference shift "
-              f"{g['reference_shift']:.4g} -> tau = {g['safety']:g} x {g['max_margin_shift']:.4g} = {g['tau']:.4g}; "
-              f"recheck shift {g['recheck_shift']:.4g} -> deep_tau = {g['deep_tau']:.4g}")
-        print(f"gate: written to {args.out}")
-        print(json.dumps(g, indent=2))
-    return rc

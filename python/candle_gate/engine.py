@@ -20,6 +20,7 @@ from . import _native
 from .models import resolve
 
 MODES = tuple(_native.MODES)  # the Rust enums own the names
+DEFAULT_MODE: str = _native.DEFAULT_MODE
 GATES = tuple(_native.GATES)
 SPECULATIVE_METHODS = tuple(_native.SPECULATIVE_METHODS)
 

@@ -2,7 +2,7 @@
 
 Two probes share this package:
 
-- the in-process probe (this module, ``candle-gate probe``): :mod:`.runner` runs the prompts
+- the in-process probe (this module; ``candle-gate probe``, :mod:`candle_gate.cli.probe`): :mod:`.runner` runs the prompts
   under batch compositions it builds itself (``COMPOSITIONS``), :mod:`.report` scores the runs
   and writes the table, the JSON report and the PNG;
 - the endpoint probe (:mod:`.endpoint`, ``candle-gate probe --endpoint URL``, docs/ENDPOINT_PROBE.md):
@@ -44,9 +44,9 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
-from ..engine import Model, resolve_gate
-from .common import (check_prompts, cli_prompts, first_difference, is_chat, load_prompts, progress_bar,
-                     prompt_kind, write_json, write_outputs)
+from ..engine import DEFAULT_MODE, Model, resolve_gate
+from .common import (check_concurrency, check_prompts, first_difference, is_chat, load_prompts, progress_bar,
+                     prompt_kind, write_json)
 from .report import (COMPOSITION_KEYS, EXTRA_KEYS, GATE_KEYS, PLOT_SIZE, REPORT_KEYS, compare,
                      counts, format_report, plot_report, summarize, summary_line)
 from .runner import (COMPOSITIONS, DEFAULT_PROMPTS, FILLER_TOKENS, MAX_TOKENS_PER_STEP,
@@ -54,18 +54,18 @@ from .runner import (COMPOSITIONS, DEFAULT_PROMPTS, FILLER_TOKENS, MAX_TOKENS_PE
                      parse_compositions)
 
 __all__ = [
-    "run_probe", "measure", "main", "sampling_args",
+    "run_probe", "measure",
     "COMPOSITIONS", "DEFAULT_PROMPTS", "FILLER_TOKENS", "MAX_TOKENS_PER_STEP", "MIXED_PREFILL_EVERY",
     "PREFILL_CHUNK", "STAGGER_EVERY", "Runner", "Runs", "parse_compositions", "resolve_gate",
     "REPORT_KEYS", "EXTRA_KEYS", "COMPOSITION_KEYS", "GATE_KEYS", "PLOT_SIZE", "compare",
     "counts", "format_report", "plot_report", "summarize", "summary_line",
-    "check_prompts", "cli_prompts", "first_difference", "is_chat", "load_prompts", "progress_bar",
-    "prompt_kind", "write_json", "write_outputs",
+    "check_concurrency", "check_prompts", "first_difference", "is_chat", "load_prompts", "progress_bar",
+    "prompt_kind", "write_json",
 ]
 
 
 def measure(model: Union[None, str, Model] = None, prompts: Optional[Sequence[Any]] = None,
-            max_new_tokens: int = 32, mode: str = "invariant", gate: str = "off",
+            max_new_tokens: int = 32, mode: str = DEFAULT_MODE, gate: str = "off",
             tau: Optional[float] = None, profile: Optional[str] = None,
             compositions: Union[None, str, Sequence[str]] = None, progress: bool = True,
             row_split_max: Optional[int] = None,
@@ -89,7 +89,7 @@ def measure(model: Union[None, str, Model] = None, prompts: Optional[Sequence[An
 
 
 def run_probe(model: Union[None, str, Model] = None, prompts: Optional[Sequence[Any]] = None,
-              max_new_tokens: int = 32, mode: str = "invariant", gate: str = "off",
+              max_new_tokens: int = 32, mode: str = DEFAULT_MODE, gate: str = "off",
               tau: Optional[float] = None, profile: Optional[str] = None,
               compositions: Union[None, str, Sequence[str]] = None, progress: bool = True,
               row_split_max: Optional[int] = None,
@@ -108,22 +108,3 @@ def run_probe(model: Union[None, str, Model] = None, prompts: Optional[Sequence[
     report, _ = measure(model, prompts, max_new_tokens, mode, gate, tau, profile, compositions,
                         progress, row_split_max, mixed_prefill_every, deep_tau, sampling)
     return report
-
-
-def sampling_args(args) -> Dict[str, Any]:
-    """The sampling keywords the CLI was given (``--temperature``, ``--top-p``, ...)."""
-    names = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-             "frequency_penalty", "seed")
-    return {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}
-
-
-def main(args) -> int:
-    """``candle-gate probe`` (without ``--endpoint``: that is :func:`.endpoint.main`)."""
-    prompts = cli_prompts(args, default=DEFAULT_PROMPTS)
-    report, runs = measure(model=args.model, prompts=prompts, max_new_tokens=args.max_new_tokens,
-                           mode=args.mode, gate=args.gate, tau=args.tau, profile=args.profile,
-                           compositions=args.compositions, progress=True, deep_tau=args.deep_tau,
-                           sampling=sampling_args(args))
-    print(format_report(report))
-    write_outputs(args, report, lambda path: plot_report(report, path, margins=runs.baseline_margins))
-    return 0

@@ -1,15 +1,16 @@
-"""What both probes use: the prompts (checking, loading, their kinds), the first difference of two
-outputs, the progress bar, and writing the report files.
+"""What both probes use: the prompts (checking, loading, their kinds), the concurrency levels,
+the first difference of two outputs, the progress bar, and writing the JSON report.
 
 The in-process probe (:mod:`.runner`, :mod:`.report`) and the endpoint probe (:mod:`.endpoint`)
 read the same prompt files, compare outputs position by position the same way, and write their
-JSON and PNG with the same messages."""
+JSON the same way; ``candle-gate probe``'s flags are :mod:`candle_gate.cli.probe`'s."""
 from __future__ import annotations
 
 import json
 import os
 import sys
-from typing import Any, Callable, List, Optional, Sequence
+from numbers import Integral
+from typing import Any, List, Optional, Sequence, Union
 
 import numpy as np
 from tqdm import tqdm
@@ -58,6 +59,16 @@ def check_prompts(prompts: Any) -> List[Any]:
     return out
 
 
+def check_concurrency(levels: Union[int, Sequence[int]]) -> List[int]:
+    """Concurrency levels (an int or a list of ints): positive, in order, without repeats. The
+    command line's ``"1,4,8"`` is :func:`candle_gate.cli.parse_concurrency`'s to read."""
+    vals = [levels] if isinstance(levels, Integral) else levels
+    if (isinstance(vals, (str, bytes)) or not isinstance(vals, Sequence) or not vals
+            or any(isinstance(v, bool) or not isinstance(v, Integral) or v <= 0 for v in vals)):
+        raise ValueError(f"concurrency must be a positive int or a list of positive ints, got {levels!r}")
+    return list(dict.fromkeys(int(v) for v in vals))
+
+
 def load_prompts(path: str) -> List[Any]:
     """A JSON list of prompts (strings, chats or token ids), or a text file with one prompt per
     line. A file whose first non-blank character is ``[`` or ``{``, or whose name ends in
@@ -90,18 +101,6 @@ def load_prompts(path: str) -> List[Any]:
         return check_prompts(data)
     except ValueError as e:
         raise ValueError(f"prompts file {path!r}: {e}") from None
-
-
-def cli_prompts(args: Any, default: Optional[Sequence[Any]] = None) -> Optional[List[Any]]:
-    """The prompts of ``candle-gate probe``: ``--prompts FILE`` (else ``default``), the first
-    ``--num-prompts`` of them when given."""
-    prompts = load_prompts(args.prompts) if getattr(args, "prompts", None) else default
-    k = getattr(args, "num_prompts", None)
-    if k is not None:
-        if k <= 0:
-            raise ValueError(f"--num-prompts must be positive, got {k}")
-        prompts = list(prompts)[:k]
-    return None if prompts is None else list(prompts)
 
 
 # ----------------------------------------------------------------------------- comparing
@@ -139,19 +138,3 @@ def write_json(obj: Any, path: str, ensure_ascii: bool = True) -> None:
         json.dump(obj, f, indent=2, ensure_ascii=ensure_ascii)
         f.write("\n")
     os.replace(tmp, path)
-
-
-def write_outputs(args: Any, report: Any, plot: Callable[[str], None], ensure_ascii: bool = True) -> None:
-    """``--json OUT`` and ``--plot PNG`` of ``candle-gate probe``: the report as JSON, the PNG by
-    ``plot(path)`` (a note instead without matplotlib); each file written is named on stderr."""
-    if getattr(args, "json_out", None):
-        write_json(report, args.json_out, ensure_ascii=ensure_ascii)
-        print(f"probe: report written to {args.json_out}", file=sys.stderr)
-    if getattr(args, "plot", None):
-        try:
-            plot(args.plot)
-        except ImportError:
-            print(f"probe: --plot needs matplotlib (pip install 'candle-gate[plot]'); "
-                  f"no plot written to {args.plot}", file=sys.stderr)
-        else:
-            print(f"probe: plot written to {args.plot}", file=sys.stderr)

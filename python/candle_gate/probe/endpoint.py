@@ -12,9 +12,9 @@ times, at every concurrency level, in several arrival orders (``ORDERS``):
 The requests, their retries and the streams are :mod:`.endpoint_client`'s (:class:`Sender`);
 the scoring, the table and the PNG :mod:`.endpoint_report`'s (:func:`score_completions`,
 :func:`format_report`, :func:`plot_report`); the prompts and the files :mod:`.common`'s, shared
-with the in-process probe. This module plans the passes, runs them and writes the outputs; it
-also exports the endpoint probe's whole API. The JSON format is documented in
-docs/ENDPOINT_PROBE.md.
+with the in-process probe. This module plans the passes and runs them; it also exports the
+endpoint probe's whole API (the command line, its flags and its files are
+:mod:`candle_gate.cli.probe`'s). The JSON format is documented in docs/ENDPOINT_PROBE.md.
 """
 from __future__ import annotations
 
@@ -24,26 +24,27 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
-from ..bench import parse_concurrency
+from .. import _native
 from . import common
-from .common import check_prompts, cli_prompts, is_chat, progress_bar, prompt_kind, write_outputs
+from .common import check_concurrency, check_prompts, is_chat, progress_bar, prompt_kind
 from .endpoint_client import (DEFAULT_API_KEY, IncompleteStream, RetryPolicy, Sender, assemble_stream,
                               base_url, make_client)
 from .endpoint_report import FORMAT, format_report, make_extractor, plot_report, score_completions, summarize
 
 __all__ = [
-    "probe_endpoint", "main", "parse_orders", "plan_passes", "write_json",
-    "ORDERS", "DEFAULT_TOP_LOGPROBS", "ENDPOINT_ONLY", "FORMAT", "DEFAULT_API_KEY",
+    "probe_endpoint", "parse_orders", "plan_passes", "write_json",
+    "ORDERS", "DEFAULT_REPEATS", "DEFAULT_CONCURRENCY", "DEFAULT_MAX_TOKENS", "DEFAULT_TOP_LOGPROBS", "FORMAT",
+    "DEFAULT_API_KEY",
     "RetryPolicy", "Sender", "IncompleteStream", "assemble_stream", "base_url", "make_client",
     "make_extractor", "score_completions", "summarize", "format_report", "plot_report",
     "is_chat", "prompt_kind",
 ]
 
 ORDERS = ("alone", "burst", "interleaved")
+DEFAULT_REPEATS = 3
+DEFAULT_CONCURRENCY = (1, 4)
+DEFAULT_MAX_TOKENS = 32
 DEFAULT_TOP_LOGPROBS = 2
-#: The flags that only mean something with ``--endpoint``.
-ENDPOINT_ONLY = ("repeats", "concurrency", "max_tokens", "api_key_env", "extract", "json_field",
-                 "top_logprobs", "orders", "stream")
 
 Pass = Tuple[int, str, int]  # (repeat, order, concurrency)
 
@@ -107,8 +108,8 @@ def _run_pass(sender: Sender, prompts: Sequence[Any], p: Pass, shuffle_seed: int
             record(i, o)
 
 
-def probe_endpoint(url: str, model: str, prompts: Sequence[Any], repeats: int = 3,
-                   concurrency: Union[str, int, Sequence[int]] = (1, 4), max_tokens: int = 32,
+def probe_endpoint(url: str, model: str, prompts: Sequence[Any], repeats: int = DEFAULT_REPEATS,
+                   concurrency: Union[int, Sequence[int]] = DEFAULT_CONCURRENCY, max_tokens: int = DEFAULT_MAX_TOKENS,
                    temperature: float = 0.0, seed: Optional[int] = None,
                    api_key: Optional[str] = None, api_key_env: Optional[str] = None,
                    extract: Optional[str] = None, json_field: Optional[str] = None,
@@ -127,9 +128,9 @@ def probe_endpoint(url: str, model: str, prompts: Sequence[Any], repeats: int = 
         raise ValueError(f"--repeats must be at least 1, got {repeats}")
     if max_tokens < 1:
         raise ValueError(f"--max-tokens must be at least 1, got {max_tokens}")
-    if top_logprobs > 20:
-        raise ValueError(f"--top-logprobs must be at most 20, got {top_logprobs}")
-    levels = parse_concurrency(concurrency)
+    if top_logprobs > _native.MAX_TOP_LOGPROBS:
+        raise ValueError(f"--top-logprobs must be at most {_native.MAX_TOP_LOGPROBS}, got {top_logprobs}")
+    levels = check_concurrency(concurrency)
     order_names = parse_orders(orders)
     extractor = make_extractor(extract, json_field)
     api_key = _api_key(api_key, api_key_env)
@@ -162,23 +163,3 @@ def probe_endpoint(url: str, model: str, prompts: Sequence[Any], repeats: int = 
 def write_json(obj: Any, path: str) -> None:
     """The endpoint probe's JSON (prompts and completions as UTF-8, not ``\\u`` escapes)."""
     common.write_json(obj, path, ensure_ascii=False)
-
-
-def main(args: Any) -> int:
-    """``candle-gate probe --endpoint URL ...``: exit status 0 when the run produced at least
-    one completion, 1 when every request failed."""
-    if not getattr(args, "prompts", None):
-        raise ValueError("--endpoint needs --prompts FILE")
-    prompts = cli_prompts(args)
-    report = probe_endpoint(
-        args.endpoint, args.model, prompts,
-        repeats=3 if args.repeats is None else args.repeats,
-        concurrency="1,4" if args.concurrency is None else args.concurrency,
-        max_tokens=getattr(args, "max_new_tokens", 32) if args.max_tokens is None else args.max_tokens,
-        temperature=0.0 if args.temperature is None else args.temperature,
-        seed=args.seed, api_key_env=args.api_key_env, extract=args.extract, json_field=args.json_field,
-        top_logprobs=DEFAULT_TOP_LOGPROBS if args.top_logprobs is None else args.top_logprobs,
-        orders=args.orders, progress=True, stream=bool(getattr(args, "stream", None)))
-    print(format_report(report))
-    write_outputs(args, report, lambda path: plot_report(report, path), ensure_ascii=False)
-    return 0 if report["completions"] > 0 else 1
