@@ -21,7 +21,7 @@ Workloads (every request streamed at temperature 0 by the official ``openai`` cl
   questions from ``--clients`` clients: throughput and TTFT.
 * ``itl``: inter-token latency (p50/p99) of one decoding stream alone, and while another
   request prefills a long prompt, at the server's default per-step budget and at
-  ``--max-num-batched-tokens 64``.
+  ``--max-tokens-per-step 64``.
 
 Numbers are printed, never asserted; run it with nothing else on the machine.
 """
@@ -211,7 +211,7 @@ def itl_workload(a: argparse.Namespace, gguf: str) -> Dict[str, Any]:
     rows = {}
     long_prompt = paragraph(a.long_prompt_tokens, 777)
     for budget in (None, 64):
-        extra = [] if budget is None else ["--max-num-batched-tokens", str(budget), "--prefill-chunk", str(budget)]
+        extra = [] if budget is None else ["--max-tokens-per-step", str(budget), "--prefill-chunk", str(budget)]
         s = start("candle-gate", a, gguf, extra)
         try:
             client = s.client()
@@ -222,7 +222,7 @@ def itl_workload(a: argparse.Namespace, gguf: str) -> Dict[str, Any]:
                 time.sleep(alone["ttft"] + 0.5)  # the stream is decoding when the long prompt arrives
                 g = ex.submit(stream_chat, client, [{"role": "user", "content": long_prompt}], 4)
                 busy, long_r = f.result(), g.result()
-            label = f"max-num-batched-tokens {budget or 256}"
+            label = f"max-tokens-per-step {budget or 256}"
             rows[label] = {"alone_p50": pct(alone["gaps"], 50), "alone_p99": pct(alone["gaps"], 99),
                            "with_prefill_p50": pct(busy["gaps"], 50), "with_prefill_p99": pct(busy["gaps"], 99),
                            "long_prompt_ttft": long_r["ttft"]}

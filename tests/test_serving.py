@@ -569,6 +569,34 @@ def test_settings_from_the_cli_flags():
     assert Settings.from_args(build_parser().parse_args(["serve", "--stream-interval-ms", "20"])).stream_interval_ms == 20
 
 
+def test_the_serve_flags_are_the_settings_fields():
+    """One owner: every Settings field but the replica's own is a serve flag, stored under the
+    field's name, with the field's help."""
+    import dataclasses
+    from candle_gate.cli import build_parser
+    from candle_gate.server.settings import FLAG_NAMES
+    parser = build_parser()
+    [serve] = [p for p in parser._subparsers._group_actions[0].choices.values() if p.prog.endswith(" serve")]
+    by_dest = {a.dest: a for a in serve._actions}
+    for f in dataclasses.fields(Settings):
+        if FLAG_NAMES.get(f.name, "") is None:
+            assert f.name not in by_dest, f.name
+            continue
+        assert f.name in by_dest, f.name
+        assert by_dest[f.name].help.startswith(f.metadata["help"]), f.name
+
+
+def test_the_old_name_of_max_tokens_per_step_still_works_and_warns(capsys):
+    from candle_gate.cli import build_parser
+    a = build_parser().parse_args(["serve", "--max-num-batched-tokens", "64"])
+    assert Settings.from_args(a).max_tokens_per_step == 64
+    assert "--max-num-batched-tokens is deprecated, use --max-tokens-per-step" in capsys.readouterr().err
+    assert Settings.from_args(build_parser().parse_args(["serve", "--max-tokens-per-step", "32"])).max_tokens_per_step == 32
+    assert capsys.readouterr().err == ""
+    with pytest.warns(DeprecationWarning, match="max_tokens_per_step"):
+        assert Settings(max_num_batched_tokens=48).max_tokens_per_step == 48
+
+
 # --- the API key off the command line, and what it guards (issue 53) ---------------------------
 
 def test_the_api_key_from_an_environment_variable_or_a_file(tmp_path, monkeypatch):

@@ -25,7 +25,7 @@ import time
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 from .calibrate import CALIBRATION_MODE
-from .engine import DEFAULT_MAX_NEW_TOKENS, Engine, Model, resolve_gate
+from .engine import DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODE, Engine, Model, resolve_gate
 from .probe.common import check_concurrency
 
 # Chat prompts that ask for long answers, so requests rarely stop before max_new_tokens.
@@ -91,7 +91,7 @@ def _measure(model: Model, mode: str, c: int, max_new_tokens: int, gate: str,
             "acceptance": spec["accepted_tokens"] / spec["draft_tokens"] if spec["draft_tokens"] else None}
 
 
-def throughput(model: Union[None, str, Model] = None, mode: str = "invariant",
+def throughput(model: Union[None, str, Model] = None, mode: str = DEFAULT_MODE,
                concurrency_list: Union[int, Sequence[int]] = (1, 2, 4, 8, 16), max_new_tokens: int = 32,
                gate: str = "off", tau: Optional[float] = None, profile: Optional[str] = None,
                warmup: bool = True, deep_tau: Optional[float] = None,
@@ -156,7 +156,7 @@ def gate_cost(model: Union[None, str, Model] = None, mode: str = CALIBRATION_MOD
     }
 
 
-def sampling_cost(model: Union[None, str, Model] = None, mode: str = "invariant",
+def sampling_cost(model: Union[None, str, Model] = None, mode: str = DEFAULT_MODE,
                   concurrency_list: Union[int, Sequence[int]] = (1, 8), max_new_tokens: int = 32,
                   sampling: Optional[Dict[str, Any]] = None, repeats: int = 2) -> Dict[str, Any]:
     """Greedy and sampled decoding of the same requests in turn (see the module docstring)."""

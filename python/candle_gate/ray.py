@@ -34,6 +34,7 @@ from ray import serve
 from ray.serve.request_router import PendingRequest, RunningReplica
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
 
+from .engine import ENGINE_DEFAULTS
 from .server.app import REPLICA_HEADER
 from .server.settings import Settings
 
@@ -137,15 +138,14 @@ def fleet_fingerprint(settings: Settings) -> Optional[str]:
     """The ``system_fingerprint`` every replica of a fleet over ``settings`` must report, where
     the deploying process can tell it without loading the model: a known model (the registry's
     SHA-256) or a file here, no profile, the gate off, and a mode whose host signature is the
-    build target's alone (``host_signature(mode) == host_signature("invariant")``: the same on
+    build target's alone (``host_signature(mode) == host_signature(DEFAULT_MODE)``: the same on
     every x86-64 host of this build). None otherwise: the first replica to load sets it."""
     from . import _native
-    from .engine import ENGINE_DEFAULTS
     from .models import KNOWN_MODELS, _sha256
 
     if settings.gate != "off" or settings.profile is not None:
         return None
-    if _native.host_signature(settings.mode) != _native.host_signature("invariant"):
+    if _native.host_signature(settings.mode) != _native.host_signature(_native.DEFAULT_MODE):
         return None
     if settings.model in KNOWN_MODELS:
         sha = KNOWN_MODELS[settings.model].sha256
@@ -233,7 +233,7 @@ def application(settings: Settings, num_replicas: Optional[int] = 1, *, num_cpus
         name=APP_NAME, ray_actor_options={"num_cpus": num_cpus, "runtime_env": {"env_vars": serve_env()}},
         graceful_shutdown_timeout_s=settings.drain_timeout,
         # Each replica batches on its own: let it take what its engine admits and queue the rest.
-        max_ongoing_requests=max(8, (settings.max_num_seqs or 16) + settings.max_queue))
+        max_ongoing_requests=max(8, (settings.max_num_seqs or ENGINE_DEFAULTS["max_num_seqs"]) + settings.max_queue))
     if autoscaling_config is not None:
         options["autoscaling_config"] = autoscaling_config
     else:

@@ -24,8 +24,8 @@ def add_parser(sub) -> None:
     t.add_argument("--json", action="store_true", help="print the results as JSON")
     t.set_defaults(func=throughput)
     gb = bsub.add_parser("gate", help="the gate's cost: decode tok/s with the gate off, gated and always, side by side")
-    model_args(gb, mode_default=CALIBRATION_MODE,
-               mode_help=" (default: %(default)s, the lane calibrate --gate calibrates on: its bits follow the "
+    model_args(gb, default=CALIBRATION_MODE,
+               extra_help=" (default: %(default)s, the lane calibrate --gate calibrates on: its bits follow the "
                          "batch, so the gate has flips to catch)")
     gate_args(gb, choose_gate=False)
     gb.add_argument("--concurrency", type=int, default=4, help="streams at once")

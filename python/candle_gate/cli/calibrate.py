@@ -14,8 +14,8 @@ from .common import model_args
 
 def add_parser(sub) -> None:
     c = sub.add_parser("calibrate", help="measure kernel crossovers (--kernels) and the gate's tau (--gate)")
-    model_args(c, mode_default=CALIBRATION_MODE,
-               mode_help=" (default: %(default)s, whose bits follow the batch by construction, so that --gate "
+    model_args(c, default=CALIBRATION_MODE,
+               extra_help=" (default: %(default)s, whose bits follow the batch by construction, so that --gate "
                          "has margin movements to measure; bench gate measures the gate on it too)")
     c.add_argument("--kernels", action="store_true", help="time the kernels and write their crossover thresholds")
     c.add_argument("--gate", action="store_true", help="measure the gate's tau and deep_tau for --mode")

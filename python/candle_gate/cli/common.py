@@ -1,22 +1,25 @@
-"""What several subcommands share: the help formatter, the flag groups (model, gate, K/V,
-speculation, sampling) and turning their parsed values into the library's typed arguments."""
+"""What several subcommands share: the help formatter, the flags of the server's settings
+(:func:`setting_flag`: every subcommand's ``--model``, ``--gate``, ``--kv-dtype``, ... is the
+:class:`~candle_gate.server.Settings` field's), the sampling flags, and turning parsed values
+into the library's typed arguments."""
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
+import typing
 from typing import Any, Dict, List, Optional
 
-from ..engine import ENGINE_DEFAULTS, GATES, MODES, SPECULATIVE_METHODS, SamplingParams, speculative_options
-from ..server.settings import Settings
+from ..engine import ENGINE_DEFAULTS, SamplingParams, speculative_options
+from ..server.settings import DEPRECATED_FLAGS, FLAG_NAMES, Settings
 
-#: ``candle-gate serve``'s defaults: the fields of :class:`~candle_gate.server.Settings` (one owner)
-SERVE_DEFAULTS: Dict[str, Any] = {f.name: f.default for f in dataclasses.fields(Settings)}
 #: the sampling defaults, Rust's (``SamplingParams::default``), for the help texts
 _SAMPLING = SamplingParams()
 #: the sampling flags' names, as :class:`SamplingParams` takes them
 SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                   "frequency_penalty", "seed")
-KV_DTYPES = ("f16", "f32")
+_SETTINGS = {f.name: f for f in dataclasses.fields(Settings)}
+_SETTING_TYPES = typing.get_type_hints(Settings)
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -42,29 +45,56 @@ def all_parsers(p: argparse.ArgumentParser):
                 yield from all_parsers(sub)
 
 
-def model_args(p: argparse.ArgumentParser, mode_default: str = SERVE_DEFAULTS["mode"], mode_help: str = "") -> None:
-    p.add_argument("--model", default=SERVE_DEFAULTS["model"], help="a known model name or a path to a .gguf file")
-    p.add_argument("--mode", default=mode_default, choices=MODES, help="fast-lane kernel policy" + mode_help)
-    p.add_argument("--profile", default=None,
-                   help="a crossover/gate profile (JSON) to load (default: none; a gated engine without --tau "
-                        "reads the user's profile, then the packaged one)")
+class RenamedFlag(argparse.Action):
+    """Stores the value; the flag's old names (after its first) still work, with a warning."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string != self.option_strings[0]:
+            print(f"{parser.prog}: {option_string} is deprecated, use {self.option_strings[0]}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def setting_flag(p: Any, name: str, extra_help: str = "", **overrides: Any) -> argparse.Action:
+    """The flag of the :class:`~candle_gate.server.Settings` field ``name``: its name (``--`` and the
+    field's with dashes, or :data:`~candle_gate.server.settings.FLAG_NAMES`'), type, default (the
+    engine's where the field leaves it to the engine) and help, all the field's;
+    ``extra_help`` is added to the help, ``overrides`` go to argparse as they are."""
+    f = _SETTINGS[name]
+    flag = FLAG_NAMES.get(name, "--" + name.replace("_", "-"))
+    if flag is None:
+        raise ValueError(f"the setting {name} has no flag")
+    old = [o for o, field_name in DEPRECATED_FLAGS.items() if field_name == name]
+    kw: Dict[str, Any] = {k: v for k, v in f.metadata.items() if k != "help"}
+    kw["help"] = f.metadata["help"] + extra_help + "".join(f"; {o} is its old name, deprecated" for o in old)
+    kw["dest"] = name
+    kind = _SETTING_TYPES[name]
+    kind = next((t for t in typing.get_args(kind) if t is not type(None)), kind)  # Optional[X] -> X
+    if kind is bool:
+        # A flag turns on what is off by default, and off (``--no-...``) what is on.
+        kw["action"] = "store_false" if f.default else "store_true"
+    else:
+        kw["default"] = ENGINE_DEFAULTS.get(name) if f.default is None else f.default
+        if kind is not str:
+            kw["type"] = kind
+        if old:
+            kw["action"] = RenamedFlag
+    kw.update(overrides)
+    return p.add_argument(flag, *old, **kw)
+
+
+def model_args(p: argparse.ArgumentParser, **mode: Any) -> None:
+    """``--model``, ``--mode`` (``mode``: its overrides, :func:`setting_flag`'s) and ``--profile``."""
+    for name in ("model", "mode", "profile"):
+        setting_flag(p, name, **(mode if name == "mode" else {}))
 
 
 def kv_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kv-dtype", default=ENGINE_DEFAULTS["kv_dtype"], choices=KV_DTYPES, help="how K/V values are stored")
+    setting_flag(p, "kv_dtype")
 
 
 def speculative_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--speculative-method", default=None, choices=SPECULATIVE_METHODS,
-                   help="speculative decoding (ngram: prompt lookup; draft: a smaller model of the same "
-                        "vocabulary, --draft-model); changes no token, only speed (default: off)")
-    p.add_argument("--draft-model", default=None,
-                   help="the draft model of --speculative-method draft: a known model name or a .gguf path "
-                        "(default: none)")
-    p.add_argument("--num-speculative-tokens", type=int, default=None,
-                   help="drafts per sequence and step (default: ngram 12, draft 3)")
-    p.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
-                   help="no drafts in a step with more decoding sequences than this (default: ngram 8, draft 1)")
+    for name in ("speculative_method", "draft_model", "num_speculative_tokens", "speculative_disable_by_batch_size"):
+        setting_flag(p, name)
 
 
 def speculative_from_args(a: argparse.Namespace) -> Optional[Dict[str, Any]]:
@@ -75,15 +105,8 @@ def speculative_from_args(a: argparse.Namespace) -> Optional[Dict[str, Any]]:
 
 def gate_args(p: argparse.ArgumentParser, choose_gate: bool = True) -> None:
     """``--gate`` (unless the command runs every gate itself), ``--tau`` and ``--deep-tau``."""
-    if choose_gate:
-        p.add_argument("--gate", default=SERVE_DEFAULTS["gate"], choices=GATES,
-                       help="the margin gate: gated rechecks steps whose top-1/top-2 margin is below --tau in the "
-                            "FP32 reference lane; always rechecks every step; shadow measures without acting")
-    p.add_argument("--tau", type=float, default=None,
-                   help="margin threshold for --gate gated (default: the profile's calibrated tau)")
-    p.add_argument("--deep-tau", type=float, default=None,
-                   help="a recheck whose own margin is below this rebuilds the cache in the reference "
-                        "lane (default: the profile's, else tau/2)")
+    for name in ("gate", "tau", "deep_tau") if choose_gate else ("tau", "deep_tau"):
+        setting_flag(p, name)
 
 
 def sampling_flags(p: argparse.ArgumentParser) -> None:

@@ -3,62 +3,26 @@ or replicas of it on Ray Serve (:mod:`candle_gate.ray`, docs/RAY.md)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
-from ..engine import ENGINE_DEFAULTS
 from ..models import resolve
-from ..server.settings import API_KEY_SCOPES, Settings
-from .common import SERVE_DEFAULTS, gate_args, kv_args, model_args, speculative_args
+from ..server.settings import FLAG_NAMES, Settings
+from .common import setting_flag
 
 
 def add_parser(sub) -> None:
+    """Every :class:`~candle_gate.server.Settings` field with a flag, in the fields' order, then
+    what is not a setting: the API key's other sources and the Ray Serve replicas."""
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (docs/SERVER.md)")
-    model_args(s)
-    gate_args(s)
-    kv_args(s)
-    speculative_args(s)
-    d = SERVE_DEFAULTS
-    s.add_argument("--host", default=d["host"], help="the address to listen on")
-    s.add_argument("--port", type=int, default=d["port"], help="the port to listen on")
-    s.add_argument("--max-num-seqs", type=int, default=ENGINE_DEFAULTS["max_num_seqs"], help="sequences in the running batch")
-    s.add_argument("--max-num-batched-tokens", type=int, default=ENGINE_DEFAULTS["max_tokens_per_step"],
-                   help="rows in one step (decode rows first, then prefill chunks): bounds the inter-token latency a long prefill adds")
-    s.add_argument("--prefill-chunk", type=int, default=ENGINE_DEFAULTS["prefill_chunk"],
-                   help="prompt positions per prefill chunk")
-    s.add_argument("--kv-budget-tokens", type=int, default=ENGINE_DEFAULTS["kv_budget_tokens"],
-                   help="the KV pool's size in positions (allocated at start; cached prefixes live in it too); a "
-                        "chat without max_tokens generates at most what it can hold")
-    s.add_argument("--no-prefix-cache", action="store_true",
-                   help="never reuse the K/V of a prefix another request computed (default: reuse)")
-    s.add_argument("--max-model-len", type=int, default=None,
-                   help="context length served (default: the model's): longer prompts get 400, max_tokens is trimmed to fit")
-    s.add_argument("--max-queue", type=int, default=d["max_queue"],
-                   help="waiting requests beyond which new ones get 429 with Retry-After")
     key = s.add_argument_group("API key (default: none, every endpoint open)").add_mutually_exclusive_group()
-    key.add_argument("--api-key", default=None, metavar="KEY",
-                     help="require `Authorization: Bearer KEY` (visible to `ps`: prefer the next two; default: no key)")
+    for f in dataclasses.fields(Settings):
+        if FLAG_NAMES.get(f.name, "") is not None:
+            setting_flag(key if f.name == "api_key" else s, f.name)
     key.add_argument("--api-key-env", default=None, metavar="NAME",
                      help="the API key is the value of this environment variable (default: none)")
     key.add_argument("--api-key-file", default=None, metavar="PATH",
                      help="the API key is this file's content (one line; default: none)")
-    s.add_argument("--api-key-scope", default=d["api_key_scope"], choices=API_KEY_SCOPES,
-                   help="what the key guards: api = /v1/*, /tokenize, /detokenize, /reset_prefix_cache; all = "
-                        "also /metrics, /docs, /redoc, /openapi.json (/health is always open)")
-    s.add_argument("--served-model-name", default=None,
-                   help="the model's name in the API (default: the known-model name, else the file stem)")
-    s.add_argument("--stream-interval-ms", type=int, default=None, metavar="MS",
-                   help="write a stream's events that arrive within MS of its last write together, the first "
-                        "token at once (default: 0; 50 with --replicas, where each write is a message "
-                        "through Ray's proxy)")
-    s.add_argument("--threads", type=int, default=None,
-                   help="the engine's threads (default: rayon's, one per core)")
-    s.add_argument("--read-timeout", type=float, default=d["read_timeout"], metavar="SECONDS",
-                   help="seconds a request's head (request line and headers) may take to arrive, and then its "
-                        "body; a slower one gets 408 and its connection closed")
-    s.add_argument("--drain-timeout", type=int, default=d["drain_timeout"],
-                   help="seconds SIGTERM waits for in-flight requests before cancelling them")
-    s.add_argument("--log-level", default=d["log_level"], help="uvicorn's log level")
-    s.add_argument("--access-log", action="store_true", help="log every request (uvicorn's access log; default: off)")
     r = s.add_argument_group("replicas on Ray Serve (docs/RAY.md; the `ray` extra)")
     r.add_argument("--replicas", type=int, default=None,
                    help="serve N replicas of this app, one engine each, on a Ray cluster (local unless --ray-address; "
@@ -72,7 +36,6 @@ def add_parser(sub) -> None:
                    help="session: a request's x-session-id header picks its replica (prefix-cache affinity), "
                         "others as pow2; pow2: Ray's default power-of-two choices")
     s.set_defaults(func=main)
-
 
 
 def main(a: argparse.Namespace) -> int:

@@ -7,7 +7,8 @@ import sys
 
 from ..engine import DEFAULT_MODE, ENGINE_DEFAULTS, MODES
 from ..models import DEFAULT_MODEL
-from .common import KV_DTYPES, gate_args
+from ..server.settings import KV_DTYPES
+from .common import gate_args
 
 
 def main(a: argparse.Namespace) -> int:

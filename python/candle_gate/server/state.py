@@ -63,7 +63,7 @@ class ServerState:
             model = Model.load(s.model, mode=s.mode, profile=s.profile)
             eng = Engine(model, gate=s.gate, tau=s.tau, deep_tau=s.deep_tau, profile=s.profile,
                          max_num_seqs=s.max_num_seqs, threads=s.threads, kv_dtype=s.kv_dtype,
-                         prefill_chunk=s.prefill_chunk, max_tokens_per_step=s.max_num_batched_tokens,
+                         prefill_chunk=s.prefill_chunk, max_tokens_per_step=s.max_tokens_per_step,
                          kv_budget_tokens=s.kv_budget_tokens, enable_prefix_caching=s.enable_prefix_caching,
                          speculative=speculative_options(s.speculative_method, s.num_speculative_tokens,
                                                          s.speculative_disable_by_batch_size, s.draft_model))
