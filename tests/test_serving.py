@@ -205,13 +205,11 @@ def test_engine_errors_map_by_class_and_param_never_by_message():
     assert engine_error(RuntimeError("?")).status == 500
 
 
-@pytest.mark.skipif(not hasattr(_native, "EngineShutDown"), reason="a native module without EngineShutDown")
 def test_a_shut_down_engine_is_503_shutting_down():
     e = engine_error(_native.EngineShutDown("gone"))
     assert (e.status, e.code, e.message) == (503, "shutting_down", "gone")
 
 
-@pytest.mark.skipif(not hasattr(_native, "InvalidParameter"), reason="a native module without InvalidParameter")
 @pytest.mark.parametrize("kw,field", [({"max_new_tokens": 0}, "max_tokens"), ({"top_p": 0.0}, "top_p"),
                                       ({"temperature": -1.0}, "temperature"), ({"n": 0}, "n")])
 def test_the_native_invalid_parameter_names_the_request_field(kw, field):
@@ -314,7 +312,6 @@ def test_refusals_at_submit(api, path, body, fail, status, param, code):
         assert r.headers["Retry-After"] == "1" and r.json()["error"]["type"] == "rate_limit_error"
 
 
-@pytest.mark.skipif(not hasattr(_native, "EngineShutDown"), reason="a native module without EngineShutDown")
 def test_submit_to_a_shut_down_engine_is_503(api):
     client, worker, _ = api
     worker.fail = _native.EngineShutDown("the engine has been shut down")
@@ -557,6 +554,38 @@ def test_refusals_before_the_model_loaded_move_to_its_name():
     text = m.exposition().decode()
     assert 'candle_gate:request_errors_total{model_name="smol",status="503"} 2.0' in text
     assert 'model_name=""' not in text
+
+
+def test_the_openapi_document_shows_the_engines_bounds():
+    """The request fields carry Rust's sampling bounds (``_native.SAMPLING_BOUNDS``), not a copy."""
+    app, _ = _app()
+    with TestClient(app) as client:
+        schemas = client.get("/openapi.json").json()["components"]["schemas"]
+    bounds = _native.SAMPLING_BOUNDS
+
+    def field(model, name):
+        return next(x for x in schemas[model]["properties"][name]["anyOf"] if x.get("type") != "null")
+
+    names = {"gt": "exclusiveMinimum", "ge": "minimum", "lt": "exclusiveMaximum", "le": "maximum"}
+    for model, name, engine_name in (("CompletionRequest", "max_tokens", "max_new_tokens"),
+                                     ("ChatCompletionRequest", "max_completion_tokens", "max_new_tokens"),
+                                     ("CompletionRequest", "n", "n"), ("CompletionRequest", "top_p", "top_p"),
+                                     ("CompletionRequest", "temperature", "temperature"),
+                                     ("CompletionRequest", "repetition_penalty", "repetition_penalty"),
+                                     ("CompletionRequest", "logprobs", "top_logprobs"),
+                                     ("ChatCompletionRequest", "top_logprobs", "top_logprobs")):
+        got = field(model, name)
+        assert {names[k]: v for k, v in bounds[engine_name].items()} == {k: got[k] for k in names.values() if k in got}
+    assert bounds["max_new_tokens"]["le"] == _native.MAX_NEW_TOKENS_LIMIT and bounds["n"]["le"] == _native.MAX_N
+    assert bounds["top_logprobs"]["le"] == _native.MAX_TOP_LOGPROBS
+    stop_list = next(x for x in schemas["CompletionRequest"]["properties"]["stop"]["anyOf"] if x.get("type") == "array")
+    assert stop_list["maxItems"] == _native.MAX_STOP
+
+
+def test_every_engine_finish_reason_has_an_openai_name():
+    from candle_gate.server.protocol import FINISH_REASON, FINISH_REASONS
+    assert set(FINISH_REASON) == set(_native.FINISH_REASONS)
+    assert set(FINISH_REASON.values()) == set(FINISH_REASONS)
 
 
 def test_settings_from_the_cli_flags():

@@ -10,6 +10,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .. import _native
 from ..engine import Result
 from .common import first_difference, write_json
 from .runner import Runner, Runs
@@ -22,7 +23,9 @@ EXTRA_KEYS = ("scored_steps", "distinct_outputs", "identical_sequences_share",
               "pairwise_diverging", "flip_margins", "baseline_margins")
 COMPOSITION_KEYS = ("name", "step_flip_rate", "diverging_sequences", "logit_bit_mismatches",
                     "first_divergence", "margins_at_divergence")
-GATE_KEYS = ("mode", "tau", "steps", "rechecks", "corrections")
+#: the report's ``gate`` begins with these (the engine's counters, ``_native.GATE_COUNTERS``), then
+#: ``deep_tau`` and ``calibration``
+GATE_KEYS = ("mode", "tau", *_native.GATE_COUNTERS)
 
 #: The PNG's size in pixels (width, height): PLOT_INCHES at PLOT_DPI.
 PLOT_INCHES = (10.0, 10.0)
@@ -160,9 +163,10 @@ def format_report(r: Dict[str, Any]) -> str:
                      f"(max {max(d) if d else 0} distinct outputs for one prompt)")
     g = r.get("gate")
     if g:
-        lines.append(f"gate {g['mode']} tau={g['tau']:g}: {g['steps']} steps, {g['rechecks']} rechecks "
-                     f"({g['rechecks'] / max(g['steps'], 1) * 100:.1f}%), {g['corrections']} corrections"
-                     + "".join(f", {v} {k.replace('_', ' ')}" for k, v in g.items() if k not in GATE_KEYS))
+        counts = [f"{g[k]} {k.replace('_', ' ')}" + (f" ({g[k] / max(g['steps'], 1) * 100:.1f}%)" if k == "rechecks" else "")
+                  for k in _native.GATE_COUNTERS if k in g]
+        counts += [f"{v} {k.replace('_', ' ')}" for k, v in g.items() if k not in GATE_KEYS]
+        lines.append(f"gate {g['mode']} tau={g['tau']:g}: " + ", ".join(counts))
     else:
         lines.append("gate off")
     return "\n".join(lines)

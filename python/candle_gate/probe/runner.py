@@ -27,6 +27,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
+from .. import _native
 from ..engine import Engine, Model, Result, SamplingParams
 from .common import progress_bar
 
@@ -150,7 +151,7 @@ class Runner:
         while len(filler) < FILLER_TOKENS:
             filler = filler + filler
         self.filler = filler[:FILLER_TOKENS]
-        self.gate_totals = {"steps": 0, "rechecks": 0, "corrections": 0}
+        self.gate_totals = dict.fromkeys(_native.GATE_COUNTERS, 0)
         self.deep_tau_used: Optional[float] = None
         self.gate_source: Optional[str] = None  # the calibration tau came from, when it did
 

@@ -45,10 +45,8 @@ REQUEST_FIELDS: Dict[str, Dict[str, str]] = {
     "chat": {"max_new_tokens": "max_tokens", "prompt": "messages"},
 }
 
-# (``InvalidParameter`` is a ValueError. getattr: a native module built before these classes
-# existed raises plain ValueError and CandleGateError, with no ``param``.)
-_SHUT_DOWN: Any = getattr(_native, "EngineShutDown", ())
-#: what the engine raises for a request it refuses (anything else is a server fault: 500)
+#: what the engine raises for a request it refuses (anything else is a server fault: 500);
+#: ``InvalidParameter`` is a ValueError that names the parameter (``param``)
 ENGINE_REFUSALS = (ValueError, TypeError, OverflowError, _native.CandleGateError)
 
 
@@ -58,7 +56,7 @@ def engine_error(e: BaseException, endpoint: str = "completion", fallback: Optio
     down is 503 ``shutting_down``; an invalid parameter, or any other refusal, is 400 naming the
     request's field for the engine's ``param``, else ``fallback`` (the field being processed,
     where the caller knows it: the prompt while tokenizing it)."""
-    if isinstance(e, _SHUT_DOWN):
+    if isinstance(e, _native.EngineShutDown):
         return APIError(503, str(e), code="shutting_down")
     if isinstance(e, ENGINE_REFUSALS):
         param = getattr(e, "param", None)

@@ -24,15 +24,16 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
+from .. import _native
+from .protocol import FINISH_REASONS
+
 #: the exposition's media type (PlainTextResponse adds ``; charset=utf-8``)
 MEDIA_TYPE = "text/plain; version=0.0.4"
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                    7.5, 10.0, 20.0, 40.0, 80.0)
-FINISH_REASONS = ("stop", "length", "cancelled", "error")
 #: statuses whose refusal counter is exposed (at 0) before any such refusal
 ERROR_STATUSES = ("400", "401", "404", "429", "503")
-GATE_COUNTERS = ("steps", "rechecks", "corrections", "deep_rechecks")
-
+GATE_COUNTERS = tuple(_native.GATE_COUNTERS)
 
 
 def samples(text: str) -> List[Tuple[str, Dict[str, str], float]]:

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 
+from .. import _native
 from .errors import APIError, validation_message
 
 # ---------------------------------------------------------------------------------------------
@@ -20,13 +21,29 @@ from .errors import APIError, validation_message
 
 _U64 = 2 ** 64 - 1
 _I64 = 2 ** 63 - 1
-#: the engine's limit on max_new_tokens (it stops at the end of the context anyway)
-_MAX_NEW_TOKENS = 1 << 20
 _StopStr = Annotated[str, StringConstraints(min_length=1)]
-StopT = Union[_StopStr, Annotated[List[_StopStr], Field(max_length=16)], None]
+StopT = Union[_StopStr, Annotated[List[_StopStr], Field(max_length=_native.MAX_STOP)], None]
 
-# The bounds below are the engine's own (SamplingParams checks them too): declared here so that
-# the OpenAPI document describes what the server accepts, and refused with the field's name.
+
+def _bounded(kind: type, name: str) -> Any:
+    """``kind`` within the engine's bounds on the sampling parameter ``name`` (Rust's, which
+    ``SamplingParams`` checks too): declared here so that the OpenAPI document describes what the
+    server accepts, and a value out of range is refused naming the field."""
+    bounds = {k: kind(v) for k, v in _native.SAMPLING_BOUNDS[name].items()}
+    if kind is float:
+        bounds["allow_inf_nan"] = False
+    return Annotated[kind, Field(**bounds)]
+
+
+_MaxNewTokens = _bounded(int, "max_new_tokens")
+_Temperature = _bounded(float, "temperature")
+_TopP = _bounded(float, "top_p")
+_MinP = _bounded(float, "min_p")
+_N = _bounded(int, "n")
+_PresencePenalty = _bounded(float, "presence_penalty")
+_FrequencyPenalty = _bounded(float, "frequency_penalty")
+_RepetitionPenalty = _bounded(float, "repetition_penalty")
+_TopLogprobs = _bounded(int, "top_logprobs")
 
 
 class StreamOptions(BaseModel):
@@ -37,18 +54,18 @@ class StreamOptions(BaseModel):
 class _Req(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     model: Optional[str] = None
-    max_tokens: Optional[Annotated[int, Field(ge=1, le=_MAX_NEW_TOKENS)]] = None
+    max_tokens: Optional[_MaxNewTokens] = None
     stop: StopT = None
     #: default 1.0 when omitted, as OpenAI; 0 is greedy
-    temperature: Optional[Annotated[float, Field(ge=0, allow_inf_nan=False)]] = None
-    top_p: Optional[Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]] = None
+    temperature: Optional[_Temperature] = None
+    top_p: Optional[_TopP] = None
     top_k: Optional[Annotated[int, Field(ge=0, le=_I64)]] = None
-    min_p: Optional[Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]] = None
+    min_p: Optional[_MinP] = None
     seed: Optional[Annotated[int, Field(ge=0, le=_U64)]] = None
-    n: Optional[Annotated[int, Field(ge=1, le=64)]] = None
-    presence_penalty: Optional[Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)]] = None
-    frequency_penalty: Optional[Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)]] = None
-    repetition_penalty: Optional[Annotated[float, Field(gt=0, le=10, allow_inf_nan=False)]] = None
+    n: Optional[_N] = None
+    presence_penalty: Optional[_PresencePenalty] = None
+    frequency_penalty: Optional[_FrequencyPenalty] = None
+    repetition_penalty: Optional[_RepetitionPenalty] = None
     user: Optional[str] = None
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
@@ -67,7 +84,7 @@ class CompletionRequest(_Req):
     prompt: Union[Annotated[str, StringConstraints(min_length=1)], _TokenIds,
                   Annotated[List[Annotated[str, StringConstraints(min_length=1)]], Field(min_length=1, max_length=1)]]
     #: the number of alternatives per token (0: only the chosen token's logprob)
-    logprobs: Optional[Annotated[int, Field(ge=0, le=20)]] = None
+    logprobs: Optional[_TopLogprobs] = None
     echo: Optional[bool] = False
 
 
@@ -96,9 +113,9 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Req):
     messages: Annotated[List[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Optional[Annotated[int, Field(ge=1, le=_MAX_NEW_TOKENS)]] = None
+    max_completion_tokens: Optional[_MaxNewTokens] = None
     logprobs: Optional[bool] = False
-    top_logprobs: Optional[Annotated[int, Field(ge=0, le=20)]] = None
+    top_logprobs: Optional[_TopLogprobs] = None
     tools: Optional[List[Dict[str, Any]]] = None
 
 
@@ -143,7 +160,19 @@ class Usage(BaseModel):
     prompt_tokens_details: Optional[PromptTokensDetails] = None
 
 
-_Finish = Literal["stop", "length", "cancelled", "error"]
+#: The engine's finish reasons (``_native.FINISH_REASONS``) as OpenAI's ``finish_reason``: the one
+#: table between the two (the responses, the streams and the metrics' ``finished_reason``).
+FINISH_REASON = {"eos": "stop", "stop": "stop", "length": "length", "context_full": "length",
+                 "cancelled": "cancelled", "error": "error"}
+#: OpenAI's finish reasons the server sends
+FINISH_REASONS = tuple(dict.fromkeys(FINISH_REASON.values()))
+
+
+def finish_reason(engine_reason: str) -> str:
+    return FINISH_REASON.get(engine_reason, engine_reason)
+
+
+_Finish = Literal[FINISH_REASONS]
 
 
 class _ChoiceExt(BaseModel):

@@ -26,8 +26,8 @@ from fastapi.responses import Response, StreamingResponse
 from ..engine import SamplingParams
 from .errors import ENGINE_REFUSALS, APIError, engine_error, error_body, request_field
 from .metrics import Timing
-from .protocol import parse, read_body
-from .state import ServerState, finish_reason
+from .protocol import finish_reason, parse, read_body
+from .state import ServerState
 from .worker import QueueFull
 
 #: a request's ``max_tokens`` when it gives none and the context is unknown

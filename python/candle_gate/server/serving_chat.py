@@ -10,9 +10,8 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List
 
 from .errors import APIError, engine_error
-from .protocol import ChatCompletionRequest, ChatMessage
+from .protocol import ChatCompletionRequest, ChatMessage, finish_reason
 from .serving import OpenAIServing, Prepared, StreamState
-from .state import finish_reason
 
 
 class OpenAIServingChat(OpenAIServing):

@@ -8,9 +8,8 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List, Optional
 
 from .errors import APIError, engine_error
-from .protocol import CompletionRequest
+from .protocol import CompletionRequest, finish_reason
 from .serving import OpenAIServing, Prepared, StreamState
-from .state import finish_reason
 
 #: OpenAI's default ``max_tokens`` for a completion
 DEFAULT_COMPLETION_TOKENS = 16

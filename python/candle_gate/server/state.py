@@ -17,16 +17,9 @@ from typing import Any, Dict, Optional, Tuple
 from ..engine import Engine, Model, speculative_options
 from .errors import APIError
 from .metrics import EngineCounts, Metrics
+from .protocol import finish_reason
 from .settings import Settings
 from .worker import EngineWorker
-
-#: the engine's finish reasons -> OpenAI's
-FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context_full": "length"}
-
-
-def finish_reason(r: str) -> str:
-    return FINISH.get(r, r)
-
 
 class ServerState:
     def __init__(self, settings: Settings):

@@ -17,6 +17,7 @@ import sys
 import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from .. import _native
 from ..engine import Engine, SamplingParams
 from .metrics import EngineCounts
 
@@ -55,7 +56,7 @@ class EngineWorker:
         self.submitted_since_refresh = 0
         #: the KV pool and the prefix cache's counters (``Engine.kv_stats``, as of the last step)
         self.kv_stats: Dict[str, int] = eng.kv_stats()
-        self.gate_stats: Dict[str, int] = {"steps": 0, "rechecks": 0, "corrections": 0, "deep_rechecks": 0}
+        self.gate_stats: Dict[str, int] = dict.fromkeys(_native.GATE_COUNTERS, 0)
         #: drafts proposed and kept (``Engine.spec_stats``, as of the last step)
         self.spec_stats: Dict[str, int] = eng.spec_stats()
         self.thread = threading.Thread(target=self._run, name="candle-gate-engine", daemon=True)
