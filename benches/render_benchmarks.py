@@ -1,0 +1,1216 @@
+"""Render the measured tables of docs/BENCHMARKS.md and README.md from benches/results/.
+
+Every table a document keeps between a pair of markers::
+
+    <!-- table:NAME -->
+    ...generated...
+    <!-- /table:NAME -->
+
+is written by this script from the result files named in its `Source` line, with the commit,
+host and date of each file. The prose around the markers stays hand-written: say what a table
+shows there, and let the numbers come from here. To change a number, rerun its bench and commit
+the result file; to change how a table looks, change its function below. Run
+
+    python benches/render_benchmarks.py            # rewrite the tables in place
+    python benches/render_benchmarks.py --check    # exit 1 if a document differs from its render
+
+`--check` also fails on a marker that names no table, a table rendered into no document, and a
+link to a section of docs/BENCHMARKS.md that does not exist (tests/test_render_benchmarks.py runs
+it, so CI catches a hand-edited number).
+
+Most result files do not record where and when they were measured. For those, PROVENANCE below
+holds what the commit that added the file (and the prose written with it) states, and the
+rendered source line marks it with a dagger (†). A file that records its own `commit`, `host` or
+`date` is believed over PROVENANCE.
+
+Standard library only; reads JSON, writes Markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+import unicodedata
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = "benches/results"
+
+# The documents this script renders into, relative to the repository root.
+DOCUMENTS = ("docs/BENCHMARKS.md", "README.md")
+# Documents whose links to docs/BENCHMARKS.md sections --check verifies.
+LINKING_DOCUMENTS = ("README.md", "CHANGELOG.md", "CONTRIBUTING.md", "docs/*.md")
+
+HOSTS = {
+    "epyc": "the 2-core AMD EPYC (AVX2, no AVX-512)",
+    "epyc-zen1": "the 2-core AMD EPYC (Zen 1, AVX2, no AVX-512)",
+    "epyc-zen3": "the 2-core AMD EPYC Zen 3 (AVX2, no AVX-512)",
+    "epyc-zen4": "the 2-core AMD EPYC Zen 4 (KVM, AVX-512 VNNI)",
+    "xeon": "the 2-core Intel Xeon (KVM, AVX-512 VNNI, AMX)",
+    "h200": "an NVIDIA H200 (driver 580.159.04, CUDA 13.0)",
+}
+
+# What the commit that added each result file states about it, for files that do not record it
+# themselves: the commit measured ("at"), or, where no commit was stated, the commit that added
+# the file ("added"), the host (a key of HOSTS) and the date. `before`: the other build of an A/B.
+PROVENANCE = {
+    "headline-chat-xeon-spr-4870004.json": dict(at="4870004", host="xeon", date="2026-12-05"),
+    "headline-4096-xeon-spr-4870004.json": dict(at="4870004", host="xeon", date="2026-12-05"),
+    "vs-llama-cpp.json": dict(at="d2926a6", host="epyc-zen1", date="2026-12-02"),
+    "vs-llama-cpp-xeon.json": dict(at="45440ca", host="xeon", date="2026-12-02"),
+    "vs-llama-cpp-epyc-zen3.json": dict(at="5e0c13e", host="epyc-zen3", date="2026-12-03"),
+    "vs-llama-cpp-context-smollm2-zen4.json": dict(at="6c94361", host="epyc-zen4", date="2026-12-03"),
+    "vs-llama-cpp-context-qwen05-zen4.json": dict(at="6c94361", host="epyc-zen4", date="2026-12-03"),
+    "vs-llama-cpp-context-qwen15-zen4.json": dict(at="6c94361", host="epyc-zen4", date="2026-12-03"),
+    "vs-llama-cpp-context1024-8streams-zen4.json": dict(at="6c94361", host="epyc-zen4", date="2026-12-03"),
+    "vs-llama-cpp-context4096-grouped-attention-zen4.json": dict(at="445f6ba", host="epyc-zen4", date="2026-12-04"),
+    "vs-llama-cpp-context4096-qwen05-2rounds-zen4.json": dict(added="cd6253e", host="epyc-zen4", date="2026-12-03"),
+    "vs-llama-cpp-context4096-qwen15-2rounds-zen4.json": dict(added="cd6253e", host="epyc-zen4", date="2026-12-03"),
+    "vs-llama-cpp-context-qwen15-kquant-zen4.json": dict(at="3421453", host="epyc-zen4", date="2026-12-04"),
+    "vs-llama-cpp-context4096-qwen15-packed-zen4.json": dict(added="256301a", host="epyc-zen4", date="2026-12-04"),
+    "vs-llama-cpp-chat-qwen15-packed-zen4.json": dict(added="150fc8e", host="epyc-zen4", date="2026-12-04"),
+    "vs-llama-cpp-context4096-no-prefetch-zen4.json": dict(at="92bae34", host="epyc-zen4", date="2026-12-05"),
+    "vs-llama-cpp-context4096-qwen05-grouped-attention-zen4.json": dict(at="a9a65a8", host="epyc-zen4", date="2026-12-05"),
+    "vs-llama-cpp-context16384-qwen15-zen4.json": dict(at="445f6ba", host="epyc-zen4", date="2026-12-05"),
+    "vs-llama-cpp-context4096-q8_0-avx512-attention-zen4.json": dict(at="2fa8a46", host="epyc-zen4", date="2026-12-05"),
+    "vs-llama-cpp-context4096-qwen15-avx512-attention-zen4.json": dict(at="a858489", host="epyc-zen4", date="2026-12-05"),
+    "vs-llama-cpp-context16384-qwen05-avx512-attention-zen4.json": dict(at="01f78f1", host="epyc-zen4", date="2026-12-05"),
+    "vs-llama-cpp-context4096-smollm2-packed-q4_1-zen4.json": dict(at="3d20feb", host="epyc-zen4", date="2026-12-05"),
+    "vs-llama-cpp-context8064-smollm2-zen4.json": dict(at="93c4142", host="epyc-zen4", date="2026-12-05"),
+    "vs-llama-cpp-chat-qwen15-hugepages-zen4.json": dict(at="a9a65a8", host="epyc-zen4", date="2026-12-05"),
+    "vs-llama-cpp-context4096-8streams-smollm2-no-prefetch-zen4.json": dict(at="92bae34", host="epyc-zen4", date="2026-12-05"),
+    "vs-llama-cpp-context4096-8streams-qwen05-avx512-attention-zen4.json": dict(at="a858489", host="epyc-zen4", date="2026-12-05"),
+    "vs-llama-cpp-context4096-8streams-zen4.json": dict(at="a1d704d", host="epyc-zen4", date="2026-12-05"),
+    "vs-llama-cpp-context4096-8streams-qwen05-zen4.json": dict(at="a9a65a8", host="epyc-zen4", date="2026-12-05"),
+    "vs-llama-cpp-context16384-8streams-qwen05-zen4.json": dict(at="91d0339", host="epyc-zen4", date="2026-12-05"),
+    "vs-llama-cpp-context16384-8streams-qwen15-zen4.json": dict(at="b80898d", host="epyc-zen4", date="2026-12-05"),
+    "vs-llama-cpp-gemma3-270m-zen4.json": dict(at="2e359ee", host="epyc-zen4", date="2026-12-04"),
+    "vs-llama-cpp-gemma3-270m-4k-zen4.json": dict(at="2e359ee", host="epyc-zen4", date="2026-12-04"),
+    "vs-peers-qwen15-chat-xeon-spr.json": dict(at="a61c55d", host="xeon", date="2026-12-05"),
+    "vs-peers-synth-llama8b-xeon-spr.json": dict(at="a61c55d", host="xeon", date="2026-12-05"),
+    "vs-peers-qwen15-chat-canonical-xeon-spr.json": dict(at="d3ba830", host="xeon", date="2026-12-05"),
+    "modes-canonical-vs-invariant-xeon-spr-quantize.json": dict(at="a3212ac", host="xeon", date="2026-12-05"),
+    "modes-canonical-vs-invariant-xeon-spr.json": dict(at="a970809", host="xeon", date="2026-12-05"),
+    "modes-canonical-vs-invariant-synth-llama8b-xeon-spr.json": dict(at="a61c55d", host="xeon", date="2026-12-05"),
+    "ab-session-start-vs-4870004-smollm2-135m-instruct-q4_1-xeon-spr.json": dict(at="4870004", before="177bcc5", host="xeon", date="2026-12-05"),
+    "ab-session-start-vs-4870004-qwen2.5-coder-0.5b-instruct-q4_k_m-xeon-spr.json": dict(at="4870004", before="177bcc5", host="xeon", date="2026-12-05"),
+    "ab-session-start-vs-4870004-qwen2.5-coder-0.5b-instruct-q4_k_m-c1-xeon-spr.json": dict(at="4870004", before="177bcc5", host="xeon", date="2026-12-05"),
+    "ab-session-start-vs-4870004-qwen2.5-coder-1.5b-instruct-q4_k_m-xeon-spr.json": dict(at="4870004", before="177bcc5", host="xeon", date="2026-12-05"),
+    "ab-session-start-vs-4870004-gemma-3-270m-q4_k_m-xeon-spr.json": dict(at="4870004", before="177bcc5", host="xeon", date="2026-12-05"),
+    "ab-context4096-no-prefetch-smollm2-zen4.json": dict(at="92bae34", before="a1d704d", host="epyc-zen4", date="2026-12-05"),
+    "ab-context4096-no-prefetch-qwen2.5-coder-0.5b-zen4.json": dict(at="92bae34", before="a1d704d", host="epyc-zen4", date="2026-12-05"),
+    "ab-context4096-no-prefetch-qwen2.5-coder-1.5b-zen4.json": dict(at="92bae34", before="a1d704d", host="epyc-zen4", date="2026-12-05"),
+    "ab-q8_0-one-column-smollm2-zen4.json": dict(at="fe98c82", before="8dedbe6", host="epyc-zen4", date="2026-12-05"),
+    "ab-q8_0-one-column-qwen05-context4096-zen4.json": dict(at="fe98c82", before="8dedbe6", host="epyc-zen4", date="2026-12-05"),
+    "ab-q8_0-avx512-attention-smollm2-zen4.json": dict(at="7c440f3", before="8dedbe6", host="epyc-zen4", date="2026-12-05"),
+    "ab-q8_0-avx512-attention-smollm2-context4096-zen4.json": dict(at="7c440f3", before="8dedbe6", host="epyc-zen4", date="2026-12-05"),
+    "ab-q8_0-avx512-attention-qwen05-context4096-zen4.json": dict(at="7c440f3", before="8dedbe6", host="epyc-zen4", date="2026-12-05"),
+    "ab-q8_0-avx512-attention-qwen15-zen4.json": dict(at="7c440f3", before="8dedbe6", host="epyc-zen4", date="2026-12-05"),
+    "ab-q8_0-scales-gemma-3-270m-q4_k_m-zen4.json": dict(added="5296f70", before="d10aedb", host="epyc-zen4", date="2026-12-04"),
+    "ab-q8_0-scales-smollm2-135m-instruct-q4_1-zen4.json": dict(added="5296f70", before="d10aedb", host="epyc-zen4", date="2026-12-04"),
+    "ab-q8_0-scales-qwen2.5-coder-0.5b-instruct-q4_k_m-zen4.json": dict(added="5296f70", before="d10aedb", host="epyc-zen4", date="2026-12-04"),
+    "ab-issue31-qwen05-zen4.json": dict(added="5ec31a1", before="218487e", host="epyc-zen4", date="2026-12-04"),
+    "ab-issue31-smollm2-zen4.json": dict(added="5ec31a1", before="218487e", host="epyc-zen4", date="2026-12-04"),
+    "ab-packed-smol-4k-zen4.json": dict(at="3d20feb", before="b80898d", host="epyc-zen4", date="2026-12-05"),
+    "ab-packed-smol-chat-zen4.json": dict(at="3d20feb", before="b80898d", host="epyc-zen4", date="2026-12-05"),
+    "ab-packed-q05-4k-zen4.json": dict(at="3d20feb", before="b80898d", host="epyc-zen4", date="2026-12-05"),
+    "ab-packed-q05-chat-zen4.json": dict(at="3d20feb", before="b80898d", host="epyc-zen4", date="2026-12-05"),
+    "ab-packed-q15-chat-zen4.json": dict(at="3d20feb", before="b80898d", host="epyc-zen4", date="2026-12-05"),
+    "speculative-qwen15-zen4.json": dict(at="0cbe7e4", host="epyc-zen4", date="2026-12-04"),
+    "speculative-draft-qwen15-zen4.json": dict(at="52e1ae0", host="epyc-zen4", date="2026-12-04"),
+    "speculative-ngram-longest-qwen15-zen4.json": dict(at="802d79e", host="epyc-zen4", date="2026-12-04"),
+    "speculative-ngram-longest-k5-12-qwen15-zen4.json": dict(added="1f4ad12", host="epyc-zen4", date="2026-12-04"),
+    "speculative-draft-completion-packed-qwen15-zen4.json": dict(added="e969bfb", host="epyc-zen4", date="2026-12-04"),
+    "ab-draft-kquant-qwen15-zen4.json": dict(added="3421453", before="996ca2a", host="epyc-zen4", date="2026-12-04"),
+    "ab-draft-kquant-qwen05-zen4.json": dict(added="3421453", before="996ca2a", host="epyc-zen4", date="2026-12-04"),
+    "ray-serve-overhead-smollm2-zen4.json": dict(at="a984ac9", host="epyc-zen4", date="2026-12-04"),
+    "ray-serve-overhead-settings-smollm2-zen4.json": dict(added="84be7dc", host="epyc-zen4", date="2026-12-04"),
+    "ray-serve-overhead-interval-smollm2-zen4.json": dict(added="2353f39", host="epyc-zen4", date="2026-12-04"),
+    "ray-serve-overhead-qwen05-zen4.json": dict(added="79fc1a8", host="epyc-zen4", date="2026-12-05"),
+    "ray-serve-overhead-qwen15-zen4.json": dict(added="79fc1a8", host="epyc-zen4", date="2026-12-05"),
+    "ray-serve-overhead-1thread-qwen05-zen4.json": dict(added="728ab52", host="epyc-zen4", date="2026-12-05"),
+    "ray-serve-overhead-1thread-smollm2-zen4.json": dict(added="728ab52", host="epyc-zen4", date="2026-12-05"),
+    "ray-serve-overhead-server-itl-qwen05-zen4.json": dict(added="79fc1a8", host="epyc-zen4", date="2026-12-05"),
+    "ray-serve-overhead-control-loop-qwen05-zen4.json": dict(added="79fc1a8", host="epyc-zen4", date="2026-12-05"),
+    "ray-serve-idle-smollm2-zen4.json": dict(added="79fc1a8", host="epyc-zen4", date="2026-12-05"),
+    "ray-serve-routing-smollm2-zen4.json": dict(added="ac01b6c", host="epyc-zen4", date="2026-12-04"),
+    "cuda-check-h200-v1.json": dict(at="2fd138f", host="h200", date="2026-12-04"),
+    "prefix-cache-qwen05-zen4.json": dict(at="cf678bd", host="epyc-zen4", date="2026-12-04"),
+    "prefix-cache-system-qwen05-zen4.json": dict(at="6c3faff", host="epyc-zen4", date="2026-12-04"),
+    "kv-dtype-agreement-smollm2-zen4.json": dict(at="6c94361", host="epyc-zen4", date="2026-12-03"),
+    "kv-dtype-agreement-qwen05-zen4.json": dict(at="6c94361", host="epyc-zen4", date="2026-12-03"),
+    "serve-load-smollm2.json": dict(at="7f95bf3", host="epyc", date="2026-12-01"),
+    "probe-split_k_f16-off-heldout24x128.json": dict(added="0cfaea6", host="epyc", date="2026-12-01"),
+    "probe-split_k_f16-gated-heldout24x128.json": dict(added="c034de4", host="epyc", date="2026-12-01"),
+    "probe-split_k_f16-gated-sampled-heldout24x128.json": dict(added="df8abfa", host="epyc", date="2026-12-01"),
+    "endpoint-probe-qwen05.json": dict(added="92c943a", host="epyc"),
+    "endpoint-probe-qwen05-gated.json": dict(added="92c943a", host="epyc"),
+    "endpoint-probe-qwen05-llamacpp.json": dict(added="92c943a", host="epyc"),
+    # Not under benches/results: the measured profile the package ships (it records its host and date).
+    "python/candle_gate/profiles/cpu.json": dict(),
+}
+
+MODELS = {
+    "smollm2-135m-instruct-q4_1": "SmolLM2-135M Q4_1",
+    "qwen2.5-coder-0.5b-instruct-q4_k_m": "Qwen2.5-Coder-0.5B Q4_K_M",
+    "qwen2.5-coder-1.5b-instruct-q4_k_m": "Qwen2.5-Coder-1.5B Q4_K_M",
+    "gemma-3-270m-q4_k_m": "Gemma 3 270M Q4_K_M (base)",
+    "/tmp/llama8b-shapes.gguf": "Llama-3.1-8B shapes, Q4_K_M mix (random weights)",
+}
+
+
+class RenderError(Exception):
+    pass
+
+
+# ---------------------------------------------------------------- formatting
+
+
+def f1(x: float) -> str:
+    return f"{x:.1f}"
+
+
+def f2(x: float) -> str:
+    return f"{x:.2f}"
+
+
+def f3(x: float) -> str:
+    return f"{x:.3f}"
+
+
+def g3(x: float) -> str:
+    """Three significant figures, whole numbers from 100 up: 1265, 320, 66.7, 4.72."""
+    if abs(x) >= 100:
+        return f"{x:.0f}"
+    if abs(x) >= 10:
+        return f"{x:.1f}"
+    return f"{x:.2f}"
+
+
+def ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x"
+
+
+def pct(x: float, digits: int = 0) -> str:
+    return f"{100 * x:.{digits}f}%"
+
+
+def ms(seconds: float, digits: int = 1) -> str:
+    return f"{1000 * seconds:.{digits}f} ms"
+
+
+def secs(seconds: float, digits: int = 2) -> str:
+    return f"{seconds:.{digits}f} s"
+
+
+def vs(a: float, b: float, fmt=f1) -> str:
+    """`a vs b (a/b)`."""
+    return f"{fmt(a)} vs {fmt(b)} ({ratio(a, b)})"
+
+
+def arrow(before: float, after: float, fmt=f1) -> str:
+    return f"{fmt(before)} → {fmt(after)} ({ratio(after, before)})"
+
+
+def thousands(n: int) -> str:
+    return f"{n:,}"
+
+
+def context_label(ctx) -> str:
+    return "chat" if not ctx else f"{ctx:,}"
+
+
+def model_name(key: str) -> str:
+    return MODELS.get(key, key)
+
+
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in rows:
+        if len(r) != len(header):
+            raise RenderError(f"row {r!r} has {len(r)} cells, header {len(header)}")
+        out.append("| " + " | ".join(r) + " |")
+    return out
+
+
+def grouped(rows: list[list[str]]) -> list[list[str]]:
+    """Blank a row's first cell where it repeats the row above (the tables' model grouping)."""
+    out, last = [], None
+    for r in rows:
+        out.append(([""] if r[0] == last else [r[0]]) + r[1:])
+        last = r[0]
+    return out
+
+
+def median(xs):
+    return statistics.median(xs)
+
+
+# ---------------------------------------------------------------- result files
+
+
+class Results:
+    """The result files, read once each, and where each was measured."""
+
+    def __init__(self, root: Path, files: dict | None = None, provenance: dict | None = None):
+        self.root = Path(root)
+        self._files = files  # name -> parsed JSON (tests), or None to read from disk
+        self._cache: dict = {}
+        self.provenance = PROVENANCE if provenance is None else provenance
+
+    def path(self, name: str) -> str:
+        return name if "/" in name else f"{RESULTS}/{name}"
+
+    def __call__(self, name: str):
+        if name not in self._cache:
+            if self._files is not None:
+                if name not in self._files:
+                    raise RenderError(f"no result file {name}")
+                self._cache[name] = self._files[name]
+            else:
+                p = self.root / self.path(name)
+                if not p.is_file():
+                    raise RenderError(f"no result file {self.path(name)}")
+                self._cache[name] = json.loads(p.read_text())
+        return self._cache[name]
+
+    def where(self, name: str) -> tuple[str, bool]:
+        """`commit, host, date` of one file, and whether any of it is not recorded in the file."""
+        data = self(name)
+        rec = data if isinstance(data, dict) else {}
+        prov = self.provenance.get(name)
+        if prov is None:
+            raise RenderError(f"{name}: no PROVENANCE entry and the file does not record where it ran")
+        told = False
+        parts = []
+        if rec.get("commit"):
+            parts.append(f"at {rec['commit']}")
+        elif prov.get("at"):
+            parts.append(f"at {prov['at']}" + (f" against {prov['before']}" if prov.get("before") else ""))
+            told = True
+        elif prov.get("added"):
+            parts.append(f"added in {prov['added']}" + (f", against {prov['before']}" if prov.get("before") else ""))
+            told = True
+        host = None
+        if isinstance(rec.get("host"), str):
+            host = rec["host"]
+        if prov.get("host"):
+            # The files that name their host name only its CPU model; the host's key says which
+            # of the development machines it was.
+            host = HOSTS[prov["host"]] if host is None else f"{HOSTS[prov['host']]}, “{host}”"
+            told = told or not isinstance(rec.get("host"), str)
+        if host:
+            parts.append(f"on {host}")
+        date = rec.get("date") or rec.get("created") or rec.get("started")
+        if date:
+            parts.append(str(date)[:10])
+        elif prov.get("date"):
+            parts.append(prov["date"])
+            told = True
+        return ", ".join(parts), told
+
+    def source(self, names: list[str], doc: str) -> str:
+        """The `Source:` line under a table: each file linked from `doc`, with where it ran."""
+        groups: dict[str, list[str]] = {}  # files measured at the same commit, host and date share one note
+        for name in dict.fromkeys(names):
+            where, told = self.where(name)
+            rel = os.path.relpath(self.path(name), os.path.dirname(doc) or ".")
+            base = name.rsplit("/", 1)[-1]
+            groups.setdefault(f"{where}{'†' if told else ''}", []).append(f"[`{base}`]({rel})")
+        items = [f"{', '.join(files)} ({where})" for where, files in groups.items()]
+        return ("Sources: " if len(names) > 1 else "Source: ") + "; ".join(items) + "."
+
+
+# ---------------------------------------------------------------- vs_llama_cpp.py tables
+
+
+def vs_row(data: dict, model: str, streams: int, context=None) -> dict:
+    for r in data["rows"]:
+        if r["model"] == model and r["streams"] == streams and (r.get("context") or None) == (context or None):
+            return r
+    raise RenderError(f"no row model={model} streams={streams} context={context}")
+
+
+def peer_cell(r: dict, metric: str, fmt=f1, peers=("llama_cpp",), suspect=()) -> str:
+    """`candle-gate vs peer (ratio)[ vs peer (ratio)]` for one metric of one row."""
+    cg = r["candle_gate"][metric]
+    out = fmt(cg)
+    for p in peers:
+        v = r[p][metric]
+        if (r["model"], p, metric) in suspect:
+            out += f" vs {fmt(v)}‡"
+        else:
+            out += f" vs {fmt(v)} ({ratio(cg, v)})"
+    return out
+
+
+def short_prompt_table(res: Results, doc: str, name: str) -> list[str]:
+    d = res(name)
+    rows = []
+    for model in dict.fromkeys(r["model"] for r in d["rows"]):
+        one, eight = vs_row(d, model, 1), vs_row(d, model, 8)
+        rows.append([
+            model_name(model),
+            peer_cell(one, "prefill_tok_s"),
+            peer_cell(one, "decode_tok_s"),
+            peer_cell(eight, "decode_tok_s"),
+            pct(one["bandwidth_share"]),
+        ])
+    header = ["model", "prefill, 1 stream", "decode, 1 stream", "decode, 8 streams",
+              "decode at % of the bandwidth limit"]
+    return table(header, rows) + ["", f"Read bandwidth {d['read_bandwidth_gbs']:.1f} GB/s (two threads, the best read in the run). "
+                                  + res.source([name], doc)]
+
+
+def t_vs_llama_cpp_zen1(res, doc):
+    return short_prompt_table(res, doc, "vs-llama-cpp.json")
+
+
+def t_vs_llama_cpp_xeon(res, doc):
+    return short_prompt_table(res, doc, "vs-llama-cpp-xeon.json")
+
+
+def t_vs_llama_cpp_zen3(res, doc):
+    return short_prompt_table(res, doc, "vs-llama-cpp-epyc-zen3.json")
+
+
+def t_long_context_zen4(res, doc):
+    files = ["vs-llama-cpp-context-smollm2-zen4.json", "vs-llama-cpp-context-qwen05-zen4.json",
+             "vs-llama-cpp-context-qwen15-zen4.json"]
+    eight = res("vs-llama-cpp-context1024-8streams-zen4.json")
+    rows = []
+    for f in files:
+        for r in res(f)["rows"]:
+            try:
+                e = peer_cell(vs_row(eight, r["model"], 8, r["context"]), "decode_tok_s")
+            except RenderError:
+                e = ""
+            rows.append([model_name(r["model"]), context_label(r["context"]), peer_cell(r, "prefill_tok_s"),
+                         peer_cell(r, "decode_tok_s"), e, pct(r["bandwidth_share"])])
+    header = ["model", "context", "prefill", "decode, 1 stream", "decode, 8 streams",
+              "decode at % of the limit (weights + K/V)"]
+    bw = [res(f)["read_bandwidth_gbs"] for f in files]
+    return table(header, grouped(rows)) + ["", f"Best read bandwidth per run {min(bw):.1f}–{max(bw):.1f} GB/s. "
+                                           + res.source(files + ["vs-llama-cpp-context1024-8streams-zen4.json"], doc)]
+
+
+def headline_rows(res: Results, chat: str, long: str, peers, suspect):
+    c, l = res(chat), res(long)
+    rows = []
+    for model in dict.fromkeys(r["model"] for r in c["rows"]):
+        one, eight = vs_row(c, model, 1), vs_row(c, model, 8)
+        rows.append([model_name(model), "chat", peer_cell(one, "prefill_tok_s", g3, peers, suspect),
+                     peer_cell(one, "decode_tok_s", g3, peers, suspect),
+                     peer_cell(eight, "decode_tok_s", g3, peers, suspect)])
+        lr = vs_row(l, model, 1, 4096)
+        rows.append([model_name(model), "4,096", peer_cell(lr, "prefill_tok_s", g3, peers, suspect),
+                     peer_cell(lr, "decode_tok_s", g3, peers, suspect), ""])
+    return grouped(rows)
+
+
+# ik_llama.cpp 0.1.5's SmolLM2 prefill computes wrong logits (docs/BENCHMARKS.md, "Headline"):
+# its rate is shown, its ratio is not.
+HEADLINE_SUSPECT = {("smollm2-135m-instruct-q4_1", "ik_llama_cpp", "prefill_tok_s")}
+
+
+def t_headline(res, doc):
+    chat, long = "headline-chat-xeon-spr-4870004.json", "headline-4096-xeon-spr-4870004.json"
+    rows = headline_rows(res, chat, long, ("llama_cpp", "ik_llama_cpp"), HEADLINE_SUSPECT)
+    header = ["model", "prompt", "prefill", "decode, 1 stream", "decode, 8 streams"]
+    c, l = res(chat), res(long)
+    # One commit, one host, one date: the headline's rule. Say which, above the table.
+    where = {res.where(chat)[0], res.where(long)[0]}
+    if len(where) != 1:
+        raise RenderError(f"the headline's files were measured at different commits or hosts: {sorted(where)}")
+    return [f"**Measured {where.pop()}.**", ""] + table(header, rows) + [
+        "",
+        "tok/s: candle-gate vs llama.cpp (ratio) vs ik_llama.cpp (ratio); ‡ ik_llama.cpp's SmolLM2 "
+        f"prefill computes wrong logits, so it gets no ratio. Best read bandwidth in the runs {c['read_bandwidth_gbs']:.1f} GB/s (chat) "
+        f"and {l['read_bandwidth_gbs']:.1f} GB/s (4,096); {c['threads']} threads each; ik-llama-cpp-python "
+        f"{c['ik_llama_cpp_version']}. " + res.source([chat, long], doc),
+    ]
+
+
+def t_zen4_latest(res, doc):
+    cells = [
+        ("smollm2-135m-instruct-q4_1", 1024, "vs-llama-cpp-context-smollm2-zen4.json"),
+        ("smollm2-135m-instruct-q4_1", 4096, "vs-llama-cpp-context4096-smollm2-packed-q4_1-zen4.json"),
+        ("smollm2-135m-instruct-q4_1", 8064, "vs-llama-cpp-context8064-smollm2-zen4.json"),
+        ("qwen2.5-coder-0.5b-instruct-q4_k_m", 1024, "vs-llama-cpp-context-qwen05-zen4.json"),
+        ("qwen2.5-coder-0.5b-instruct-q4_k_m", 4096, "vs-llama-cpp-context4096-q8_0-avx512-attention-zen4.json"),
+        ("qwen2.5-coder-0.5b-instruct-q4_k_m", 16384, "vs-llama-cpp-context16384-qwen05-avx512-attention-zen4.json"),
+        ("qwen2.5-coder-1.5b-instruct-q4_k_m", None, "vs-llama-cpp-chat-qwen15-hugepages-zen4.json"),
+        ("qwen2.5-coder-1.5b-instruct-q4_k_m", 4096, "vs-llama-cpp-context4096-qwen15-avx512-attention-zen4.json"),
+        ("qwen2.5-coder-1.5b-instruct-q4_k_m", 16384, "vs-llama-cpp-context16384-qwen15-zen4.json"),
+        ("gemma-3-270m-q4_k_m", None, "vs-llama-cpp-gemma3-270m-zen4.json"),
+        ("gemma-3-270m-q4_k_m", 4096, "vs-llama-cpp-gemma3-270m-4k-zen4.json"),
+    ]
+    rows = []
+    for model, ctx, f in cells:
+        r = vs_row(res(f), model, 1, ctx)
+        rows.append([model_name(model), context_label(ctx), peer_cell(r, "prefill_tok_s", g3),
+                     peer_cell(r, "decode_tok_s", g3), res.provenance[f]["at"]])
+    header = ["model", "context", "prefill", "decode, 1 stream", "at"]
+    return table(header, grouped(rows)) + ["", res.source(list(dict.fromkeys(f for _, _, f in cells)), doc)]
+
+
+def t_eight_streams_zen4(res, doc):
+    cells = [
+        ("smollm2-135m-instruct-q4_1", 4096, "vs-llama-cpp-context4096-8streams-zen4.json"),
+        ("smollm2-135m-instruct-q4_1", 4096, "vs-llama-cpp-context4096-8streams-smollm2-no-prefetch-zen4.json"),
+        ("smollm2-135m-instruct-q4_1", 8064, "vs-llama-cpp-context8064-smollm2-zen4.json"),
+        ("qwen2.5-coder-0.5b-instruct-q4_k_m", 4096, "vs-llama-cpp-context4096-8streams-qwen05-zen4.json"),
+        ("qwen2.5-coder-0.5b-instruct-q4_k_m", 4096, "vs-llama-cpp-context4096-8streams-qwen05-avx512-attention-zen4.json"),
+        ("qwen2.5-coder-0.5b-instruct-q4_k_m", 16384, "vs-llama-cpp-context16384-8streams-qwen05-zen4.json"),
+        ("qwen2.5-coder-1.5b-instruct-q4_k_m", 4096, "vs-llama-cpp-context4096-8streams-zen4.json"),
+        ("qwen2.5-coder-1.5b-instruct-q4_k_m", 16384, "vs-llama-cpp-context16384-8streams-qwen15-zen4.json"),
+    ]
+    rows = []
+    for model, ctx, f in cells:
+        r = vs_row(res(f), model, 8, ctx)
+        rows.append([model_name(model), context_label(ctx), peer_cell(r, "decode_tok_s"),
+                     res.provenance[f]["at"]])
+    header = ["model", "context", "decode, 8 streams", "at"]
+    return table(header, grouped(rows)) + ["", res.source(list(dict.fromkeys(f for _, _, f in cells)), doc)]
+
+
+def vs_table(res, doc, files):
+    """One row per single-stream row of each file (model, context), its 8-stream decode beside it
+    where the file has one, and the share of the bandwidth limit (and each round's, paired with
+    the reading just before it)."""
+    rows, eight_any, bws = [], False, []
+    for name in files:
+        d = res(name)
+        bws.append(d["read_bandwidth_gbs"])
+        for r in d["rows"]:
+            if r["streams"] != 1:
+                continue
+            try:
+                eight = peer_cell(vs_row(d, r["model"], 8, r.get("context")), "decode_tok_s")
+                eight_any = True
+            except RenderError:
+                eight = ""
+            rounds = r.get("bandwidth_share_paired") or []
+            paired = " and ".join(pct(x) for x in rounds) if len(rounds) > 1 else ""
+            rows.append([model_name(r["model"]), context_label(r.get("context")), peer_cell(r, "prefill_tok_s"),
+                         peer_cell(r, "decode_tok_s"), eight,
+                         pct(r["bandwidth_share"]) + (f" ({paired} paired)" if paired else "")])
+    header = ["model", "context", "prefill", "decode, 1 stream", "decode, 8 streams",
+              "decode at % of the limit (weights + K/V)"]
+    if not eight_any:
+        header.pop(4)
+        rows = [r[:4] + r[5:] for r in rows]
+    rows = grouped(rows)
+    bw = f"{bws[0]:.1f} GB/s" if len(set(bws)) == 1 else " and ".join(f"{b:.1f}" for b in bws) + " GB/s"
+    return table(header, rows) + ["", f"tok/s, candle-gate vs llama.cpp (its better of flash attention off and on "
+                                  f"at long contexts). Best read bandwidth in the run{'s' if len(bws) > 1 else ''} "
+                                  f"{bw}; paired: against the reading just before each round. "
+                                  + res.source(files, doc)]
+
+
+def t_grouped_attention_vs_llama_cpp(res, doc):
+    return vs_table(res, doc, ["vs-llama-cpp-context4096-grouped-attention-zen4.json"])
+
+
+def t_q8_0_avx512_vs_llama_cpp(res, doc):
+    return vs_table(res, doc, ["vs-llama-cpp-context4096-q8_0-avx512-attention-zen4.json"])
+
+
+def t_long_context_2rounds(res, doc):
+    return vs_table(res, doc, ["vs-llama-cpp-context4096-qwen05-2rounds-zen4.json",
+                               "vs-llama-cpp-context4096-qwen15-2rounds-zen4.json"])
+
+
+def t_kquant_vs_llama_cpp(res, doc):
+    return vs_table(res, doc, ["vs-llama-cpp-context-qwen15-kquant-zen4.json"])
+
+
+def t_packed_q4_k_vs_llama_cpp(res, doc):
+    return vs_table(res, doc, ["vs-llama-cpp-chat-qwen15-packed-zen4.json",
+                               "vs-llama-cpp-context4096-qwen15-packed-zen4.json"])
+
+
+def t_no_prefetch_vs_llama_cpp(res, doc):
+    return vs_table(res, doc, ["vs-llama-cpp-context4096-no-prefetch-zen4.json"])
+
+
+def t_avx512_attention_vs_llama_cpp(res, doc):
+    return vs_table(res, doc, ["vs-llama-cpp-context4096-qwen15-avx512-attention-zen4.json",
+                               "vs-llama-cpp-context16384-qwen05-avx512-attention-zen4.json"])
+
+
+def t_packed_q4_1_vs_llama_cpp(res, doc):
+    return vs_table(res, doc, ["vs-llama-cpp-context4096-smollm2-packed-q4_1-zen4.json"])
+
+
+def t_huge_pages_vs_llama_cpp(res, doc):
+    return vs_table(res, doc, ["vs-llama-cpp-chat-qwen15-hugepages-zen4.json",
+                               "vs-llama-cpp-context4096-qwen05-grouped-attention-zen4.json"])
+
+
+def t_gemma_vs_llama_cpp(res, doc):
+    files = ["vs-llama-cpp-gemma3-270m-zen4.json", "vs-llama-cpp-gemma3-270m-4k-zen4.json"]
+    rows = []
+    for f in files:
+        d = res(f)
+        for r in d["rows"]:
+            if r["streams"] != 1:
+                continue
+            e = vs_row(d, r["model"], 8, r.get("context"))
+            rows.append([context_label(r.get("context")), peer_cell(r, "prefill_tok_s", g3),
+                         peer_cell(r, "decode_tok_s"), peer_cell(e, "decode_tok_s", g3)])
+    header = ["context", "prefill, 1 stream", "decode, 1 stream", "decode, 8 streams"]
+    return table(header, rows) + ["", res.source(files, doc)]
+
+
+# ---------------------------------------------------------------- modes.py and the peers on the Xeon
+
+
+def modes_rows(res, name, prefill_note=""):
+    d = res(name)
+    rows = []
+    for model, m in d["models"].items():
+        c, i = m["canonical"], m["invariant"]
+        rows.append([model_name(model), vs(c["decode_1"], i["decode_1"], g3), vs(c["decode_8"], i["decode_8"], g3),
+                     vs(c["prefill"], i["prefill"], g3)[:-1] + prefill_note + ")"])
+    return rows
+
+
+MODES_HEADER = ["model", "decode, 1 stream", "decode, 8 streams", "prefill, 1,024 tokens"]
+
+
+def t_canonical_quantize(res, doc):
+    name = "modes-canonical-vs-invariant-xeon-spr-quantize.json"
+    return table(MODES_HEADER, modes_rows(res, name)) + ["", "tok/s, `canonical` vs `invariant` (ratio). " + res.source([name], doc)]
+
+
+def t_canonical_scalar(res, doc):
+    a, b = "modes-canonical-vs-invariant-xeon-spr.json", "modes-canonical-vs-invariant-synth-llama8b-xeon-spr.json"
+    rows = modes_rows(res, a) + modes_rows(res, b, ", 256 tokens")
+    return table(MODES_HEADER, rows) + ["", "tok/s, `canonical` vs `invariant` (ratio). " + res.source([a, b], doc)]
+
+
+def t_peers(res, doc):
+    files = ["vs-peers-qwen15-chat-xeon-spr.json", "vs-peers-synth-llama8b-xeon-spr.json"]
+    rows = []
+    for f in files:
+        d = res(f)
+        for streams, metric in ((1, "prefill_tok_s"), (1, "decode_tok_s"), (8, "decode_tok_s")):
+            r = vs_row(d, d["rows"][0]["model"], streams, None)
+            cg = r["candle_gate"][metric]
+            cells = [g3(cg)] + [f"{g3(r[p][metric])} ({ratio(cg, r[p][metric])})" for p in ("llama_cpp", "ik_llama_cpp")]
+            rows.append([model_name(r["model"]), "chat", str(streams), metric.split("_")[0]] + cells)
+    header = ["model", "prompt", "streams", "metric", "candle-gate", "llama.cpp", "ik_llama.cpp"]
+    out = []
+    last = None
+    for r in rows:  # blank the repeated model and prompt cells
+        out.append((["", ""] if r[0] == last else r[:2]) + r[2:])
+        last = r[0]
+    return table(header, out) + ["", "tok/s, `invariant` mode. " + res.source(files, doc)]
+
+
+def t_peers_canonical(res, doc):
+    name = "vs-peers-qwen15-chat-canonical-xeon-spr.json"
+    d = res(name)
+    r = vs_row(d, "qwen2.5-coder-1.5b-instruct-q4_k_m", 1, None)
+    peers = ("llama_cpp", "ik_llama_cpp")
+    rows = [[model_name(r["model"]), "chat", "1", m.split("_")[0], peer_cell(r, m, g3, peers)]
+            for m in ("prefill_tok_s", "decode_tok_s")]
+    header = ["model", "prompt", "streams", "metric", "candle-gate `canonical` vs llama.cpp vs ik_llama.cpp"]
+    return table(header, grouped(rows)) + ["", f"Decode at {pct(r['bandwidth_share'])} of the best bandwidth read "
+                                           f"({d['read_bandwidth_gbs']:.1f} GB/s). " + res.source([name], doc)]
+
+
+# ---------------------------------------------------------------- ab_builds.py tables
+
+
+def ab_cell(d: dict, concurrency: int) -> str:
+    for r in d["rows"]:
+        if r["concurrency"] == concurrency:
+            return arrow(r["before"], r["after"])
+    return ""
+
+
+def ab_table(res, doc, entries):
+    """entries: (label, prompts label, file). One row a file: model, prompts, rounds, and each
+    concurrency any of the files measured."""
+    conc = sorted({r["concurrency"] for _, _, f in entries for r in res(f)["rows"]})
+    rows = []
+    for label, prompts, f in entries:
+        d = res(f)
+        rows.append([label or model_name(d["model"]), prompts or context_label(d.get("context")),
+                     str(d["rounds"])] + [ab_cell(d, c) for c in conc])
+    header = ["model", "prompts", "rounds"] + [f"{c} stream{'s' if c > 1 else ''}" for c in conc]
+    note = "Decode tok/s, before → after (ratio), best of alternating rounds. "
+    return table(header, grouped(rows)) + ["", note + res.source([f for _, _, f in entries], doc)]
+
+
+def t_ab_session_start_xeon(res, doc):
+    models = ["smollm2-135m-instruct-q4_1", "qwen2.5-coder-0.5b-instruct-q4_k_m",
+              "qwen2.5-coder-0.5b-instruct-q4_k_m-c1", "qwen2.5-coder-1.5b-instruct-q4_k_m", "gemma-3-270m-q4_k_m"]
+    return ab_table(res, doc, [(None, None, f"ab-session-start-vs-4870004-{m}-xeon-spr.json") for m in models])
+
+
+def t_ab_q8_0_scales(res, doc):
+    return ab_table(res, doc, [(None, None, f"ab-q8_0-scales-{m}-zen4.json") for m in
+                               ("gemma-3-270m-q4_k_m", "smollm2-135m-instruct-q4_1", "qwen2.5-coder-0.5b-instruct-q4_k_m")])
+
+
+def t_ab_issue31(res, doc):
+    return ab_table(res, doc, [(None, None, f"ab-issue31-{m}-zen4.json") for m in ("qwen05", "smollm2")])
+
+
+def t_ab_draft_kquant(res, doc):
+    return ab_table(res, doc, [(None, None, f"ab-draft-kquant-{m}-zen4.json") for m in ("qwen15", "qwen05")])
+
+
+def t_ab_no_prefetch(res, doc):
+    return ab_table(res, doc, [(None, None, f"ab-context4096-no-prefetch-{m}-zen4.json")
+                               for m in ("smollm2", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")])
+
+
+def t_ab_q8_0_avx512(res, doc):
+    return ab_table(res, doc, [
+        (None, "chat, Q8_0 only", "ab-q8_0-one-column-smollm2-zen4.json"),
+        (None, "chat, both", "ab-q8_0-avx512-attention-smollm2-zen4.json"),
+        (None, "4,096, both", "ab-q8_0-avx512-attention-smollm2-context4096-zen4.json"),
+        (None, "4,096, Q8_0 only", "ab-q8_0-one-column-qwen05-context4096-zen4.json"),
+        (None, "4,096, both", "ab-q8_0-avx512-attention-qwen05-context4096-zen4.json"),
+        (None, "chat, both (only attention touches it)", "ab-q8_0-avx512-attention-qwen15-zen4.json"),
+    ])
+
+
+def t_ab_packed_q4_1(res, doc):
+    return ab_table(res, doc, [
+        (None, None, "ab-packed-smol-4k-zen4.json"),
+        (None, None, "ab-packed-smol-chat-zen4.json"),
+        (None, None, "ab-packed-q05-4k-zen4.json"),
+        (None, None, "ab-packed-q05-chat-zen4.json"),
+        ("Qwen2.5-Coder-1.5B Q4_K_M (nothing packed: no Q4_1/Q5_0 matrix)", None, "ab-packed-q15-chat-zen4.json"),
+    ])
+
+
+# ---------------------------------------------------------------- speculative.py
+
+
+def spec_rows(d: dict, with_task: bool) -> list[list[str]]:
+    rows = []
+    for r in d["rows"]:
+        row = [r["who"], str(r["streams"]), r["drafts"], f1(r["tok_per_s"]), f"{r['vs_plain']:.2f}x",
+               "" if r.get("acceptance") is None else pct(r["acceptance"]),
+               "" if r.get("tokens_per_pass") is None else f2(r["tokens_per_pass"]),
+               {True: "yes", False: "**no**", None: ""}[r.get("equal_to_plain")]]
+        if r["who"] != "candle-gate":  # a peer's tokens are compared with its own plain run's
+            row[-1] = "" if r["drafts"] == "off" else row[-1] + " (its own plain)"
+        rows.append(([r["task"]] if with_task else []) + row)
+    return rows
+
+
+SPEC_HEADER = ["who", "streams", "drafts", "tok/s", "vs plain", "drafts kept", "tokens per pass", "tokens = plain's"]
+
+
+def t_speculative(res, doc):
+    name = "speculative-qwen15-zen4.json"
+    return table(SPEC_HEADER, spec_rows(res(name), False)) + ["", res.source([name], doc)]
+
+
+def t_speculative_draft(res, doc):
+    name = "speculative-draft-qwen15-zen4.json"
+    return table(["task"] + SPEC_HEADER, spec_rows(res(name), True)) + ["", res.source([name], doc)]
+
+
+def t_speculative_draft_completion_packed(res, doc):
+    name = "speculative-draft-completion-packed-qwen15-zen4.json"
+    return table(SPEC_HEADER, spec_rows(res(name), False)) + ["", res.source([name], doc)]
+
+
+def t_speculative_ngram_longest_k5_12(res, doc):
+    name = "speculative-ngram-longest-k5-12-qwen15-zen4.json"
+    return table(SPEC_HEADER, spec_rows(res(name), False)) + ["", res.source([name], doc)]
+
+
+def t_speculative_ngram_longest(res, doc):
+    name = "speculative-ngram-longest-qwen15-zen4.json"
+    d = res(name)
+    with_task = len({r.get("task") for r in d["rows"]}) > 1
+    return table((["task"] if with_task else []) + SPEC_HEADER, spec_rows(d, with_task)) + ["", res.source([name], doc)]
+
+
+# ---------------------------------------------------------------- serving: serve_load, prefix_cache, ray_serve
+
+
+def t_serve_load(res, doc):
+    name = "serve-load-smollm2.json"
+    d = res(name)
+    cg, lc = d["servers"]["candle-gate"], d["servers"]["llama.cpp"]
+    rows = []
+    for a, b in zip(cg, lc):
+        rows.append([str(a["concurrency"]),
+                     f"{f1(a['tok_per_s'])} ({ratio(a['tok_per_s'], cg[0]['tok_per_s'])})",
+                     f"{f1(b['tok_per_s'])} ({ratio(b['tok_per_s'], lc[0]['tok_per_s'])})",
+                     ratio(a["tok_per_s"], b["tok_per_s"]),
+                     f"{secs(a['ttft_p50'])} / {secs(b['ttft_p50'])}",
+                     f"{1000 * a['itl_p50']:.1f} / {ms(b['itl_p50'])}",
+                     f"{a['distinct_max']} / {b['distinct_max']}"])
+    header = ["clients", "candle-gate tok/s (vs 1 client)", "llama.cpp tok/s (vs 1 client)", "ratio",
+              "TTFT p50 (cg / llama.cpp)", "ITL p50 (cg / llama.cpp)", "distinct completions per request (cg / llama.cpp)"]
+    ip = {r["concurrency"]: r["tok_per_s"] for r in d["in_process"]}
+    note = (f"In process (no HTTP), the same requests: {', '.join(f'{f1(v)} tok/s at {k}' for k, v in ip.items())} "
+            f"client{'s' if len(ip) > 1 else ''}. ")
+    return table(header, rows) + ["", note + res.source([name], doc)]
+
+
+def t_prefix_cache_chat(res, doc):
+    name = "prefix-cache-qwen05-zen4.json"
+    runs = res(name)["chat"]["runs"]
+    labels = {
+        "candle-gate cold": ("candle-gate", "cold"),
+        "candle-gate warm replay": ("candle-gate", "warm replay"),
+        "candle-gate (no cache) cold": ("candle-gate `--no-prefix-cache`", "cold"),
+        "candle-gate (no cache) warm replay": ("candle-gate `--no-prefix-cache`", "warm replay"),
+        "llama.cpp cold": ("llama-server", "cold"),
+        "llama.cpp warm replay": ("llama-server", "warm replay"),
+    }
+    rows = []
+    for key, run in runs.items():
+        server, pas = labels.get(key, (key, ""))
+        p50 = run["ttft_p50_by_turn"]
+        rows.append([server, pas, f"{run['total_s']:.1f} s", secs(p50[0]),
+                     f"{secs(p50[-1])} ({p50[-1] / p50[0]:.2f}x)", secs(run["ttft_p95_by_turn"][-1]),
+                     thousands(run["cached_tokens"])])
+    header = ["server", "pass", "total", "TTFT p50, turn 1", f"TTFT p50, turn {len(p50)} (x turn 1)",
+              f"TTFT p95, turn {len(p50)}", "prompt tokens from the cache"]
+    distinct = res(name)["chat"]["distinct"]
+    note = "Distinct completions per request over both passes: " + "; ".join(
+        f"{k} {v['max']} at most ({v['requests_with_more_than_one']} requests with more than one)"
+        for k, v in distinct.items()) + ". "
+    return table(header, rows) + ["", note + res.source([name], doc)]
+
+
+def t_prefix_cache_system(res, doc):
+    name = "prefix-cache-system-qwen05-zen4.json"
+    system = res(name)["system"]
+    labels = {"candle-gate (no cache)": "candle-gate `--no-prefix-cache`", "llama.cpp": "llama-server"}
+    rows = [[labels.get(k, k), f1(v["tok_s"]), secs(v["ttft_p50"]), secs(v["ttft_p95"]), f"{v['total_s']:.1f} s"]
+            for k, v in system.items()]
+    return table(["server", "tok/s", "TTFT p50", "TTFT p95", "total"], rows) + ["", res.source([name], doc)]
+
+
+def t_prefix_cache_itl(res, doc):
+    name = "prefix-cache-qwen05-zen4.json"
+    itl = res(name)["itl"]
+    labels = {"max-num-batched-tokens 256": "256 rows, chunks of 64 (defaults)",
+              "max-num-batched-tokens 64": "`--max-num-batched-tokens 64 --prefill-chunk 64`"}
+    rows = [[labels.get(k, k), f"{1000 * v['alone_p50']:.1f} / {ms(v['alone_p99'])}",
+             f"{1000 * v['with_prefill_p50']:.1f} / {ms(v['with_prefill_p99'])}", secs(v["long_prompt_ttft"], 1)]
+            for k, v in itl.items()]
+    header = ["per-step budget", "ITL p50 / p99 alone", "ITL p50 / p99 beside the prefill", "the long prompt's TTFT"]
+    return table(header, rows) + ["", res.source([name], doc)]
+
+
+def ray_rounds(d: dict, setup: str) -> list[list[dict]]:
+    """A setup's rounds (each a list of per-concurrency dicts); a one-round file is one round."""
+    v = d["overhead"][setup]
+    return v if v and isinstance(v[0], list) else [v]
+
+
+def at_c(rnd: list[dict], c: int) -> dict:
+    return next(x for x in rnd if x["concurrency"] == c)
+
+
+def ray_medians(d, setup, base, c, key="tok_per_s"):
+    """Per-round ratios (or differences, for TTFT) of `setup` against `base` at concurrency c."""
+    ours, theirs = ray_rounds(d, setup), ray_rounds(d, base)
+    return [at_c(o, c)[key] / at_c(t, c)[key] for o, t in zip(ours, theirs)]
+
+
+def ray_added_ttft(d, setup, base, c):
+    ours, theirs = ray_rounds(d, setup), ray_rounds(d, base)
+    return [1000 * (at_c(o, c)["ttft_p50"] - at_c(t, c)["ttft_p50"]) for o, t in zip(ours, theirs)]
+
+
+def rounds_cell(xs, fmt, unit="") -> str:
+    """The median, then each round in parentheses: `0.84x (1.10, 0.84, 0.84)`."""
+    if len(xs) == 1:
+        return fmt(xs[0]) + unit
+    return f"{fmt(median(xs))}{unit} ({', '.join(fmt(x) for x in xs)})"
+
+
+def times(x: float) -> str:
+    return f"{x:.2f}"
+
+
+def signed(x: float) -> str:
+    return f"{x:+.0f}"
+
+
+def ray_ratio_table(res, doc, files, setups, with_itl=False, per_model=False, run_labels=None):
+    """Median (rounds) of each setup against `serve` in the same round, at 1 and 8 clients.
+    The first column: the setup's label, or the model (per_model), or the run (run_labels)."""
+    rows = []
+    for i, f in enumerate(files):
+        d = res(f)
+        base = next(k for k in d["overhead"] if k.startswith("serve"))
+        for setup, label in setups:
+            if setup not in d["overhead"]:
+                continue
+            first = run_labels[i] if run_labels else model_name(d["model"]) if per_model else label
+            for c in (1, 8):
+                row = [first, str(c),
+                       rounds_cell(ray_medians(d, setup, base, c), times, "x"),
+                       rounds_cell(ray_added_ttft(d, setup, base, c), signed, " ms")]
+                if with_itl:
+                    row.append(rounds_cell(ray_medians(d, setup, base, c, "server_itl_mean"), times, "x"))
+                rows.append(row)
+    header = ["run" if run_labels else "model" if per_model else "server", "clients", "vs serve", "TTFT p50 added"] + (
+        ["the replica's own ITL vs serve's"] if with_itl else [])
+    return table(header, grouped(rows)) + ["", "Median (rounds), each round against `serve` in the same round. "
+                                           + res.source(files, doc)]
+
+
+def t_ray_overhead(res, doc):
+    name = "ray-serve-overhead-smollm2-zen4.json"
+    d = res(name)
+    labels = {"serve, 2 threads": "`candle-gate serve`, 2 threads", "ray, 1 replica x 2 threads": "Ray, 1 replica × 2 threads",
+              "ray, 2 replicas x 1 thread": "Ray, 2 replicas × 1 thread"}
+    base = ray_rounds(d, "serve, 2 threads")[0]
+    rows = []
+    for setup in d["overhead"]:
+        for x in ray_rounds(d, setup)[0]:
+            rows.append([labels.get(setup, setup), str(x["concurrency"]), f1(x["tok_per_s"]),
+                         ratio(x["tok_per_s"], at_c(base, x["concurrency"])["tok_per_s"]),
+                         f"{1000 * x['ttft_p50']:.1f} / {ms(x['ttft_p99'])}", ms(x["itl_p50"])])
+    header = ["server", "clients", "tok/s", "vs serve", "TTFT p50 / p99", "ITL p50"]
+    return table(header, grouped(rows)) + ["", res.source([name], doc)]
+
+
+def t_ray_settings(res, doc):
+    return ray_ratio_table(res, doc, ["ray-serve-overhead-settings-smollm2-zen4.json"], [
+        ("ray, 1 replica x 2 threads", "Ray, 1 replica × 2 threads"),
+        ("ray defaults, 1 x 2 threads", "the same with Ray's defaults"),
+        ("ray, 2 replicas x 1 thread", "Ray, 2 replicas × 1 thread"),
+    ])
+
+
+def t_ray_interval(res, doc):
+    return ray_ratio_table(res, doc, ["ray-serve-overhead-interval-smollm2-zen4.json"], [
+        ("ray, 1 replica x 2 threads", "Ray, 1 replica × 2 threads, interval 50 ms"),
+        ("ray, 1 x 2, stream interval 0", "the same, interval 0"),
+    ])
+
+
+def t_ray_larger_models(res, doc):
+    return ray_ratio_table(res, doc, ["ray-serve-overhead-qwen05-zen4.json", "ray-serve-overhead-qwen15-zen4.json"],
+                           [("ray, 1 replica x 2 threads", None)], per_model=True)
+
+
+def t_ray_one_thread(res, doc):
+    return ray_ratio_table(res, doc, ["ray-serve-overhead-1thread-qwen05-zen4.json",
+                                      "ray-serve-overhead-1thread-smollm2-zen4.json"],
+                           [("ray, 1 replica x 1 threads", None)], with_itl=True, per_model=True)
+
+
+def t_ray_server_itl(res, doc):
+    return ray_ratio_table(res, doc, ["ray-serve-overhead-server-itl-qwen05-zen4.json",
+                                      "ray-serve-overhead-control-loop-qwen05-zen4.json"],
+                           [("ray, 1 replica x 2 threads", None)], with_itl=True,
+                           run_labels=["Qwen 0.5B, Ray's controller loop (0.1 s)", "the same, the loop every 0.5 s"])
+
+
+def t_ray_idle(res, doc):
+    name = "ray-serve-idle-smollm2-zen4.json"
+    rows = [[k, rounds_cell(v, lambda x: pct(x, 1))] for k, v in res(name)["idle"].items()]
+    return table(["an idle app (no requests)", "share of one core: median (rounds)"], rows) + [
+        "", res.source([name], doc)]
+
+
+def t_ray_routing(res, doc):
+    name = "ray-serve-routing-smollm2-zen4.json"
+    labels = {"session": "`session` (rendezvous hash, bounded load)", "pow2": "`pow2` (Ray's default)"}
+    rows = []
+    for k, v in res(name)["routing"].items():
+        t = v["ttft_p50_by_turn"]
+        c, p = v["cached_tokens_later_turns"], v["prompt_tokens_later_turns"]
+        rows.append([labels.get(k, k), f"{v['total_s']:.1f} s", f"{t[0]:.2f} → {t[-1]:.2f} s",
+                     f"{thousands(c)} of {thousands(p)} ({pct(c / p)})"])
+    header = ["routing", "total", f"TTFT p50 turn 1 → {len(t)}", "later turns' prompt tokens from a prefix cache"]
+    return table(header, rows) + ["", res.source([name], doc)]
+
+
+# ---------------------------------------------------------------- probes, the gate, CUDA, the profile
+
+
+def t_gate_heldout(res, doc):
+    files = ["probe-split_k_f16-off-heldout24x128.json", "probe-split_k_f16-gated-heldout24x128.json",
+             "probe-split_k_f16-gated-sampled-heldout24x128.json"]
+    rows = []
+    for f in files:
+        d = res(f)
+        comps = d["compositions"]
+        flips = [c["step_flip_rate"] for c in comps]
+        div = [c["diverging_sequences"] for c in comps]
+        firsts = [s for c in comps for s in c["first_divergence"]]
+        g = d.get("gate") or {}
+        sampling = d.get("sampling")
+        label = "off" if not g else f"gated (tau {g['tau']:.3f}, deep_tau {g['deep_tau']:.3f})"
+        label += ", sampled (" + ", ".join(f"{k.replace('_', '-')} {v}" for k, v in sampling.items()) + ")" \
+            if sampling else ", greedy"
+        n = d["prompts"]
+        rows.append([
+            label,
+            f"{pct(min(flips), 2)}–{pct(max(flips), 2)}" if max(flips) else "0",
+            (f"{min(div)}–{max(div)}" if min(div) != max(div) else str(min(div))) + f" of {n}"
+            + (f"; first at steps {min(firsts)}–{max(firsts)}" if firsts else ""),
+            f"{round(d['identical_sequences_share'] * n)}/{n}",
+            f"{pct(g['rechecks'] / g['steps'], 1)} of {thousands(g['steps'])}" if g else "0",
+            str(g.get("corrections", 0)),
+            f"{thousands(g['deep_rechecks'])} ({pct(g['deep_rechecks'] / g['steps'], 1)})" if g else "0",
+        ])
+    header = ["gate", f"step flip rate (over the {len(comps)} compositions)", "diverging sequences per composition",
+              f"identical across all {len(comps) + 1} runs", "rechecked steps", "corrections", "deep rechecks"]
+    return table(header, rows) + ["", res.source(files, doc)]
+
+
+def t_kv_dtype_agreement(res, doc):
+    files = ["kv-dtype-agreement-smollm2-zen4.json", "kv-dtype-agreement-qwen05-zen4.json"]
+    rows = []
+    for f in files:
+        for r in res(f):
+            rows.append([model_name(r["model"]), r["kv_dtype"], f"{r['identical']} of {r['chats']}",
+                         pct(r["mean_prefix"], 1)])
+    header = ["model", "K/V", "chats identical to the oracle over all 64 tokens",
+              "tokens before the first divergence"]
+    return table(header, grouped(rows)) + ["", res.source(files, doc)]
+
+
+def t_endpoint_probe(res, doc):
+    entries = [("endpoint-probe-qwen05.json", "native", "native (Candle's dispatch)"),
+               ("endpoint-probe-qwen05.json", "invariant", "invariant"),
+               ("endpoint-probe-qwen05-gated.json", "gated", "gated over native (the packaged calibration)"),
+               ("endpoint-probe-qwen05-llamacpp.json", "llama.cpp", "llama-cpp-python server")]
+    rows = []
+    for f, key, label in entries:
+        s = res(f)["servers"][key]
+        m = s["summary"]
+        divs = m["divergences"]
+        gaps = m.get("gap_at_divergence")
+        g = s.get("gate") or {}
+        flipped = f"{m['prompts_flipped']}/{m['prompts']}"
+        rows.append([
+            label, str(m["requests"]), f"**{flipped}**" if m["prompts_flipped"] else flipped,
+            ", ".join(str(x["position"]) for x in sorted(divs, key=lambda x: x["position"])) or "–",
+            (f3(gaps["min"]) if gaps["min"] == gaps["max"] else f"{f3(gaps['min'])}–{f3(gaps['max'])}") if gaps else "–",
+            f"{thousands(g['rechecks'])} of {thousands(g['steps'])} steps" if g.get("rechecks") else "–",
+        ])
+    header = ["server", "requests", "prompts with >1 distinct completion", "first divergence (tokens)",
+              "top-1/top-2 logprob gap there", "gate rechecks"]
+    return table(header, rows) + ["", res.source(list(dict.fromkeys(f for f, _, _ in entries)), doc)]
+
+
+def t_cuda_timings(res, doc):
+    name = "cuda-check-h200-v1.json"
+    t = res(name)["timings"]
+    row_counts = sorted({x["rows"] for x in t})
+    keys = list(dict.fromkeys((x["model"], x["matmul"], x["dtype"], tuple(x["shape"])) for x in t))
+    labels = {"smollm2-135m": "SmolLM2-135M", "qwen2.5-0.5b": "Qwen2.5-0.5B", "qwen2.5-1.5b": "Qwen2.5-1.5B"}
+    rows = []
+    for k in keys:
+        by_rows = {x["rows"]: x for x in t if (x["model"], x["matmul"], x["dtype"], tuple(x["shape"])) == k}
+        rows.append([labels.get(k[0], k[0]), k[1], k[2], f"[{k[3][0]}, {k[3][1]}]"] + [
+            f"{by_rows[r]['invariant_us']:.0f} / {by_rows[r]['native_us']:.0f}" if r in by_rows else "" for r in row_counts])
+    header = ["model", "matmul", "dtype", "[n, k]"] + [f"{r} row{'s' if r > 1 else ''}" for r in row_counts]
+    return table(header, grouped(rows)) + ["", "µs per call, `invariant` / Candle's `native`. " + res.source([name], doc)]
+
+
+def t_crossover(res, doc):
+    name = "python/candle_gate/profiles/cpu.json"
+    p = res(name)
+    cells = [("q4_1", [1536, 576], 1), ("q4_1", [1536, 576], 8), ("q4_1", [576, 1536], 8), ("q4_1", [1536, 576], 64),
+             ("q8_0", [49152, 576], 1), ("q8_0", [49152, 576], 8)]
+    kernels = ["gemv_row_split", "invariant", "gemm", "candle"]
+    rows = []
+    for dtype, shape, n in cells:
+        ns = {x["kernel"]: x["ns_per_call"] for x in p["dtypes"][dtype]["table"] if x["shape"] == shape and x["rows"] == n}
+        rows.append([f"{dtype} [{shape[0]}, {shape[1]}]", str(n)] + [f"{ns[k] / 1000:.1f}" for k in kernels]
+                    + [ratio(ns["candle"], ns["invariant"])])
+    header = ["dtype, [n, k]", "rows", "row-split gemv", "invariant", "gemm", "Candle QMatMul", "invariant vs Candle"]
+    cross = "; ".join(f"{dt} gemm from {v['crossover_rows']} rows (`row_split_max` {v['row_split_max']})"
+                      for dt, v in p["dtypes"].items())
+    return table(header, rows) + ["", f"µs per call (excerpt). Measured crossovers: {cross}. " + res.source([name], doc)]
+
+
+# ---------------------------------------------------------------- the registry
+
+TABLES = {
+    "headline": t_headline,
+    "vs-llama-cpp-zen1": t_vs_llama_cpp_zen1,
+    "vs-llama-cpp-xeon": t_vs_llama_cpp_xeon,
+    "vs-llama-cpp-zen3": t_vs_llama_cpp_zen3,
+    "long-context-zen4": t_long_context_zen4,
+    "zen4-latest": t_zen4_latest,
+    "eight-streams-zen4": t_eight_streams_zen4,
+    "grouped-attention-vs-llama-cpp": t_grouped_attention_vs_llama_cpp,
+    "q8_0-avx512-vs-llama-cpp": t_q8_0_avx512_vs_llama_cpp,
+    "long-context-2rounds": t_long_context_2rounds,
+    "kquant-vs-llama-cpp": t_kquant_vs_llama_cpp,
+    "packed-q4_k-vs-llama-cpp": t_packed_q4_k_vs_llama_cpp,
+    "no-prefetch-vs-llama-cpp": t_no_prefetch_vs_llama_cpp,
+    "huge-pages-vs-llama-cpp": t_huge_pages_vs_llama_cpp,
+    "avx512-attention-vs-llama-cpp": t_avx512_attention_vs_llama_cpp,
+    "packed-q4_1-vs-llama-cpp": t_packed_q4_1_vs_llama_cpp,
+    "gemma-vs-llama-cpp": t_gemma_vs_llama_cpp,
+    "canonical-quantize": t_canonical_quantize,
+    "canonical-scalar": t_canonical_scalar,
+    "ab-session-start-xeon": t_ab_session_start_xeon,
+    "peers": t_peers,
+    "peers-canonical": t_peers_canonical,
+    "ab-no-prefetch": t_ab_no_prefetch,
+    "ab-q8_0-scales": t_ab_q8_0_scales,
+    "ab-issue31": t_ab_issue31,
+    "ab-q8_0-avx512": t_ab_q8_0_avx512,
+    "ab-packed-q4_1": t_ab_packed_q4_1,
+    "speculative": t_speculative,
+    "speculative-draft": t_speculative_draft,
+    "speculative-ngram-longest": t_speculative_ngram_longest,
+    "speculative-ngram-longest-k5-12": t_speculative_ngram_longest_k5_12,
+    "speculative-draft-completion-packed": t_speculative_draft_completion_packed,
+    "ab-draft-kquant": t_ab_draft_kquant,
+    "serve-load": t_serve_load,
+    "prefix-cache-chat": t_prefix_cache_chat,
+    "prefix-cache-system": t_prefix_cache_system,
+    "prefix-cache-itl": t_prefix_cache_itl,
+    "ray-overhead": t_ray_overhead,
+    "ray-settings": t_ray_settings,
+    "ray-interval": t_ray_interval,
+    "ray-larger-models": t_ray_larger_models,
+    "ray-one-thread": t_ray_one_thread,
+    "ray-routing": t_ray_routing,
+    "ray-server-itl": t_ray_server_itl,
+    "ray-idle": t_ray_idle,
+    "gate-heldout": t_gate_heldout,
+    "endpoint-probe": t_endpoint_probe,
+    "kv-dtype-agreement": t_kv_dtype_agreement,
+    "cuda-timings": t_cuda_timings,
+    "crossover": t_crossover,
+}
+
+# ---------------------------------------------------------------- documents
+
+MARKER = re.compile(r"^(?P<indent>[ \t]*)<!-- table:(?P<name>[A-Za-z0-9_.-]+) -->[ \t]*\n"
+                    r"(?P<body>.*?)"
+                    r"^(?P=indent)<!-- /table:(?P=name) -->[ \t]*$", re.M | re.S)
+ANY_MARKER = re.compile(r"<!-- (/?)table:([^ ]*) -->")
+
+
+def render_document(text: str, doc: str, res: Results, tables: dict = TABLES) -> tuple[str, list[str]]:
+    """`text` with every marked table rendered, and the names rendered."""
+    names: list[str] = []
+
+    def one(m: re.Match) -> str:
+        name, indent = m.group("name"), m.group("indent")
+        if name not in tables:
+            raise RenderError(f"{doc}: marker names no table: {name}")
+        names.append(name)
+        body = tables[name](res, doc)
+        lines = [f"<!-- table:{name} -->"] + body + [f"<!-- /table:{name} -->"]
+        return "\n".join((indent + line) if line else "" for line in lines)
+
+    out = MARKER.sub(one, text)
+    # A marker the pattern did not pair (a typo, a missing end) is an error, not a silent skip.
+    opened = [n for closing, n in ANY_MARKER.findall(text) if not closing]
+    closed = [n for closing, n in ANY_MARKER.findall(text) if closing]
+    if sorted(opened) != sorted(names) or sorted(closed) != sorted(names):
+        raise RenderError(f"{doc}: unpaired table markers: opened {sorted(set(opened) - set(names))}, "
+                          f"closed {sorted(set(closed) - set(names))}")
+    return out, names
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    s = heading.strip().lower()
+    s = re.sub(r"<[^>]+>", "", s)
+    s = "".join(ch for ch in s if ch in " -_" or unicodedata.category(ch)[0] in "LN")
+    return s.replace(" ", "-")
+
+
+def anchors(text: str) -> set[str]:
+    seen: dict[str, int] = {}
+    out = set()
+    in_code = False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        if in_code:
+            continue
+        m = re.match(r"^#{1,6} (.*?)#*\s*$", line)
+        if m:
+            s = slug(m.group(1))
+            n = seen.get(s, 0)
+            seen[s] = n + 1
+            out.add(s if n == 0 else f"{s}-{n}")
+    out.update(re.findall(r'<a (?:id|name)="([^"]+)"', text))
+    return out
+
+
+BENCH_LINK = re.compile(r"\]\((?:[./]*docs/|\./|)BENCHMARKS\.md#([^)\s]+)\)")
+
+
+def broken_links(root: Path, benchmarks_text: str) -> list[str]:
+    known = anchors(benchmarks_text)
+    bad = [f"docs/BENCHMARKS.md: no section #{a}" for a in re.findall(r"\]\(#([^)\s]+)\)", benchmarks_text)
+           if a not in known]
+    for pattern in LINKING_DOCUMENTS:
+        for path in sorted(root.glob(pattern)):
+            text = path.read_text()
+            for m in BENCH_LINK.finditer(text):
+                if m.group(1) not in known:
+                    bad.append(f"{path.relative_to(root)}: no section #{m.group(1)} in docs/BENCHMARKS.md")
+    return bad
+
+
+def run(root: Path, check: bool) -> int:
+    res = Results(root)
+    rendered: list[str] = []
+    stale = []
+    new_texts = {}
+    for doc in DOCUMENTS:
+        path = root / doc
+        text = path.read_text()
+        new, names = render_document(text, doc, res)
+        rendered += names
+        new_texts[doc] = new
+        if new != text:
+            stale.append(doc)
+    problems = [f"table {n} is rendered into no document" for n in TABLES if n not in rendered]
+    problems += broken_links(root, new_texts["docs/BENCHMARKS.md"])
+    for p in problems:
+        print(p, file=sys.stderr)
+    if check:
+        for doc in stale:
+            print(f"{doc} differs from what benches/render_benchmarks.py writes: run it and commit the result",
+                  file=sys.stderr)
+        return 1 if stale or problems else 0
+    for doc in stale:
+        (root / doc).write_text(new_texts[doc])
+        print(f"rewrote {doc}")
+    return 1 if problems else 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 if a document is not as rendered")
+    ap.add_argument("--root", type=Path, default=ROOT, help="the repository root (default: this script's)")
+    args = ap.parse_args(argv)
+    try:
+        return run(args.root, args.check)
+    except RenderError as e:
+        print(f"render_benchmarks: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
