@@ -17,7 +17,7 @@ alone, in a burst and interleaved at each ``--concurrency``; docs/ENDPOINT_PROBE
   the one shipped in the package);
 * ``llama.cpp``: ``python -m llama_cpp.server`` (llama-cpp-python) on the same GGUF.
 
-Prompts: the first ``--prompts`` held-out chats of benches/prompts/heldout_chats.json. Writes one
+Prompts: the first ``--prompts`` held-out chats of tests/data/heldout_chats.json. Writes one
 JSON (``--json``; each server's summary, its command and the probe's full report, rewritten
 after each server) and prints a side-by-side table: prompts with more than one distinct
 completion, the most distinct completions of a prompt, the mean majority share (K/N), the first
@@ -44,7 +44,7 @@ from candle_gate.cli import parse_concurrency  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL = "qwen2.5-coder-0.5b-instruct-q4_k_m"
-PROMPTS = os.path.join(HERE, "prompts", "heldout_chats.json")
+PROMPTS = os.path.join(HERE, "..", "tests", "data", "heldout_chats.json")
 OUT = os.path.join(HERE, "results", "endpoint-probe-qwen05.json")
 SERVERS = ("native", "invariant", "gated", "llama.cpp")
 FORMAT = "candle-gate endpoint probe bench 1"

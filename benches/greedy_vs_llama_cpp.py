@@ -5,7 +5,7 @@ tokens, and how close was that call?
     python benches/greedy_vs_llama_cpp.py [--model gemma-3-270m-q4_k_m] [--prompts 24] [--new-tokens 32]
                                           [--json OUT]
 
-The prompts are the held-out chats (``benches/prompts/heldout_chats.json``, disjoint from the
+The prompts are the held-out chats (``tests/data/heldout_chats.json``, disjoint from the
 calibration prompts), rendered by the model's chat template, or given as plain text to a base
 model without one. Each prompt is decoded greedily, alone, by candle-gate (``invariant`` mode)
 and by llama.cpp (one sequence, its logits read each step), from the same token ids. For every
@@ -27,7 +27,7 @@ import candle_gate
 from candle_gate import Engine, Model
 from candle_gate.bench import chat_ids
 
-HELDOUT = Path(__file__).parent / "prompts" / "heldout_chats.json"
+HELDOUT = Path(__file__).parent.parent / "tests" / "data" / "heldout_chats.json"
 
 
 def llama_greedy(llm, ids, n):

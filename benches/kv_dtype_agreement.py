@@ -3,7 +3,7 @@
     python benches/kv_dtype_agreement.py [--models smollm2-135m-instruct-q4_1,qwen2.5-coder-0.5b-instruct-q4_k_m]
                                          [--new-tokens 64] [--chats N] [--json OUT]
 
-For each held-out chat (``benches/prompts/heldout_chats.json``) three greedy runs of the same
+For each held-out chat (``tests/data/heldout_chats.json``) three greedy runs of the same
 model: the ``invariant`` fast lane with f16 K/V (the default), the same with f32 K/V, and the
 oracle: every step decided in the reference lane (exact FP32 matmuls) over a cache the reference
 lane rebuilt itself, in f32 (``gate="always"`` with a ``deep_tau`` above any margin). Printed per model:
@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     ap.add_argument("--chats", type=int, default=0, help="the first N held-out chats (0: all)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
-    with open(os.path.join(HERE, "prompts", "heldout_chats.json")) as f:
+    with open(os.path.join(HERE, "..", "tests", "data", "heldout_chats.json")) as f:
         chats = json.load(f)
     if a.chats:
         chats = chats[:a.chats]

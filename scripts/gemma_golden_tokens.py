@@ -1,5 +1,5 @@
 """Writes tests/data/gemma3_llama_cpp_tokens.json: llama.cpp's token ids (through
-llama-cpp-python, `pip install ".[peer]"`) for tests/test_gemma.py's texts on Gemma 3's GGUF,
+llama-cpp-python, `pip install ".[peer]"`) for tests/models/test_gemma.py's texts on Gemma 3's GGUF,
 the ids the tokenizer test holds candle-gate to. Rerun after changing the texts:
 
     python scripts/gemma_golden_tokens.py
@@ -13,8 +13,8 @@ import llama_cpp
 import candle_gate
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-from test_gemma import GEMMA, TEXTS  # noqa: E402
+sys.path.insert(0, str(ROOT))
+from tests.models.test_gemma import GEMMA, TEXTS  # noqa: E402
 
 llm = llama_cpp.Llama(str(candle_gate.resolve(GEMMA)), vocab_only=True, verbose=False)
 golden = {

@@ -4,7 +4,7 @@ The generation and tokenizer endpoints parse their bodies themselves (strictly, 
 type is a 400 in OpenAI's shape), so their request bodies are declared here from the same models;
 the responses declare the success bodies, the SSE events of a stream, and every error status an
 endpoint returns. FastAPI's 422 is left out (it never reaches a client). With ``--api-key`` the
-endpoints that need the key declare bearer authentication. tests/test_server_schema.py checks the
+endpoints that need the key declare bearer authentication. tests/server/test_server_schema.py checks the
 server against this document with schemathesis.
 """
 from __future__ import annotations

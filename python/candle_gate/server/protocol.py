@@ -4,7 +4,7 @@ The requests are parsed strictly (``"0.5"`` is not a number) and their fields ca
 own bounds, so that the OpenAPI document says what the server accepts and a value out of range is
 refused naming the field. The responses are documentation: the serving code builds plain dicts in
 these shapes (``serving_completion.py``, ``serving_chat.py``) and schemathesis checks them against
-these models (tests/test_server_schema.py).
+these models (tests/server/test_server_schema.py).
 """
 from __future__ import annotations
 

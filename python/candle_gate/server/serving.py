@@ -8,7 +8,7 @@ endpoint's shapes: its prompt, its choices, its streamed pieces, its logprobs.
 
 The worker is anything with ``submit(ids, params, queue, max_queue) -> id`` (blocking; it
 delivers lists of events into ``queue`` on the event loop, as :class:`~.worker.EngineWorker`
-does) and ``cancel(id)``: tests/test_serving.py drives this module with a fake one.
+does) and ``cancel(id)``: tests/server/test_serving.py drives this module with a fake one.
 """
 from __future__ import annotations
 
