@@ -10,6 +10,7 @@ import sys
 import typing
 from typing import Any, Dict, List, Optional
 
+from .. import _native
 from ..engine import ENGINE_DEFAULTS, SamplingParams, speculative_options
 from ..server.settings import DEPRECATED_FLAGS, FLAG_NAMES, Settings
 
@@ -109,6 +110,13 @@ def gate_args(p: argparse.ArgumentParser, choose_gate: bool = True) -> None:
         setting_flag(p, name)
 
 
+def _interval(name: str) -> str:
+    """The engine's bounds on the sampling parameter ``name`` as an interval: ``(0, 1]``."""
+    b = _native.SAMPLING_BOUNDS[name]
+    lo, hi = ("(", b["gt"]) if "gt" in b else ("[", b["ge"]), (b["lt"], ")") if "lt" in b else (b["le"], "]")
+    return f"in {lo[0]}{lo[1]:g}, {hi[0]:g}{hi[1]}"
+
+
 def sampling_flags(p: argparse.ArgumentParser) -> None:
     d = _SAMPLING
     p.add_argument("--temperature", type=float, default=None,
@@ -116,19 +124,19 @@ def sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=None,
                    help=f"sample among the K most likely tokens; 0 is off (default: {d.top_k}, off)")
     p.add_argument("--top-p", type=float, default=None,
-                   help=f"sample among the most likely tokens holding this much probability, in (0, 1] "
+                   help=f"sample among the most likely tokens holding this much probability, {_interval('top_p')} "
                         f"(default: {d.top_p:g}, off)")
     p.add_argument("--min-p", type=float, default=None,
                    help=f"drop tokens less likely than this fraction of the most likely one's probability, "
-                        f"in [0, 1] (default: {d.min_p:g}, off)")
+                        f"{_interval('min_p')} (default: {d.min_p:g}, off)")
     p.add_argument("--repetition-penalty", type=float, default=None,
-                   help=f"CTRL's penalty on tokens already in the prompt or output, in (0, 10] "
+                   help=f"CTRL's penalty on tokens already in the prompt or output, {_interval('repetition_penalty')} "
                         f"(default: {d.repetition_penalty:g}, off)")
     p.add_argument("--presence-penalty", type=float, default=None,
-                   help=f"OpenAI's: subtracted from the logit of every token already generated, in [-2, 2] "
+                   help=f"OpenAI's: subtracted from the logit of every token already generated, {_interval('presence_penalty')} "
                         f"(default: {d.presence_penalty:g}, off)")
     p.add_argument("--frequency-penalty", type=float, default=None,
-                   help=f"OpenAI's: subtracted once per occurrence in the output so far, in [-2, 2] "
+                   help=f"OpenAI's: subtracted once per occurrence in the output so far, {_interval('frequency_penalty')} "
                         f"(default: {d.frequency_penalty:g}, off)")
     p.add_argument("--seed", type=int, default=None,
                    help="key of every draw (default: one drawn per request and reported)")

@@ -63,7 +63,7 @@ def main(a: argparse.Namespace) -> int:
         if a.ray_address:
             print("candle-gate serve: --ray-address needs --replicas N or --autoscaling-config", file=sys.stderr)
             return 2
-        return server_app.serve(a)
+        return server_app.serve(Settings.from_args(a))
     if a.replicas is not None and a.autoscaling_config is not None:
         print("candle-gate serve: give --replicas N or --autoscaling-config, not both", file=sys.stderr)
         return 2

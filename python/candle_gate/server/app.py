@@ -10,14 +10,13 @@ and stops the engine thread.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import hmac
 import signal
 import threading
 import time
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Callable, Dict, Optional, Union
+from typing import Any, AsyncIterator, Callable, Dict, Optional
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -349,13 +348,11 @@ def timed_head_protocol(timeout: float) -> type:
     return TimedHeadProtocol
 
 
-def serve(settings: Union[Settings, argparse.Namespace]) -> int:
+def serve(settings: Settings) -> int:
     """``candle-gate serve``: the app under uvicorn until SIGTERM or Ctrl-C (docs/SERVER.md,
     "Cancellation and shutdown"); 0 once drained, 1 when the model cannot be loaded."""
     import uvicorn
 
-    if not isinstance(settings, Settings):
-        settings = Settings.from_args(settings)
     app = create_app(settings)
     st: ServerState = app.state.server
     s = settings
