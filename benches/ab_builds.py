@@ -44,7 +44,7 @@ def long_context_child(argv):
     import vs_llama_cpp as v
     from candle_gate import Model
     model, context, new, threads, concurrency = argv[0], int(argv[1]), int(argv[2]), int(argv[3]), argv[4]
-    m = Model.load(model, mode="invariant")
+    m = Model.load(model)  # invariant's layout, the default in every build
     out = [{"concurrency": c, "tok_per_s": v.candle_gate_run(m, [v.long_prompt(m, context, i) for i in range(c)],
                                                              new, threads)["decode_tok_s"]}
            for c in [int(x) for x in concurrency.split(",")]]

@@ -51,10 +51,10 @@ def _one(r: candle_gate.Result) -> Dict[str, Any]:
 
 
 def record_mode(model_name: str, mode: str) -> Dict[str, Any]:
-    model = candle_gate.Model.load(model_name, mode=mode, quiet=True)
+    model = candle_gate.Model.load(model_name, layout=candle_gate.layout_for(mode), quiet=True)
     out: Dict[str, Any] = {}
     for gate in ("off", "always"):
-        eng = candle_gate.Engine(model, gate=gate, max_num_seqs=8, record_logit_hashes=True)
+        eng = candle_gate.Engine(model, mode=mode, gate=gate, max_num_seqs=8, record_logit_hashes=True)
         ids = [eng.submit(p, max_new_tokens=MAX_NEW_TOKENS) for p in PROMPTS]
         ids += [eng.submit(p, max_new_tokens=MAX_NEW_TOKENS, temperature=0.8, top_p=0.95, seed=s, logprobs=True)
                 for p, s in SAMPLED]

@@ -57,7 +57,8 @@ fn main() {
         .into_iter()
         .map(|m| Arc::new(Policy::new(m)))
         .collect();
-    let models: Vec<Model> = policies.iter().map(|p| Model::load(&path, p.clone()).unwrap()).collect();
+    let models: Vec<Model> =
+        policies.iter().map(|p| Model::load(&path, WeightLayout::for_mode(p.mode)).unwrap()).collect();
     let prompt = models[0].tokenizer.encode(PROMPT).unwrap();
     // (label, model index, worker pool): every mode on rayon, invariant also on Candle's pool.
     let runs: Vec<(String, usize, Pool)> = policies

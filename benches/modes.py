@@ -21,7 +21,7 @@ import time
 from typing import Dict, List
 
 import candle_gate
-from candle_gate import Engine, Model
+from candle_gate import Engine, Model, layout_for
 from candle_gate.bench import throughput
 
 
@@ -72,7 +72,7 @@ def main() -> int:
     out: Dict = {"host": cpu_name(), "commit": commit, "modes": modes, "models": {}}
     print(f"host: {out['host']}, commit {commit}; {modes[0]} / {modes[1]}, best of {a.rounds} alternating rounds")
     for name in a.models.split(","):
-        loaded = {m: Model.load(name, mode=m) for m in modes}
+        loaded = {m: Model.load(name, layout=layout_for(m)) for m in modes}
         ids = long_ids(loaded[modes[0]], a.prefill) if a.prefill else []
         best: Dict[str, Dict[str, float]] = {m: {} for m in modes}
         for _ in range(a.rounds):

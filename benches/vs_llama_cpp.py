@@ -99,7 +99,7 @@ from typing import Dict, List
 import numpy as np
 
 import candle_gate
-from candle_gate import Engine, Model
+from candle_gate import Engine, Model, layout_for
 from candle_gate.bench import bench_ids
 
 
@@ -595,7 +595,7 @@ def main(argv=None) -> int:
         # A shared host's bandwidth moves: measured again before each model, and the best seen is
         # the limit (the share is then, if anything, understated).
         bw = max(bw, read_bandwidth_gbs(a.threads))
-        model = Model.load(name, mode=a.mode)
+        model = Model.load(name, layout=layout_for(a.mode))
         for ctx in contexts:
             for c in streams:
                 row, bw = compare(model, name, ctx, c, a, bw)

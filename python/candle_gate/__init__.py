@@ -12,15 +12,16 @@
 ``candle_gate.probe`` is the probe's package (``runner``: the compositions; ``report``: the table,
 the JSON and the PNG); ``candle_gate.run_probe`` is ``candle_gate.probe.run_probe``.
 """
-from ._native import CandleGateError, EngineShutDown, InvalidParameter, CUDA_AVAILABLE, METAL_AVAILABLE, __version__
+from ._native import (CandleGateError, EngineShutDown, InvalidParameter, CUDA_AVAILABLE, METAL_AVAILABLE, __version__,
+                      layout_for)
 from .models import DEFAULT_MODEL, cache_dir, fetch, resolve
-from .engine import Engine, Model, Result, SamplingParams, MODES, GATES, PACKAGED_PROFILE, user_profile_path
+from .engine import Engine, Model, Result, SamplingParams, MODES, GATES, LAYOUTS, PACKAGED_PROFILE, user_profile_path
 from .probe import run_probe
 from .audit import Verification, verify
 
 __all__ = [
     "CandleGateError", "EngineShutDown", "InvalidParameter", "CUDA_AVAILABLE", "METAL_AVAILABLE", "__version__",
     "DEFAULT_MODEL", "cache_dir", "fetch", "resolve",
-    "Engine", "Model", "Result", "SamplingParams", "MODES", "GATES", "PACKAGED_PROFILE",
+    "Engine", "Model", "Result", "SamplingParams", "MODES", "GATES", "LAYOUTS", "layout_for", "PACKAGED_PROFILE",
     "user_profile_path", "run_probe", "verify", "Verification",
 ]

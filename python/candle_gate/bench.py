@@ -25,7 +25,7 @@ import time
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 from .calibrate import CALIBRATION_MODE
-from .engine import DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODE, Engine, Model, resolve_gate
+from .engine import DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODE, Engine, Model, layout_for, resolve_gate
 from .probe.common import check_concurrency
 
 # Chat prompts that ask for long answers, so requests rarely stop before max_new_tokens.
@@ -99,14 +99,14 @@ def throughput(model: Union[None, str, Model] = None, mode: str = DEFAULT_MODE,
     """``{"mode", "gate", "speculative", "results": [{"concurrency": c, "tok_per_s": x,
     "acceptance": drafts kept / proposed or None}]}``: aggregate decode tok/s for each concurrency
     (see the module docstring), with ``speculative`` as ``Engine(speculative=...)`` takes it. The
-    mode, the gate and its numbers are checked by the Rust side (resolve_gate, Model.load, the
+    mode, the gate and its numbers are checked by the Rust side (resolve_gate, the
     engines)."""
     resolve_gate(gate, tau, deep_tau, profile)  # a bad gate fails before the model loads
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 2:
         raise ValueError(f"max_new_tokens must be an int >= 2 (the first token is not timed), got {max_new_tokens!r}")
     cs = check_concurrency(concurrency_list)
     if not isinstance(model, Model):
-        model = Model.load(model, mode=mode, profile=profile)
+        model = Model.load(model, layout=layout_for(mode))
     if warmup:
         _measure(model, mode, 1, 2, gate, tau, profile, deep_tau, speculative=speculative)
     results = []
@@ -122,13 +122,13 @@ def gate_cost(model: Union[None, str, Model] = None, mode: str = CALIBRATION_MOD
               profile: Optional[str] = None, repeats: int = 2,
               sampling: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Off / gated / always side by side (see the module docstring). The mode and the gate's
-    numbers are checked by the Rust side (Model.load, the engines)."""
+    numbers are checked by the Rust side (the engines)."""
     if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency <= 0:
         raise ValueError(f"concurrency must be a positive int, got {concurrency!r}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 2:
         raise ValueError(f"max_new_tokens must be an int >= 2, got {max_new_tokens!r}")
     if not isinstance(model, Model):
-        model = Model.load(model, mode=mode, profile=profile)
+        model = Model.load(model, layout=layout_for(mode))
     # Resolve tau once (explicit, else the profile's) so that every run uses the same numbers.
     probe_engine = Engine(model, mode=mode, profile=profile, gate="gated", tau=tau, deep_tau=deep_tau)
     tau, deep_tau = probe_engine.tau, probe_engine.deep_tau
@@ -167,7 +167,7 @@ def sampling_cost(model: Union[None, str, Model] = None, mode: str = DEFAULT_MOD
         raise ValueError(f"max_new_tokens must be an int >= 2, got {max_new_tokens!r}")
     cs = check_concurrency(concurrency_list)
     if not isinstance(model, Model):
-        model = Model.load(model, mode=mode)
+        model = Model.load(model, layout=layout_for(mode))
     _measure(model, mode, 1, 2, "off", None, None, sampling=sampling)
     results = []
     for c in cs:

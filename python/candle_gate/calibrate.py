@@ -38,7 +38,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import numpy as np
 
 from . import _native
-from .engine import DEFAULT_MAX_NEW_TOKENS, MODES, Model, Result
+from .engine import DEFAULT_MAX_NEW_TOKENS, MODES, Model, Result, layout_for
 from .probe import Runner, check_prompts, progress_bar
 
 # Disjoint from probe.DEFAULT_PROMPTS.
@@ -166,10 +166,10 @@ def calibrate_gate(model: Union[None, str, Model] = None, mode: str = CALIBRATIO
         prompts = prompts[:6]
         max_new_tokens = min(max_new_tokens, 16)
     if isinstance(model, Model):
-        if model.mode != mode:
-            model = Model.load(model.path, mode=mode, profile=profile)
+        if model.layout != layout_for(mode):
+            model = Model.load(model.path, layout=layout_for(mode))
     else:
-        model = Model.load(model, mode=mode, profile=profile)
+        model = Model.load(model, layout=layout_for(mode))
 
     runner = Runner(model, prompts, max_new_tokens, mode, "shadow", 0.0, profile)
     base, batch, ref, recheck, by_comp = _shadow_runs(runner, progress)

@@ -20,7 +20,9 @@ from . import _native
 from .models import resolve
 
 MODES = tuple(_native.MODES)  # the Rust enums own the names
+LAYOUTS = tuple(_native.LAYOUTS)
 DEFAULT_MODE: str = _native.DEFAULT_MODE
+layout_for = _native.layout_for  # the weight layout a mode reads fastest
 GATES = tuple(_native.GATES)
 SPECULATIVE_METHODS = tuple(_native.SPECULATIVE_METHODS)
 
@@ -141,13 +143,15 @@ def speculative_options(method: Optional[str], num_speculative_tokens: Optional[
     return {"method": method, **{k: v for k, v in given.items() if v is not None}}
 
 
-def _with_loaded_draft(speculative: Optional[Dict[str, Any]], quiet: bool = False) -> Optional[Dict[str, Any]]:
-    """``speculative`` with its ``draft_model`` (a known name, a path or a :class:`Model`) loaded."""
+def _with_loaded_draft(speculative: Optional[Dict[str, Any]], layout: Optional[str] = None,
+                       quiet: bool = False) -> Optional[Dict[str, Any]]:
+    """``speculative`` with its ``draft_model`` (a known name, a path or a :class:`Model`) loaded,
+    in ``layout`` (the target's)."""
     if not isinstance(speculative, dict) or "draft_model" not in speculative:
         return speculative
     draft = speculative["draft_model"]
     if isinstance(draft, (str, os.PathLike)):
-        draft = Model.load(os.fspath(draft), quiet=quiet)
+        draft = Model.load(os.fspath(draft), layout=layout, quiet=quiet)
     return {**speculative, "draft_model": draft._native if isinstance(draft, Model) else draft}
 
 
@@ -169,27 +173,36 @@ def _invalid(param: str, msg: str) -> "_native.InvalidParameter":
 
 
 class Model:
-    """A loaded GGUF model. ``mode`` picks the fast lane's kernels (see README)."""
+    """A loaded GGUF model: its weights in one ``layout`` and its tokenizer. Which kernels run
+    over it (the mode, a profile's thresholds) is an :class:`Engine`'s to choose."""
 
     def __init__(self, native: "_native.Model"):
         self._native = native
 
     @classmethod
-    def load(cls, name_or_path: Optional[str] = None, mode: str = "invariant",
-             profile: Optional[str] = None, quiet: bool = False) -> "Model":
-        if mode not in MODES:  # Rust's names; checked here before resolve() may download
-            raise _invalid("mode", f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+    def load(cls, name_or_path: Optional[str] = None, layout: Optional[str] = None, quiet: bool = False,
+             **removed: Any) -> "Model":
+        """``layout``: how the weights sit in memory (``_native.LAYOUTS``); every mode reads every
+        layout with the same bits, the mode a layout was made for fastest. Default: the default
+        mode's (``layout_for(mode)`` gives a mode's)."""
+        if removed:
+            raise TypeError(
+                f"Model.load() takes no {', '.join(sorted(removed))}: the kernel mode and profile are "
+                "the engine's (Engine(model, mode=..., profile=...)); load the weights in that mode's "
+                "layout with Model.load(name, layout=candle_gate.layout_for(mode))")
+        if layout is not None and layout not in LAYOUTS:  # before resolve() may download
+            raise _invalid("layout", f"unknown weight layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
         path = resolve(name_or_path, quiet=quiet)
-        return cls(_native.Model.load(str(path), mode, profile))
+        return cls(_native.Model.load(str(path), layout))
 
     @property
     def path(self) -> str:
         return self._native.path
 
     @property
-    def mode(self) -> str:
-        """The fast lane's kernel policy this model was loaded with."""
-        return self._native.mode
+    def layout(self) -> str:
+        """How the weights sit in memory; an engine given no mode runs the one it was made for."""
+        return self._native.layout
 
     @property
     def config(self) -> Dict[str, Any]:
@@ -278,7 +291,7 @@ class Engine:
                  kv_dtype: str = _D["kv_dtype"], enable_prefix_caching: bool = _D["enable_prefix_caching"],
                  speculative: Optional[Dict[str, Any]] = None):
         if not isinstance(model, Model):
-            model = Model.load(model)
+            model = Model.load(model, layout=_native.layout_for(mode or _native.DEFAULT_MODE))
         self.model = model
         # Every argument is checked by the Rust engine (names, numbers, budgets, the profile and
         # the gate rule), with errors that name the argument.
@@ -288,7 +301,7 @@ class Engine:
             prefill_chunk=prefill_chunk, kv_budget_tokens=kv_budget_tokens, kv_dtype=kv_dtype, threads=threads,
             record_logit_hashes=record_logit_hashes, row_split_max=row_split_max,
             gate_profiles=gate_profiles(profile), enable_prefix_caching=enable_prefix_caching,
-            speculative=_with_loaded_draft(speculative))
+            speculative=_with_loaded_draft(speculative, layout=model.layout))
 
     @property
     def speculative(self) -> Optional[str]:

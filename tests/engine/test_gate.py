@@ -17,6 +17,8 @@ pytestmark = pytest.mark.model  # loads a model, or serves one
 
 # The profile shipped in the package: its SmolLM2 split_k_f16 calibration.
 PROFILE = candle_gate.PACKAGED_PROFILE
+#: the lane the gate is calibrated and tested on: its bits follow the batch
+F16 = "split_k_f16"
 
 # Eight chats decoded as one batch; without the gate two of them leave their batch-1 path (the
 # same two on every host: the lane's bits are a function of the values and the row count).
@@ -31,13 +33,13 @@ TAU = CALIBRATED["tau"]
 
 @pytest.fixture(scope="module")
 def f16_model():
-    return candle_gate.Model.load(mode="split_k_f16")
+    return candle_gate.Model.load(layout=candle_gate.layout_for(F16))
 
 
 def run(model, gate):
     kw = {"profile": PROFILE} if gate == "gated" else {}
-    alone = [Engine(model, gate=gate, **kw).generate([c], max_new_tokens=N)[0] for c in CHATS]
-    eng = Engine(model, gate=gate, **kw)
+    alone = [Engine(model, mode=F16, gate=gate, **kw).generate([c], max_new_tokens=N)[0] for c in CHATS]
+    eng = Engine(model, mode=F16, gate=gate, **kw)
     batched = eng.generate(CHATS, max_new_tokens=N)
     return alone, batched, eng.gate_stats()
 
@@ -66,17 +68,17 @@ def test_gated_restores_identical_sequences_with_few_rechecks(f16_model):
 
 
 def test_engine_reads_tau_and_deep_tau_from_the_profile(f16_model):
-    e = Engine(f16_model, gate="gated", profile=PROFILE)
+    e = Engine(f16_model, mode=F16, gate="gated", profile=PROFILE)
     assert e.tau == pytest.approx(CALIBRATED["tau"]) and e.deep_tau == pytest.approx(CALIBRATED["deep_tau"])
-    e = Engine(f16_model, gate="gated", profile=PROFILE, tau=0.5)
+    e = Engine(f16_model, mode=F16, gate="gated", profile=PROFILE, tau=0.5)
     assert e.tau == 0.5 and e.deep_tau == pytest.approx(0.25)
 
 
 def test_shadow_records_the_recheck_and_changes_nothing(f16_model):
     chat = CHATS[1]
-    off = Engine(f16_model, gate="off", record_logit_hashes=True).generate([chat], max_new_tokens=12)[0]
-    shadow = Engine(f16_model, gate="shadow", record_logit_hashes=True).generate([chat], max_new_tokens=12)[0]
-    always = Engine(f16_model, gate="always", deep_tau=0.0).generate([chat], max_new_tokens=12)[0]
+    off = Engine(f16_model, mode=F16, gate="off", record_logit_hashes=True).generate([chat], max_new_tokens=12)[0]
+    shadow = Engine(f16_model, mode=F16, gate="shadow", record_logit_hashes=True).generate([chat], max_new_tokens=12)[0]
+    always = Engine(f16_model, mode=F16, gate="always", deep_tau=0.0).generate([chat], max_new_tokens=12)[0]
     assert shadow.token_ids.tolist() == off.token_ids.tolist()
     assert shadow.logit_hashes.tolist() == off.logit_hashes.tolist()  # the fast lane's K/V were put back
     assert not shadow.rechecked.any() and np.isfinite(shadow.reference_margins).all()
@@ -92,7 +94,7 @@ def test_deep_rechecks_are_the_reference_lane_bit_for_bit(f16_model):
     greedy decoding in the reference lane alone, recomputed here from scratch for every prefix."""
     prompt = "The three primary colors are"
     n = 6
-    r = Engine(f16_model, gate="always", deep_tau=1e9).generate([prompt], max_new_tokens=n)[0]
+    r = Engine(f16_model, mode=F16, gate="always", deep_tau=1e9).generate([prompt], max_new_tokens=n)[0]
     assert r.gate["deep_rechecks"] == n
     ids = f16_model.tokenize(prompt)
     for i in range(n):
@@ -105,7 +107,7 @@ def test_deep_rechecks_are_the_reference_lane_bit_for_bit(f16_model):
 
 def test_gated_without_tau_uses_the_users_calibration_then_the_packaged_one(f16_model, tmp_path, monkeypatch):
     monkeypatch.setenv("CANDLE_GATE_CACHE", str(tmp_path))  # an empty user cache (the model is loaded)
-    e = Engine(f16_model, gate="gated")
+    e = Engine(f16_model, mode=F16, gate="gated")
     assert e.gate_source == f"{PROFILE} ({CALIBRATED['model']}/split_k_f16)"
     assert (e.tau, e.deep_tau) == (pytest.approx(TAU), pytest.approx(CALIBRATED["deep_tau"]))
     # a lane nobody calibrated is refused, naming what the profiles have
@@ -115,30 +117,30 @@ def test_gated_without_tau_uses_the_users_calibration_then_the_packaged_one(f16_
     user = candle_gate.engine.user_profile_path()
     assert user == str(tmp_path / "profile-cpu.json")
     candle_gate.calibrate.merge_gate(user, {**CALIBRATED, "tau": 0.125, "deep_tau": 0.0625})
-    e = Engine(f16_model, gate="gated")
+    e = Engine(f16_model, mode=F16, gate="gated")
     assert (e.tau, e.deep_tau, e.gate_source) == (0.125, 0.0625, f"{user} ({CALIBRATED['model']}/split_k_f16)")
-    assert Engine(f16_model, gate="gated", tau=0.5).gate_source is None
+    assert Engine(f16_model, mode=F16, gate="gated", tau=0.5).gate_source is None
     # ... but only for the lanes it has: another one still comes from the package
     candle_gate.calibrate.merge_gate(user, {**CALIBRATED, "mode": "gemm", "tau": 0.25})
     assert Engine(f16_model, mode="gemm", gate="gated").tau == 0.25
 
 
 def test_always_checks_every_step(f16_model):
-    eng = Engine(f16_model, gate="always")
+    eng = Engine(f16_model, mode=F16, gate="always")
     [r] = eng.generate([CHATS[0]], max_new_tokens=8)
     assert r.rechecked.all() and eng.gate_stats()["rechecks"] == len(r.token_ids)
 
 
 def test_gate_argument_errors(f16_model, tmp_path):
     with pytest.raises(ValueError, match="tau"):
-        Engine(f16_model, gate="gated", tau=-0.5)
+        Engine(f16_model, mode=F16, gate="gated", tau=-0.5)
     with pytest.raises(ValueError, match="tau"):
-        Engine(f16_model, gate="gated", tau=float("nan"))
+        Engine(f16_model, mode=F16, gate="gated", tau=float("nan"))
     with pytest.raises(ValueError, match="unknown gate"):
-        Engine(f16_model, gate="maybe")
+        Engine(f16_model, mode=F16, gate="maybe")
     prof = tmp_path / "p.json"
     prof.write_text('{"backend": "cpu", "created": "x", "dtypes": {}}')
     with pytest.raises(candle_gate.CandleGateError, match=r"no gate calibration for this model .*p\.json has none"):
-        Engine(f16_model, gate="gated", profile=str(prof))
+        Engine(f16_model, mode=F16, gate="gated", profile=str(prof))
     prof.write_text('{"backend": "cpu", "created": "x", "dtypes": {}, "gate": {"tau": 0.25}}')
-    assert "tau=0.25" in Engine(f16_model, gate="gated", profile=str(prof))._native.gate
+    assert "tau=0.25" in Engine(f16_model, mode=F16, gate="gated", profile=str(prof))._native.gate

@@ -303,7 +303,7 @@ def test_cli_generate_samples_with_a_seed():
 
 @pytest.fixture(scope="module")
 def f16_model():
-    return candle_gate.Model.load(mode="split_k_f16")
+    return candle_gate.Model.load(layout=candle_gate.layout_for("split_k_f16"))
 
 
 @pytest.mark.model
@@ -311,13 +311,13 @@ def test_the_gate_holds_sampled_decoding_over_a_lane_that_is_not_invariant(f16_m
     """Seeded sampling (T 0.8, top-p 0.95) over split_k_f16: without the gate a chat leaves its
     batch-1 path; with the greedy-calibrated tau every chat keeps it (docs/DESIGN.md: the
     sampled margin is in logit units, like the greedy one, so the same tau bounds it)."""
-    from .test_gate import CHATS, PROFILE, TAU
+    from .test_gate import CHATS, F16, PROFILE, TAU
     params = [SamplingParams(max_new_tokens=64, temperature=0.8, top_p=0.95, seed=1000 + i) for i in range(len(CHATS))]
 
     def run(gate):
         kw = {"profile": PROFILE} if gate == "gated" else {}
-        alone = [Engine(f16_model, gate=gate, **kw).generate([c], params=p)[0] for c, p in zip(CHATS, params)]
-        eng = Engine(f16_model, gate=gate, **kw)
+        alone = [Engine(f16_model, mode=F16, gate=gate, **kw).generate([c], params=p)[0] for c, p in zip(CHATS, params)]
+        eng = Engine(f16_model, mode=F16, gate=gate, **kw)
         batched = eng.run([eng.submit(c, params=p) for c, p in zip(CHATS, params)])
         return alone, batched, eng.gate_stats()
 

@@ -12,7 +12,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 
 @pytest.fixture(scope="module")
 def canonical():
-    return candle_gate.Model.load(mode="canonical")
+    return candle_gate.Model.load(layout="canonical")
 
 
 def test_canonical_mode_is_listed_and_answers(canonical):
@@ -33,7 +33,7 @@ def test_canonical_mode_gives_a_request_the_same_bits_alone_and_batched(canonica
 def test_canonical_logits_differ_from_invariant_only_by_rounding(canonical):
     # Another order over the same quantized weights: not the same bits as `invariant`, but the
     # same numbers to within activation quantization and rounding.
-    invariant = candle_gate.Model.load(mode="invariant")
+    invariant = candle_gate.Model.load(layout="invariant")
     toks = canonical.tokenize(PROMPTS[1])
     a, b = canonical._native.logits(toks), invariant._native.logits(toks)
     assert a.view(np.uint32).tolist() != b.view(np.uint32).tolist()

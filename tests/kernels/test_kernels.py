@@ -49,20 +49,21 @@ def test_kernel_bad_input_raises(args, needle):
 def test_profile_errors(tmp_path):
     import candle_gate
     from candle_gate import CandleGateError
+    model = candle_gate.Model.load()
     with pytest.raises(CandleGateError, match="cannot read"):
-        candle_gate.Model.load(profile=str(tmp_path / "missing.json"))
+        candle_gate.Engine(model, profile=str(tmp_path / "missing.json"))
     bad = tmp_path / "bad.json"
     bad.write_text("{nope")
     with pytest.raises(CandleGateError, match="not a candle-gate profile"):
-        candle_gate.Model.load(profile=str(bad))
+        candle_gate.Engine(model, profile=str(bad))
     other = tmp_path / "cuda.json"
     other.write_text('{"backend": "cuda", "created": "x", "dtypes": {"q4_1": {"row_split_max": 8, "crossover_rows": 9}}}')
     with pytest.raises(CandleGateError, match="measured on backend"):
-        candle_gate.Model.load(profile=str(other))
+        candle_gate.Engine(model, profile=str(other))
     ok = tmp_path / "cpu.json"
     ok.write_text('{"backend": "cpu", "created": "x", "dtypes": {"q4_1": {"row_split_max": 6, "crossover_rows": 7}}}')
-    m = candle_gate.Model.load(profile=str(ok), mode="row_split")
-    assert "cpu:q4_1=6" in m._native.policy
+    e = candle_gate.Engine(model, profile=str(ok), mode="row_split")
+    assert "cpu:q4_1=6" in e._native.policy
 
 
 def test_the_kernel_tier_is_named_and_capped_by_the_environment():

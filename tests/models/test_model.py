@@ -210,7 +210,12 @@ def test_bad_generate_inputs(model):
     with pytest.raises(TypeError):
         model.generate([3.5], max_new_tokens=4)
     with pytest.raises(ValueError, match="unknown mode"):
-        candle_gate.Model.load(mode="fastest")
+        candle_gate.Engine(model, mode="fastest")
+    with pytest.raises(ValueError, match="unknown weight layout"):
+        candle_gate.Model.load(layout="fastest")
+    # the mode is the engine's: a Model.load given one says where it went
+    with pytest.raises(TypeError, match=r"Engine\(model, mode=\.\.\., profile=\.\.\.\)"):
+        candle_gate.Model.load(mode="canonical")
     with pytest.raises(ValueError, match="outside the vocabulary"):
         model.generate([[10**9]], max_new_tokens=2)
 

@@ -50,8 +50,8 @@ def venv(tmp_path_factory):
 
 
 def _reference(mode, gate):
-    model = candle_gate.Model.load(mode=mode)
-    [r] = candle_gate.Engine(model, gate=gate).generate([PROMPT], max_new_tokens=8)
+    model = candle_gate.Model.load(layout=candle_gate.layout_for(mode))
+    [r] = candle_gate.Engine(model, mode=mode, gate=gate).generate([PROMPT], max_new_tokens=8)
     return r
 
 

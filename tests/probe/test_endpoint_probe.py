@@ -154,11 +154,11 @@ def test_split_k_f16_divergences_match_the_in_process_engine():
     # divergence is that run's own top1-top2 margin there: the near-tie the engine's probe sees.
     # (Which chats diverge, and where, depends on how the burst's arrivals share the server's
     # steps, so positions are not compared with an in-process batch of 8.)
-    model = candle_gate.Model.load(mode="split_k_f16")
+    model = candle_gate.Model.load(layout=candle_gate.layout_for("split_k_f16"))
     runs = {}
     for (stream, i), e in found.items():
         if i not in runs:
-            [runs[i]] = candle_gate.Engine(model).generate([CHATS[i]], max_new_tokens=N)
+            [runs[i]] = candle_gate.Engine(model, mode="split_k_f16").generate([CHATS[i]], max_new_tokens=N)
         alone = runs[i]
         assert alone.text == e["majority"]
         p = e["first_divergence"]

@@ -7,12 +7,13 @@ use std::path::PathBuf;
 use std::str::FromStr;
 use std::sync::{Arc, Mutex};
 
-use candle_gate::dispatch::Backend;
 use candle_gate::engine::options::calibration_lane;
 use candle_gate::engine::{Choice, EngineOptions, Event, Output, SpeculativeConfig, SpeculativeMethod};
 use candle_gate::profile::Profile;
 use candle_gate::reference::ReferenceWeights;
-use candle_gate::{Engine as RsEngine, EngineConfig, GateConfig, GateMode, Mode, Model as RsModel, Policy, Request};
+use candle_gate::{
+    Engine as RsEngine, EngineConfig, GateConfig, GateMode, Mode, Model as RsModel, Policy, Request, WeightLayout,
+};
 use numpy::{IntoPyArray, PyArray1, PyArray2};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyTypeError, PyValueError};
@@ -105,14 +106,6 @@ fn guarded<T>(what: &str, f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
     }
 }
 
-fn make_policy(mode: &str, profile: Option<&str>) -> candle_gate::Result<Policy> {
-    let mode = Mode::from_str(mode)?;
-    match profile {
-        None => Ok(Policy::new(mode)),
-        Some(p) => Profile::load(&PathBuf::from(p))?.policy(Backend::Cpu, mode, p),
-    }
-}
-
 #[pyclass(frozen, module = "candle_gate._native")]
 struct Model {
     inner: Arc<RsModel>,
@@ -120,12 +113,17 @@ struct Model {
 
 #[pymethods]
 impl Model {
+    /// The model at `path`, its weights in `layout` (default: the one the default mode's
+    /// kernels read fastest). The kernels an engine runs over it are the engine's to choose.
     #[staticmethod]
-    #[pyo3(signature = (path, mode = "invariant", profile = None))]
-    fn load(py: Python<'_>, path: PathBuf, mode: &str, profile: Option<&str>) -> PyResult<Self> {
+    #[pyo3(signature = (path, layout = None))]
+    fn load(py: Python<'_>, path: PathBuf, layout: Option<&str>) -> PyResult<Self> {
         guarded("Model.load", || {
-            let policy = Arc::new(make_policy(mode, profile).map_err(to_py)?);
-            let m = py.detach(|| RsModel::load(&path, policy)).map_err(to_py)?;
+            let layout = match layout {
+                Some(l) => WeightLayout::from_str(l).map_err(to_py)?,
+                None => WeightLayout::for_mode(Mode::DEFAULT),
+            };
+            let m = py.detach(|| RsModel::load(&path, layout)).map_err(to_py)?;
             Ok(Model { inner: Arc::new(m) })
         })
     }
@@ -135,12 +133,8 @@ impl Model {
         self.inner.path.display().to_string()
     }
     #[getter]
-    fn mode(&self) -> &'static str {
-        self.inner.policy.mode.name()
-    }
-    #[getter]
-    fn policy(&self) -> String {
-        self.inner.policy.describe()
+    fn layout(&self) -> &'static str {
+        self.inner.layout.name()
     }
     #[getter]
     fn config<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
@@ -213,22 +207,25 @@ impl Model {
         self.inner.tokenizer.template_source().map(str::to_string)
     }
 
-    /// Logits after the last of `tokens` (a fresh sequence): `lane` "fast" runs the model's
-    /// policy in one prefill call; "reference" runs every position through the FP32 reference
-    /// lane (`weights` "dense" or "blockwise").
-    #[pyo3(signature = (tokens, lane = "fast", weights = "dense"))]
+    /// Logits after the last of `tokens` (a fresh sequence): `lane` "fast" runs `mode` (default:
+    /// the one the weights' layout was made for) in one prefill call; "reference" runs every
+    /// position through the FP32 reference lane (`weights` "dense" or "blockwise").
+    #[pyo3(signature = (tokens, lane = "fast", weights = "dense", mode = None))]
     fn logits<'py>(
         &self,
         py: Python<'py>,
         tokens: Vec<u32>,
         lane: &str,
         weights: &str,
+        mode: Option<&str>,
     ) -> PyResult<Bound<'py, PyArray1<f32>>> {
         let y = guarded("Model.logits", || {
             let how = reference_weights(weights)?;
+            let mode = mode.map(Mode::from_str).transpose().map_err(to_py)?.unwrap_or(self.inner.layout.mode());
+            let policy = Policy::new(mode);
             let l = &self.inner.decoder;
             match lane {
-                "fast" => py.detach(|| l.last_logits(&self.inner.policy, &tokens)).map_err(to_py),
+                "fast" => py.detach(|| l.last_logits(&policy, &tokens)).map_err(to_py),
                 "reference" => {
                     if tokens.is_empty() {
                         return Err(PyValueError::new_err("empty token list"));
@@ -269,10 +266,9 @@ fn top_arrays<'py>(py: Python<'py>, top: &[Vec<(u32, f32)>]) -> (Bound<'py, PyAr
 
 fn gate_dict<'py>(py: Python<'py>, g: &candle_gate::engine::GateStats) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
-    d.set_item("steps", g.steps)?;
-    d.set_item("rechecks", g.rechecks)?;
-    d.set_item("corrections", g.corrections)?;
-    d.set_item("deep_rechecks", g.deep_rechecks)?;
+    for (key, value) in g.by_name() {
+        d.set_item(key, value)?;
+    }
     Ok(d)
 }
 
@@ -782,9 +778,8 @@ impl Engine {
 /// Measures the kernel crossover (all CPU dtypes and shapes, or `quick`: the default model's)
 /// and writes the profile JSON to `out`; returns the printed table. Progress goes to stderr.
 #[pyfunction]
-#[pyo3(signature = (model_path = None, quick = true, out = String::from("candle-gate-profile.json")))]
-fn calibrate_kernels(py: Python<'_>, model_path: Option<String>, quick: bool, out: String) -> PyResult<String> {
-    let _ = model_path; // the shapes come from the spec; the model is not needed to time kernels
+#[pyo3(signature = (quick = true, out = String::from("candle-gate-profile.json")))]
+fn calibrate_kernels(py: Python<'_>, quick: bool, out: String) -> PyResult<String> {
     guarded("calibrate_kernels", || {
         py.detach(|| -> candle_gate::Result<String> {
             use candle_gate::profile::{format_table, measure, MeasureSpec};
@@ -838,7 +833,7 @@ fn resolve_gate(
         };
         let loaded = load_profiles(&profiles)?;
         let list: Vec<(&Profile, &str)> = loaded.iter().zip(&profiles).map(|(p, s)| (p, s.as_str())).collect();
-        let mode = mode.map(Mode::from_str).transpose().map_err(to_py)?.unwrap_or(model.inner.policy.mode);
+        let mode = mode.map(Mode::from_str).transpose().map_err(to_py)?.unwrap_or(model.inner.layout.mode());
         let lane = py.detach(|| calibration_lane(gmode, tau, list.len(), &model.inner, mode)).map_err(to_py)?;
         GateConfig::resolve_values(gmode, tau, deep_tau, &list, lane.as_ref().map(|(m, h)| (*m, h.as_str())))
             .map_err(to_py)
@@ -898,6 +893,12 @@ fn system_fingerprint(model_sha256: &str, mode: &str, kv_dtype: &str, gate: &str
     let kv = candle_gate::decoder::KvDtype::from_str(kv_dtype).map_err(to_py)?;
     let kernels = format!("{};kv={}", Policy::new(mode).describe(), kv.name());
     Ok(candle_gate::model::system_fingerprint(model_sha256, &kernels, gate, &candle_gate::host::signature(mode)))
+}
+
+/// The weight layout `mode`'s kernels read fastest (what `Model.load(layout=)` takes).
+#[pyfunction]
+fn layout_for(mode: &str) -> PyResult<&'static str> {
+    Ok(WeightLayout::for_mode(Mode::from_str(mode).map_err(to_py)?).name())
 }
 
 #[pymodule]
@@ -973,6 +974,29 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     defaults.set_item("enable_prefix_caching", d.enable_prefix_caching)?;
     m.add("ENGINE_DEFAULTS", defaults)?;
     m.add("MAX_N", candle_gate::sampling::MAX_N)?;
+    m.add("MAX_STOP", candle_gate::sampling::MAX_STOP)?;
+    m.add("MAX_NEW_TOKENS_LIMIT", candle_gate::sampling::MAX_NEW_TOKENS_LIMIT)?;
+    // {name: {"ge"|"gt": lo, "le"|"lt": hi}}: pydantic's words, so a schema field is
+    // `Field(**SAMPLING_BOUNDS[name])`.
+    let bounds = PyDict::new(m.py());
+    for r in candle_gate::sampling::PARAM_RANGES {
+        let b = PyDict::new(m.py());
+        for (end, words) in [(r.min, ["ge", "gt"]), (r.max, ["le", "lt"])] {
+            let Some(end) = end else { continue };
+            let word = if end.inclusive { words[0] } else { words[1] };
+            match r.integer {
+                true => b.set_item(word, end.value as i64)?,
+                false => b.set_item(word, end.value)?,
+            }
+        }
+        bounds.set_item(r.name, b)?;
+    }
+    m.add("SAMPLING_BOUNDS", bounds)?;
+    m.add("FINISH_REASONS", candle_gate::engine::FinishReason::ALL.map(|r| r.name()).to_vec())?;
+    m.add("GATE_COUNTERS", candle_gate::engine::GateStats::KEYS.to_vec())?;
+    m.add("DEFAULT_MODE", candle_gate::Mode::DEFAULT.name())?;
+    m.add("LAYOUTS", WeightLayout::ALL.map(|l| l.name()).to_vec())?;
+    m.add_function(wrap_pyfunction!(layout_for, m)?)?;
     testing::register(m)?; // _native._testing: test scaffolding
     Ok(())
 }

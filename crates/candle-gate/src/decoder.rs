@@ -18,7 +18,7 @@ use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor};
 
 use crate::attention::{attend_rows, Heads, Tier};
-use crate::dispatch::{Lane, Policy, QMatMul};
+use crate::dispatch::{Lane, Policy, QMatMul, WeightLayout};
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::ops::{gelu_tanh_mul, rms_norm, rope_tables, silu_mul};
@@ -463,20 +463,23 @@ fn add_rowwise(x: &mut [f32], b: &[f32]) {
 }
 
 impl Decoder {
-    pub fn load(path: &Path, policy: Arc<Policy>) -> Result<Self> {
+    pub fn load(path: &Path, layout: WeightLayout) -> Result<Self> {
         let mut f = GgufFile::open(path)?;
-        Self::from_gguf(&mut f, policy)
+        Self::from_gguf(&mut f, layout)
     }
 
-    pub fn from_gguf(f: &mut GgufFile, policy: Arc<Policy>) -> Result<Self> {
+    /// The decoder of `f`, its matmul weights in `layout`.
+    pub fn from_gguf(f: &mut GgufFile, layout: WeightLayout) -> Result<Self> {
         let cfg = DecoderConfig::from_gguf(f)?;
+        // What a weight's `Module::forward` would run: the engine passes its own policy instead.
+        let policy = Arc::new(Policy::new(layout.mode()));
         let (h, kv, qd, ffn, vocab) = (cfg.hidden, cfg.kv_dim(), cfg.q_dim(), cfg.ffn, cfg.vocab);
         let gemma = cfg.arch == Arch::Gemma3;
         let mut weight_bytes = 0usize;
         let mut lin = |f: &mut GgufFile, name: &str, dims: &[usize]| -> Result<QMatMul> {
             let t = f.tensor_shaped(name, dims)?;
             weight_bytes += t.storage_size_in_bytes();
-            QMatMul::new(Arc::new(t), policy.clone())
+            QMatMul::laid_out(Arc::new(t), layout, policy.clone())
         };
         let mut layers = Vec::with_capacity(cfg.n_layer);
         for i in 0..cfg.n_layer {
@@ -519,7 +522,7 @@ impl Decoder {
             (Some(embed), lin(f, "output.weight", &[vocab, h])?)
         } else {
             weight_bytes += embed.storage_size_in_bytes();
-            (None, QMatMul::new(embed, policy.clone())?)
+            (None, QMatMul::laid_out(embed, layout, policy.clone())?)
         };
         Ok(Decoder { cfg, embed, layers, out_norm, lm_head, weight_bytes, scratch: ScratchPool::default() })
     }

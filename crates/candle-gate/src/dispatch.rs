@@ -46,6 +46,9 @@ pub enum Mode {
 }
 
 impl Mode {
+    /// The mode a policy, a model and an engine take when none is named: batch-invariant
+    /// and the fastest on the CPU (docs/DESIGN.md §3 says why not `canonical` yet).
+    pub const DEFAULT: Mode = Mode::Invariant;
     pub const ALL: [Mode; 7] =
         [Mode::Native, Mode::RowSplit, Mode::Invariant, Mode::Gemm, Mode::GemmF16, Mode::SplitKF16, Mode::Canonical];
     pub fn name(self) -> &'static str {
@@ -67,6 +70,68 @@ impl FromStr for Mode {
         Mode::ALL.into_iter().find(|m| m.name() == s).ok_or_else(|| {
             let names: Vec<&str> = Mode::ALL.iter().map(|m| m.name()).collect();
             Error::invalid("mode", format!("unknown mode {s:?}; expected one of {}", names.join(", ")))
+        })
+    }
+}
+
+/// How a matmul's quantized weight sits in memory: the GGUF file's blocks, or the same bytes
+/// repacked for one mode's CPU kernels. A model holds its weights in one layout; an engine owns
+/// the policy (the mode) its kernels run. Every mode reads every layout and gets the same bits;
+/// the mode a layout was made for reads it fastest.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightLayout {
+    /// As in the file.
+    Gguf,
+    /// Sixteen-column tiles for the invariant kernels (Q4_K, Q4_1, Q5_0; the rest as in the
+    /// file), on hosts whose kernels run AVX-512.
+    Invariant,
+    /// The canonical kernels' tiles (the invariant ones, and Q6_K and Q8_0 transposed), on
+    /// hosts with AVX2 or wider.
+    Canonical,
+}
+
+impl WeightLayout {
+    pub const ALL: [WeightLayout; 3] = [WeightLayout::Gguf, WeightLayout::Invariant, WeightLayout::Canonical];
+    pub fn name(self) -> &'static str {
+        match self {
+            WeightLayout::Gguf => "gguf",
+            WeightLayout::Invariant => "invariant",
+            WeightLayout::Canonical => "canonical",
+        }
+    }
+    /// The layout `mode`'s kernels read fastest.
+    pub fn for_mode(mode: Mode) -> Self {
+        match mode {
+            Mode::Invariant => WeightLayout::Invariant,
+            Mode::Canonical => WeightLayout::Canonical,
+            _ => WeightLayout::Gguf,
+        }
+    }
+    /// The mode an engine over weights in this layout runs when none is named.
+    pub fn mode(self) -> Mode {
+        match self {
+            WeightLayout::Canonical => Mode::Canonical,
+            WeightLayout::Invariant | WeightLayout::Gguf => Mode::DEFAULT,
+        }
+    }
+    /// Whether this host's kernels read the layout packed (else the weights stay as in the file).
+    fn packs_here(self) -> bool {
+        match self {
+            // The invariant kernels read packed weights fast with AVX-512 only; the canonical
+            // ones have an AVX2 tier too.
+            WeightLayout::Invariant => kernels::isa() == kernels::Isa::Avx512,
+            WeightLayout::Canonical => kernels::isa() >= kernels::Isa::Avx2,
+            WeightLayout::Gguf => false,
+        }
+    }
+}
+
+impl FromStr for WeightLayout {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        Self::ALL.into_iter().find(|l| l.name() == s).ok_or_else(|| {
+            let names: Vec<&str> = Self::ALL.iter().map(|l| l.name()).collect();
+            Error::invalid("layout", format!("unknown weight layout {s:?}; expected one of {}", names.join(", ")))
         })
     }
 }
@@ -121,10 +186,7 @@ impl Backend {
     }
 }
 
-/// The lowercase GGML name used in profiles (`q4_1`, `q8_0`, `q4k`, ...).
-pub fn dtype_name(d: GgmlDType) -> String {
-    format!("{d:?}").to_lowercase()
-}
+pub use crate::kernels::dtype_name;
 
 pub fn dtype_from_name(s: &str) -> Result<GgmlDType> {
     kernels::cpu::SUPPORTED
@@ -152,7 +214,7 @@ pub struct Policy {
 
 impl Default for Policy {
     fn default() -> Self {
-        Policy::new(Mode::Invariant)
+        Policy::new(Mode::DEFAULT)
     }
 }
 
@@ -206,10 +268,6 @@ pub struct QMatMul {
     policy: Arc<Policy>,
 }
 
-/// The name before 0.2 (it collided with the margin gate and the FFN's `w_gate`).
-#[deprecated(note = "renamed to candle_gate::QMatMul")]
-pub type GateMatMul = QMatMul;
-
 impl std::fmt::Debug for QMatMul {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "QMatMul({:?} {:?}, {})", self.weight.dtype(), self.weight.shape(), self.policy.mode.name())
@@ -228,40 +286,40 @@ impl QMatMul {
         Self::new(weight, Arc::new(Policy::default()))
     }
 
-    /// A matmul over `weight` whose kernels `policy` chooses (shared by a model's layers).
-    ///
-    /// In `invariant` mode on a host whose kernels run AVX-512, a Q4_K, Q4_1 or Q5_0 weight
-    /// nobody else holds (this is its only `Arc`) is repacked in place for the sixteen-column kernels
-    /// ([`QMatMul::is_packed`]): the same bits, at about the memory rate at one row where the
-    /// GGUF layout's transposes or per-element sums cost compute. In `canonical` mode, on a host
-    /// with AVX2 or wider, Q6_K and Q8_0 are packed too (`kernels::cpu_canonical`).
-    /// `CANDLE_GATE_PACK=0` keeps the GGUF layout.
+    /// A matmul over `weight` whose kernels `policy` chooses, its weight laid out for the
+    /// policy's mode ([`QMatMul::laid_out`]).
     pub fn new(weight: Arc<QTensor>, policy: Arc<Policy>) -> Result<Self> {
-        // The invariant kernels read packed weights fast with AVX-512 only; the canonical ones
-        // have an AVX2 tier too.
-        let tier_reads_packed = match policy.mode {
-            Mode::Invariant => kernels::isa() == kernels::Isa::Avx512,
-            Mode::Canonical => kernels::isa() >= kernels::Isa::Avx2,
-            _ => false,
-        };
-        let pack = tier_reads_packed
-            && Arc::strong_count(&weight) == 1
-            && std::env::var("CANDLE_GATE_PACK").map_or(true, |v| v != "0");
-        Self::with_layout(weight, policy, pack)
+        Self::laid_out(weight, WeightLayout::for_mode(policy.mode), policy)
     }
 
-    /// [`QMatMul::new`] with the layout chosen: `pack` repacks the weight when the packed
-    /// kernels take its dtype and shape (`kernels::cpu::packable`), whoever else holds it and
-    /// whatever the host (the kernel tiers without AVX-512 unpack a copy on each call: the
-    /// differential tests use that).
-    pub fn with_layout(weight: Arc<QTensor>, policy: Arc<Policy>, pack: bool) -> Result<Self> {
+    /// A matmul over `weight` in `layout`. `policy` is what [`Module::forward`] runs (Candle's
+    /// interface has no room for one); an engine passes its own to every call.
+    ///
+    /// In the `invariant` layout on a host whose kernels run AVX-512, a Q4_K, Q4_1 or Q5_0
+    /// weight nobody else holds (this is its only `Arc`) is repacked in place for the
+    /// sixteen-column kernels ([`QMatMul::is_packed`]): the same bits, at about the memory rate
+    /// at one row where the GGUF layout's transposes or per-element sums cost compute. In the
+    /// `canonical` layout, on a host with AVX2 or wider, Q6_K and Q8_0 are packed too
+    /// (`kernels::cpu_canonical`). `CANDLE_GATE_PACK=0` keeps the GGUF layout.
+    pub fn laid_out(weight: Arc<QTensor>, layout: WeightLayout, policy: Arc<Policy>) -> Result<Self> {
+        let pack = layout.packs_here()
+            && Arc::strong_count(&weight) == 1
+            && std::env::var("CANDLE_GATE_PACK").map_or(true, |v| v != "0");
+        Self::with_packing(weight, layout, policy, pack)
+    }
+
+    /// [`QMatMul::laid_out`] with the packing chosen: `pack` repacks the weight for `layout`
+    /// when its packed kernels take the weight's dtype and shape (`kernels::cpu::packable`),
+    /// whoever else holds it and whatever the host (the kernel tiers without AVX-512 unpack a
+    /// copy on each call: the differential tests use that).
+    pub fn with_packing(weight: Arc<QTensor>, layout: WeightLayout, policy: Arc<Policy>, pack: bool) -> Result<Self> {
         if weight.rank() != 2 {
             return Err(Error::BadInput(format!("a matmul weight must be rank 2, got shape {:?}", weight.shape())));
         }
-        let packed = match (pack, policy.mode) {
-            (false, _) => None,
-            (true, Mode::Canonical) => kernels::cpu_canonical::pack(&weight)?.map(Arc::new),
-            (true, _) => kernels::cpu::pack(&weight)?.map(Arc::new),
+        let packed = match (pack, layout) {
+            (false, _) | (_, WeightLayout::Gguf) => None,
+            (true, WeightLayout::Canonical) => kernels::cpu_canonical::pack(&weight)?.map(Arc::new),
+            (true, WeightLayout::Invariant) => kernels::cpu::pack(&weight)?.map(Arc::new),
         };
         let is_packed = packed.is_some();
         let weight = packed.unwrap_or(weight);

@@ -20,10 +20,9 @@ use std::sync::{Arc, Mutex};
 use half::f16;
 
 use crate::error::{Error, Result};
+/// Positions per block: the prefix cache's unit of sharing, which the pool allocates in.
+pub use crate::prefix_cache::KV_BLOCK;
 use crate::prefix_cache::{chain_hash, HashFn, Hit, PrefixIndex};
-
-/// Positions per block.
-pub const KV_BLOCK: usize = 32;
 
 /// How K/V values are stored. Rounding to f16 is round-to-nearest-even, the same on every host;
 /// the attention kernel widens them exactly.

@@ -38,9 +38,7 @@ mod scratch;
 pub mod spm;
 pub mod tokenizer;
 
-#[allow(deprecated)]
-pub use dispatch::GateMatMul;
-pub use dispatch::{Backend, Kernel, Mode, Policy, QMatMul};
+pub use dispatch::{Backend, Kernel, Mode, Policy, QMatMul, WeightLayout};
 pub use engine::{Engine, EngineConfig, GateConfig, GateMode, Output, Request};
 pub use error::{Error, Result};
 pub use model::Model;

@@ -1,12 +1,13 @@
-//! A loaded model: weights, tokenizer, and what identifies it in fingerprints.
+//! A loaded model: weights in one layout, tokenizer, and what identifies it in fingerprints.
+//! Which kernels run over it is an engine's policy, not the model's.
 
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, OnceLock};
+use std::sync::OnceLock;
 
 use sha2::{Digest, Sha256};
 
 use crate::decoder::Decoder;
-use crate::dispatch::Policy;
+use crate::dispatch::WeightLayout;
 use crate::error::Result;
 use crate::gguf::GgufFile;
 use crate::tokenizer::GgufTokenizer;
@@ -15,7 +16,8 @@ pub struct Model {
     pub decoder: Decoder,
     pub tokenizer: GgufTokenizer,
     pub path: PathBuf,
-    pub policy: Arc<Policy>,
+    /// How its matmul weights sit in memory (every mode reads every layout).
+    pub layout: WeightLayout,
     sha256: OnceLock<String>,
 }
 
@@ -26,11 +28,11 @@ impl std::fmt::Debug for Model {
 }
 
 impl Model {
-    pub fn load(path: &Path, policy: Arc<Policy>) -> Result<Self> {
+    pub fn load(path: &Path, layout: WeightLayout) -> Result<Self> {
         let mut f = GgufFile::open(path)?;
         let tokenizer = GgufTokenizer::from_gguf(&f)?;
-        let decoder = Decoder::from_gguf(&mut f, policy.clone())?;
-        Ok(Model { decoder, tokenizer, path: path.to_path_buf(), policy, sha256: OnceLock::new() })
+        let decoder = Decoder::from_gguf(&mut f, layout)?;
+        Ok(Model { decoder, tokenizer, path: path.to_path_buf(), layout, sha256: OnceLock::new() })
     }
 
     /// sha256 of the model file, computed once on first use.

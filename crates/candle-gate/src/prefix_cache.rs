@@ -14,7 +14,8 @@
 use std::collections::{BTreeMap, HashMap};
 use std::hash::{Hash, Hasher};
 
-use crate::kv_cache::KV_BLOCK;
+/// Positions per block: a cached prefix is shared in whole blocks of this many tokens.
+pub const KV_BLOCK: usize = 32;
 
 /// How a block's chain hash is made from its parent's and its token ids.
 pub type HashFn = fn(u64, &[u32]) -> u64;

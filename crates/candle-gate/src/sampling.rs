@@ -30,6 +30,83 @@ pub const MAX_STOP: usize = 16;
 /// The largest `max_new_tokens` a request may ask for.
 pub const MAX_NEW_TOKENS_LIMIT: usize = 1 << 20;
 
+/// One end of a parameter's range.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct End {
+    pub value: f64,
+    /// Whether `value` itself is allowed.
+    pub inclusive: bool,
+}
+
+/// A numeric parameter's allowed range: the one statement of it, which [`SamplingParams::validate`]
+/// checks and the Python schemas are built from (`_native.SAMPLING_BOUNDS`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ParamRange {
+    pub name: &'static str,
+    pub min: Option<End>,
+    pub max: Option<End>,
+    /// A count (its ends are whole numbers), not a real.
+    pub integer: bool,
+}
+
+const fn closed(name: &'static str, min: f64, max: f64) -> ParamRange {
+    let (min, max) = (Some(End { value: min, inclusive: true }), Some(End { value: max, inclusive: true }));
+    ParamRange { name, min, max, integer: false }
+}
+
+const fn count(name: &'static str, min: usize, max: usize) -> ParamRange {
+    ParamRange { integer: true, ..closed(name, min as f64, max as f64) }
+}
+
+pub const PARAM_RANGES: [ParamRange; 9] = [
+    ParamRange { name: "temperature", min: Some(End { value: 0.0, inclusive: true }), max: None, integer: false },
+    ParamRange {
+        name: "top_p",
+        min: Some(End { value: 0.0, inclusive: false }),
+        max: Some(End { value: 1.0, inclusive: true }),
+        integer: false,
+    },
+    closed("min_p", 0.0, 1.0),
+    ParamRange {
+        name: "repetition_penalty",
+        min: Some(End { value: 0.0, inclusive: false }),
+        max: Some(End { value: 10.0, inclusive: true }),
+        integer: false,
+    },
+    closed("presence_penalty", -2.0, 2.0),
+    closed("frequency_penalty", -2.0, 2.0),
+    count("max_new_tokens", 1, MAX_NEW_TOKENS_LIMIT),
+    count("n", 1, MAX_N),
+    count("top_logprobs", 0, MAX_TOP_LOGPROBS),
+];
+
+impl ParamRange {
+    pub fn of(name: &str) -> &'static ParamRange {
+        PARAM_RANGES.iter().find(|r| r.name == name).expect("a parameter with a range")
+    }
+    /// Whether `v` is in the range (NaN never is).
+    pub fn contains(&self, v: f64) -> bool {
+        let above = self.min.is_none_or(|m| if m.inclusive { v >= m.value } else { v > m.value });
+        let below = self.max.is_none_or(|m| if m.inclusive { v <= m.value } else { v < m.value });
+        v.is_finite() && above && below
+    }
+}
+
+/// `[0, 1]`, `(0, 10]`, `>= 0`: how messages write a range.
+impl std::fmt::Display for ParamRange {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match (self.min, self.max) {
+            (Some(lo), Some(hi)) => {
+                let (open, close) = (if lo.inclusive { '[' } else { '(' }, if hi.inclusive { ']' } else { ')' });
+                write!(f, "in {open}{}, {}{close}", lo.value, hi.value)
+            }
+            (Some(lo), None) => write!(f, "a finite number {} {}", if lo.inclusive { ">=" } else { ">" }, lo.value),
+            (None, Some(hi)) => write!(f, "a finite number {} {}", if hi.inclusive { "<=" } else { "<" }, hi.value),
+            (None, None) => write!(f, "a finite number"),
+        }
+    }
+}
+
 /// How one request decodes: everything about its output but the prompt.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SamplingParams {
@@ -89,37 +166,21 @@ impl SamplingParams {
     /// Every rule on the parameters, with a message naming the parameter.
     pub fn validate(&self) -> Result<()> {
         let bad = |param: &'static str, m: String| Err(Error::invalid(param, m));
-        let t = self.temperature;
-        if !t.is_finite() || t < 0.0 {
-            return bad("temperature", format!("temperature must be a finite number >= 0, got {t}"));
-        }
-        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return bad("top_p", format!("top_p must be in (0, 1], got {}", self.top_p));
-        }
-        if !(self.min_p >= 0.0 && self.min_p <= 1.0) {
-            return bad("min_p", format!("min_p must be in [0, 1], got {}", self.min_p));
-        }
-        let r = self.repetition_penalty;
-        if !(r.is_finite() && r > 0.0 && r <= 10.0) {
-            return bad("repetition_penalty", format!("repetition_penalty must be in (0, 10], got {r}"));
-        }
-        for (name, v) in [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)] {
-            if !(-2.0..=2.0).contains(&v) {
-                return bad(name, format!("{name} must be in [-2, 2], got {v}"));
+        let floats = [
+            ("temperature", self.temperature),
+            ("top_p", self.top_p),
+            ("min_p", self.min_p),
+            ("repetition_penalty", self.repetition_penalty),
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ];
+        let counts = [("max_new_tokens", self.max_new_tokens), ("n", self.n), ("top_logprobs", self.top_logprobs)];
+        let checks = floats.map(|(n, v)| (n, v as f64, v.to_string())).into_iter();
+        for (name, v, shown) in checks.chain(counts.map(|(n, v)| (n, v as f64, v.to_string()))) {
+            let range = ParamRange::of(name);
+            if !range.contains(v) {
+                return bad(range.name, format!("{name} must be {range}, got {shown}"));
             }
-        }
-        if self.max_new_tokens == 0 || self.max_new_tokens > MAX_NEW_TOKENS_LIMIT {
-            let m = format!("max_new_tokens must be between 1 and {MAX_NEW_TOKENS_LIMIT}, got {}", self.max_new_tokens);
-            return bad("max_new_tokens", m);
-        }
-        if self.n == 0 || self.n > MAX_N {
-            return bad("n", format!("n must be between 1 and {MAX_N}, got {}", self.n));
-        }
-        if self.top_logprobs > MAX_TOP_LOGPROBS {
-            return bad(
-                "top_logprobs",
-                format!("top_logprobs must be at most {MAX_TOP_LOGPROBS}, got {}", self.top_logprobs),
-            );
         }
         if self.stop.len() > MAX_STOP {
             return bad("stop", format!("at most {MAX_STOP} stop strings, got {}", self.stop.len()));
@@ -489,6 +550,17 @@ mod tests {
             assert_eq!(p.validate().unwrap_err().param(), Some(param), "{param}");
         }
         assert!(d().validate().is_ok());
+    }
+
+    #[test]
+    fn each_range_keeps_its_ends_and_refuses_nan() {
+        let top_p = ParamRange::of("top_p");
+        assert!(!top_p.contains(0.0) && top_p.contains(1.0) && !top_p.contains(f64::NAN));
+        assert!(ParamRange::of("temperature").contains(0.0) && !ParamRange::of("temperature").contains(f64::INFINITY));
+        assert_eq!(ParamRange::of("repetition_penalty").to_string(), "in (0, 10]");
+        assert_eq!(ParamRange::of("temperature").to_string(), "a finite number >= 0");
+        let e = SamplingParams { n: MAX_N + 1, ..Default::default() }.validate().unwrap_err();
+        assert_eq!(e.to_string(), format!("n must be in [1, {MAX_N}], got {}", MAX_N + 1));
     }
 
     #[test]

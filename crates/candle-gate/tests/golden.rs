@@ -116,7 +116,7 @@ fn first_difference(want: &Run, got: &Run) -> Option<String> {
 fn invariant_reference_and_split_k_lanes_reproduce_the_golden_hashes() {
     let path = registry::resolve(registry::DEFAULT_MODEL).expect("run `candle-gate fetch` first");
     let policy = Arc::new(Policy::new(Mode::Invariant));
-    let m = Model::load(&path, policy.clone()).unwrap();
+    let m = Model::load(&path, WeightLayout::for_mode(policy.mode)).unwrap();
     let split_k = Policy::new(Mode::SplitKF16);
     let mut runs = vec![];
     for prompt in PROMPTS {

@@ -106,7 +106,7 @@ fn first_difference(want: &Run, got: &Run) -> Option<String> {
 
 fn load(name: &str, policy: &Arc<Policy>) -> Model {
     let path = registry::resolve(name).expect("run `candle-gate fetch --model all` first");
-    Model::load(&path, policy.clone()).unwrap()
+    Model::load(&path, WeightLayout::for_mode(policy.mode)).unwrap()
 }
 
 #[test]

@@ -16,7 +16,7 @@ const QWEN: &str = "qwen2.5-coder-0.5b-instruct-q4_k_m";
 fn model(name: &str) -> (Model, Arc<Policy>) {
     let path = registry::resolve(name).expect("run `candle-gate fetch --model all` first");
     let policy = Arc::new(Policy::new(Mode::Invariant));
-    (Model::load(&path, policy.clone()).unwrap(), policy)
+    (Model::load(&path, WeightLayout::for_mode(policy.mode)).unwrap(), policy)
 }
 
 /// At least `n` tokens of real text (a paragraph whose numbers change each time).

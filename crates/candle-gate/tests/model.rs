@@ -16,7 +16,7 @@ const QWEN: &str = "qwen2.5-coder-0.5b-instruct-q4_k_m";
 fn model_named(name: &str, mode: Mode) -> (Model, Arc<Policy>) {
     let path = registry::resolve(name).expect("run `candle-gate fetch --model all` first");
     let policy = Arc::new(Policy::new(mode));
-    (Model::load(&path, policy.clone()).unwrap(), policy)
+    (Model::load(&path, WeightLayout::for_mode(policy.mode)).unwrap(), policy)
 }
 
 fn bits(v: &[f32]) -> Vec<u32> {

@@ -20,7 +20,7 @@ fn model(name: &str) -> (Arc<Model>, Arc<Policy>) {
 fn model_in(name: &str, mode: Mode) -> (Arc<Model>, Arc<Policy>) {
     let path = registry::resolve(name).expect("run `candle-gate fetch --model all` first");
     let policy = Arc::new(Policy::new(mode));
-    (Arc::new(Model::load(&path, policy.clone()).unwrap()), policy)
+    (Arc::new(Model::load(&path, WeightLayout::for_mode(policy.mode)).unwrap()), policy)
 }
 
 /// At least `n` tokens of real text.

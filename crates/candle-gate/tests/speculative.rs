@@ -12,7 +12,7 @@ const QWEN: &str = "qwen2.5-coder-0.5b-instruct-q4_k_m";
 fn model(name: &str) -> (Arc<Model>, Arc<Policy>) {
     let path = registry::resolve(name).expect("run `candle-gate fetch --model all` first");
     let policy = Arc::new(Policy::new(Mode::Invariant));
-    (Arc::new(Model::load(&path, policy.clone()).unwrap()), policy)
+    (Arc::new(Model::load(&path, WeightLayout::for_mode(policy.mode)).unwrap()), policy)
 }
 
 const PROMPTS: [&str; 3] = [

@@ -11,7 +11,7 @@ use candle_transformers::models::quantized_llama::ModelWeights;
 fn logits_match_candle_transformers() {
     let path = registry::resolve(registry::DEFAULT_MODEL).expect("run `candle-gate fetch` first");
     let policy = Arc::new(Policy::new(Mode::Native));
-    let model = Model::load(&path, policy.clone()).unwrap();
+    let model = Model::load(&path, WeightLayout::for_mode(policy.mode)).unwrap();
     let chat = serde_json::json!([{"role": "user", "content": "What is 2+2?"}]);
     let all = model.tokenizer.encode_chat(&chat, None).unwrap();
     for n in [1, 2, 5, all.len()] {

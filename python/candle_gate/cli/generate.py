@@ -29,11 +29,11 @@ def add_generate_parser(sub) -> None:
 
 
 def generate(a: argparse.Namespace) -> int:
-    from ..engine import Engine, Model, SamplingParams
+    from ..engine import Engine, Model, SamplingParams, layout_for
     # Checked before the model loads: a bad parameter should not wait for a download.
     params = SamplingParams(max_new_tokens=a.max_new_tokens, stop=a.stop, n=a.n, **sampling_args(a))
-    model = Model.load(a.model, mode=a.mode, profile=a.profile)
-    eng = Engine(model, gate=a.gate, tau=a.tau, deep_tau=a.deep_tau, profile=a.profile, kv_dtype=a.kv_dtype,
+    model = Model.load(a.model, layout=layout_for(a.mode))
+    eng = Engine(model, mode=a.mode, gate=a.gate, tau=a.tau, deep_tau=a.deep_tau, profile=a.profile, kv_dtype=a.kv_dtype,
                  speculative=speculative_from_args(a))
     if eng.gate_source:
         print(f"gate: tau {eng.tau:.4g}, deep_tau {eng.deep_tau:.4g} from {eng.gate_source}", file=sys.stderr)

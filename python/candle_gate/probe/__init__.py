@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
-from ..engine import DEFAULT_MODE, Model, resolve_gate
+from ..engine import DEFAULT_MODE, Model, layout_for, resolve_gate
 from .common import (check_concurrency, check_prompts, first_difference, is_chat, load_prompts, progress_bar,
                      prompt_kind, write_json)
 from .report import (COMPOSITION_KEYS, EXTRA_KEYS, GATE_KEYS, PLOT_SIZE, REPORT_KEYS, compare,
@@ -79,7 +79,7 @@ def measure(model: Union[None, str, Model] = None, prompts: Optional[Sequence[An
     # Rust side: resolve_gate here (before a model download), Model.load / the engines below.
     resolve_gate(gate, tau, deep_tau, profile)
     if not isinstance(model, Model):
-        model = Model.load(model, mode=mode, profile=profile)
+        model = Model.load(model, layout=layout_for(mode))
     tau_v, deep_tau, source = resolve_gate(gate, tau, deep_tau, profile, model, mode)
     runner = Runner(model, prompts, max_new_tokens, mode, gate, tau_v, profile, row_split_max,
                     mixed_prefill_every, deep_tau, sampling)

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
-from ..engine import Engine, Model, speculative_options
+from ..engine import Engine, Model, layout_for, speculative_options
 from .errors import APIError
 from .metrics import EngineCounts, Metrics
 from .protocol import finish_reason
@@ -53,8 +53,8 @@ class ServerState:
         """Loads the model and starts the engine thread (in a thread of its own: it takes seconds)."""
         s = self.settings
         try:
-            model = Model.load(s.model, mode=s.mode, profile=s.profile)
-            eng = Engine(model, gate=s.gate, tau=s.tau, deep_tau=s.deep_tau, profile=s.profile,
+            model = Model.load(s.model, layout=layout_for(s.mode))
+            eng = Engine(model, mode=s.mode, gate=s.gate, tau=s.tau, deep_tau=s.deep_tau, profile=s.profile,
                          max_num_seqs=s.max_num_seqs, threads=s.threads, kv_dtype=s.kv_dtype,
                          prefill_chunk=s.prefill_chunk, max_tokens_per_step=s.max_tokens_per_step,
                          kv_budget_tokens=s.kv_budget_tokens, enable_prefix_caching=s.enable_prefix_caching,

@@ -56,6 +56,29 @@ pub enum InjectedFault {
 }
 
 impl EngineConfig {
+    /// The rules between the budgets, and the speculation's own.
+    pub fn validate(&self) -> Result<()> {
+        if self.max_num_seqs == 0 {
+            return Err(Error::invalid("max_num_seqs", "max_num_seqs must be at least 1"));
+        }
+        if self.prefill_chunk == 0 || self.max_tokens_per_step < self.prefill_chunk {
+            return Err(Error::invalid(
+                "prefill_chunk",
+                format!(
+                    "need 1 <= prefill_chunk ({}) <= max_tokens_per_step ({})",
+                    self.prefill_chunk, self.max_tokens_per_step
+                ),
+            ));
+        }
+        if self.threads == Some(0) {
+            return Err(Error::invalid("threads", "threads must be at least 1"));
+        }
+        match &self.speculative {
+            Some(spec) => spec.validate(),
+            None => Ok(()),
+        }
+    }
+
     /// The pool's size in blocks.
     pub fn kv_budget_blocks(&self) -> usize {
         self.kv_budget_tokens.div_ceil(KV_BLOCK)

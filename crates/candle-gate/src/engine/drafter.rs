@@ -18,6 +18,7 @@ use crate::kv_cache::{KvCache, KvDtype, KvPool};
 use crate::model::Model;
 
 use super::sequence::SeqId;
+use super::speculative::{SpeculativeConfig, SpeculativeMethod};
 
 pub(crate) struct Drafter {
     model: Arc<Model>,
@@ -135,6 +136,37 @@ fn argmax(xs: &[f32]) -> Option<u32> {
         }
     }
     best.map(|(i, _)| i as u32)
+}
+
+/// A draft model goes with speculative method `draft` alone, and must share the target's
+/// vocabulary: every token's bytes and kind, the special and stop ids, and the logits' width
+/// (a draft is a token id the target verifies).
+pub(crate) fn check_draft_model(model: &Model, draft: Option<&Model>, spec: Option<&SpeculativeConfig>) -> Result<()> {
+    let method = spec.map(|s| s.method);
+    let Some(draft) = draft else {
+        if method == Some(SpeculativeMethod::Draft) {
+            return Err(Error::invalid("draft_model", "speculative method \"draft\" needs a draft model"));
+        }
+        return Ok(());
+    };
+    if method != Some(SpeculativeMethod::Draft) {
+        return Err(Error::invalid("draft_model", "a draft model is used only by speculative method \"draft\""));
+    }
+    let difference = match (draft.decoder.cfg.vocab, model.decoder.cfg.vocab) {
+        (d, t) if d != t => Some(format!("its logits have {d} entries, the target's {t}")),
+        _ => draft.tokenizer.vocabulary_difference(&model.tokenizer),
+    };
+    match difference {
+        Some(d) => Err(Error::invalid(
+            "draft_model",
+            format!(
+                "draft model {} does not share the vocabulary of {}: {d}",
+                draft.path.display(),
+                model.path.display()
+            ),
+        )),
+        None => Ok(()),
+    }
 }
 
 #[cfg(test)]

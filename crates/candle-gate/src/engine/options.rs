@@ -1,5 +1,5 @@
 //! An engine from what a user asks for, by the crate's rules: the kernel mode (default: the
-//! model's), a profile's measured thresholds, the gate and where its calibrated tau comes from,
+//! one the model's weight layout was made for), a profile's measured thresholds, the gate and where its calibrated tau comes from,
 //! and the budgets. The Python binding, the CLI and the server all build engines through
 //! [`EngineOptions::build`], so the rules have one owner.
 
@@ -18,7 +18,7 @@ use super::Engine;
 /// `tau`, `deep_tau` and the profiles.
 #[derive(Clone, Debug, Default)]
 pub struct EngineOptions {
-    /// The fast lane's kernel mode; None: the model's.
+    /// The fast lane's kernel mode; None: the one the model's weight layout was made for.
     pub mode: Option<Mode>,
     /// A profile whose thresholds (and gate calibration) the engine takes, read once.
     pub profile: Option<PathBuf>,
@@ -39,7 +39,7 @@ impl EngineOptions {
     /// The engine, and where its gate's tau came from (`"PATH (model/mode)"`; None when tau
     /// was given or the engine is not gated).
     pub fn build(mut self, model: Arc<Model>) -> Result<(Engine, Option<String>)> {
-        let mode = self.mode.unwrap_or(model.policy.mode);
+        let mode = self.mode.unwrap_or(model.layout.mode());
         let loaded = self.profile.as_ref().map(|p| Profile::load(p)).transpose()?;
         let mut policy = match (&loaded, &self.profile) {
             (Some(p), Some(path)) => p.policy(Backend::Cpu, mode, &path.display().to_string())?,

@@ -3,7 +3,10 @@
 use serde::Serialize;
 
 use super::speculative::SpecStats;
+use super::EngineConfig;
 
+use crate::error::{Error, Result};
+use crate::prefix_cache::KV_BLOCK;
 use crate::sampling::SamplingParams;
 
 pub type RequestId = u64;
@@ -22,6 +25,62 @@ impl Request {
     pub fn new(prompt_tokens: Vec<u32>, params: SamplingParams) -> Self {
         Request { prompt_tokens, params, forced_tokens: None }
     }
+
+    /// Every rule a request must meet to run on a model of `vocab` tokens and `context_length`
+    /// positions under `cfg`'s budgets. Checked at submit, so that a bad request never reaches
+    /// a step that other requests share.
+    pub fn validate(&self, vocab: usize, context_length: usize, cfg: &EngineConfig) -> Result<()> {
+        let vocab = vocab as u32;
+        if self.prompt_tokens.is_empty() {
+            return Err(Error::invalid("prompt", "empty prompt"));
+        }
+        if let Some(t) = self.prompt_tokens.iter().find(|&&t| t >= vocab) {
+            return Err(Error::invalid("prompt", format!("prompt token id {t} is outside the vocabulary of {vocab}")));
+        }
+        let p = &self.params;
+        p.validate()?;
+        if p.n > cfg.max_num_seqs {
+            return Err(Error::invalid(
+                "n",
+                format!("n = {} choices cannot run at once with max_num_seqs = {}", p.n, cfg.max_num_seqs),
+            ));
+        }
+        if self.prompt_tokens.len() >= context_length {
+            return Err(Error::invalid(
+                "prompt",
+                format!(
+                    "the prompt has {} tokens but the context holds {context_length} (including at least one new token)",
+                    self.prompt_tokens.len()
+                ),
+            ));
+        }
+        if let Some(f) = &self.forced_tokens {
+            if let Some(t) = f.iter().find(|&&t| t >= vocab) {
+                return Err(Error::invalid("forced_tokens", format!("forced token id {t} is outside the vocabulary")));
+            }
+        }
+        // Alone in the engine it must be able to finish: then preemption can always make room.
+        let reserve = (self.prompt_tokens.len() + p.max_new_tokens).min(context_length);
+        let blocks = reserve.div_ceil(KV_BLOCK) * p.n;
+        if blocks > cfg.kv_budget_blocks() {
+            return Err(Error::invalid("max_new_tokens", format!(
+                "the request needs {} tokens of KV cache ((prompt + max_new_tokens) x n, in blocks of {KV_BLOCK}) but the whole budget is {}",
+                blocks * KV_BLOCK,
+                cfg.kv_budget_blocks() * KV_BLOCK
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// A seed for a request that gave none: fresh per request and per process.
+pub(crate) fn fresh_seed(id: RequestId) -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(id);
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    h.write_u128(now.as_nanos());
+    h.finish()
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -43,6 +102,14 @@ impl Serialize for FinishReason {
 }
 
 impl FinishReason {
+    pub const ALL: [FinishReason; 6] = [
+        FinishReason::Eos,
+        FinishReason::StopString,
+        FinishReason::Length,
+        FinishReason::Cancelled,
+        FinishReason::ContextFull,
+        FinishReason::Error,
+    ];
     pub fn name(self) -> &'static str {
         match self {
             FinishReason::Eos => "eos",
@@ -70,6 +137,16 @@ pub struct GateStats {
     pub rechecks: u64,
     pub corrections: u64,
     pub deep_rechecks: u64,
+}
+
+impl GateStats {
+    /// The counters' names, as every report spells them.
+    pub const KEYS: [&'static str; 4] = ["steps", "rechecks", "corrections", "deep_rechecks"];
+    /// The counters by name, in [`GateStats::KEYS`]' order.
+    pub fn by_name(&self) -> [(&'static str, u64); 4] {
+        let values = [self.steps, self.rechecks, self.corrections, self.deep_rechecks];
+        std::array::from_fn(|i| (Self::KEYS[i], values[i]))
+    }
 }
 
 /// The KV cache's counters since the engine started.

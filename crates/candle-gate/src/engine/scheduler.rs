@@ -1,6 +1,6 @@
 //! Admission, the step plan and preemption. The scheduler owns the sequences; it decides
 //! which sequence runs which work each step under the budgets and touches no logits, caches
-//! or text (the engine asks the runner what K/V blocks a plan needs).
+//! or text: it sees the KV pool through [`KvBlocks`], a block-accounting view the runner gives.
 //!
 //! Prefill chunk boundaries are multiples of `prefill_chunk` counted from the start of the
 //! prompt, so they depend only on the prompt (and where its cached prefix ended), never on
@@ -11,8 +11,26 @@ use std::ops::Range;
 
 use super::sequence::{SeqId, Sequence};
 use super::speculative::{SpeculativeConfig, SpeculativeMethod};
-use super::{EngineConfig, RequestId};
-use crate::kv_cache::KV_BLOCK;
+use super::{CacheStats, EngineConfig, RequestId};
+use crate::error::Result;
+use crate::prefix_cache::KV_BLOCK;
+
+/// What the scheduler knows of the KV pool: how many blocks a sequence's cache would take, and
+/// opening and closing caches (the runner owns them).
+pub(crate) trait KvBlocks {
+    /// Opens `s`'s cache with the longest cached prefix of its history it may take; returns
+    /// how many positions that is.
+    fn open(&mut self, s: &Sequence) -> usize;
+    /// Puts back what a resumed sequence's deep rechecks had rebuilt; returns the positions
+    /// its cache now holds.
+    fn restore(&mut self, s: &Sequence) -> Result<usize>;
+    /// Drops `id`'s cache (preempted, or not admitted after all).
+    fn close(&mut self, id: SeqId);
+    /// Blocks the pool has for caches to take (free, or cached and unreferenced).
+    fn available_blocks(&self) -> usize;
+    /// Blocks `id`'s cache would take to grow by `rows` positions.
+    fn blocks_to_extend(&self, id: SeqId, rows: usize) -> usize;
+}
 
 /// One sequence's work in a step.
 #[derive(Clone, Debug, PartialEq)]
@@ -47,7 +65,10 @@ pub(crate) struct Scheduler {
     max_num_seqs: usize,
     max_tokens_per_step: usize,
     prefill_chunk: usize,
+    prefix_caching: bool,
     admissions: u64,
+    /// Prefix hits of first admissions, and preemptions.
+    pub stats: CacheStats,
     /// Drafts for decoding sequences (None: the engine does not speculate, or its gate
     /// rechecks every step, which would end every verification run at its first row).
     speculative: Option<SpeculativeConfig>,
@@ -65,7 +86,73 @@ impl Scheduler {
             max_num_seqs: cfg.max_num_seqs,
             max_tokens_per_step: cfg.max_tokens_per_step,
             prefill_chunk: cfg.prefill_chunk,
+            prefix_caching: cfg.enable_prefix_caching,
             admissions: 0,
+            stats: CacheStats::default(),
+        }
+    }
+
+    /// The step's work (see [`Scheduler::plan`]), after admitting waiting sequences while the
+    /// pool allows and preempting the most recently admitted ones until the plan's blocks are
+    /// in the pool.
+    pub fn schedule(&mut self, kv: &mut impl KvBlocks) -> Result<Vec<(usize, Work)>> {
+        self.admit(kv)?;
+        loop {
+            // Drafts only when they fit beside every sequence's next row.
+            for with_drafts in [true, false] {
+                let plan = self.plan(with_drafts);
+                let need: usize = plan.iter().map(|(i, w)| kv.blocks_to_extend(self.running[*i].id, w.rows())).sum();
+                if need <= kv.available_blocks() || (!with_drafts && self.running.len() <= 1) {
+                    return Ok(plan);
+                }
+            }
+            let id = self.preempt_latest().expect("a running sequence");
+            kv.close(id);
+            self.stats.preemptions += 1;
+        }
+    }
+
+    /// Admits waiting sequences in order while the sequence limit and the pool allow: a
+    /// sequence comes in when the blocks its history still needs (after its prefix-cache hit)
+    /// plus one step fit beside what the running sequences need to reach their next token, and
+    /// no running sequence is still prefilling whole blocks of its prompt (then it comes in once
+    /// they are cached, and takes them as a hit).
+    fn admit(&mut self, kv: &mut impl KvBlocks) -> Result<()> {
+        let mut committed: usize =
+            self.running.iter().map(|s| kv.blocks_to_extend(s.id, s.target() + 1 - s.computed)).sum();
+        while let Some(s) = self.next_to_admit() {
+            // Its prefix is being computed by a running request: wait for those blocks instead
+            // of computing them a second time beside it.
+            if self.prefix_caching && self.prefix_in_flight(s) {
+                break;
+            }
+            let hit = kv.open(s);
+            let need = (s.target() + 1).div_ceil(KV_BLOCK) - hit / KV_BLOCK;
+            if need + committed > kv.available_blocks() {
+                kv.close(s.id);
+                break;
+            }
+            committed += need;
+            let (first_admission, prompt) = (s.cached_tokens.is_none(), s.req.prompt_tokens.len());
+            let computed = kv.restore(s)?;
+            if first_admission {
+                self.stats.prefix_queries += prompt as u64;
+                self.stats.prefix_hits += hit as u64;
+            }
+            self.waiting.front_mut().unwrap().cached_tokens.get_or_insert(hit);
+            self.admit_front(computed);
+        }
+        Ok(())
+    }
+
+    /// After a step ran `plan`: each planned sequence's cache holds its rows.
+    pub fn advance(&mut self, plan: &[(usize, Work)]) {
+        for (i, work) in plan {
+            let s = &mut self.running[*i];
+            match work {
+                Work::Prefill(c) => s.computed = c.end,
+                _ => s.computed += work.rows(),
+            }
         }
     }
 
@@ -75,7 +162,7 @@ impl Scheduler {
 
     /// The next waiting sequence, if the sequence limit lets it in (a request's `n` choices
     /// count from its first admission: they fork from it after its prefill).
-    pub fn next_to_admit(&self) -> Option<&Sequence> {
+    fn next_to_admit(&self) -> Option<&Sequence> {
         let s = self.waiting.front()?;
         let slots = if s.index == 0 && s.steps.is_empty() { s.req.params.n } else { 1 };
         (self.running.len() + slots <= self.max_num_seqs).then_some(s)
@@ -84,7 +171,7 @@ impl Scheduler {
     /// Whether a running sequence is still prefilling a whole block of `s`'s prompt that `s`
     /// could take from the prefix cache once it is computed (a shared system prompt, the same
     /// document): then `s` is better admitted after it.
-    pub fn prefix_in_flight(&self, s: &Sequence) -> bool {
+    fn prefix_in_flight(&self, s: &Sequence) -> bool {
         let mine = &s.req.prompt_tokens[..s.req.prompt_tokens.len() - 1];
         self.running.iter().any(|r| {
             let theirs = &r.req.prompt_tokens;
@@ -94,7 +181,7 @@ impl Scheduler {
     }
 
     /// Moves the front waiting sequence to running, holding `computed` positions.
-    pub fn admit_front(&mut self, computed: usize) {
+    fn admit_front(&mut self, computed: usize) {
         let mut s = self.waiting.pop_front().expect("a waiting sequence");
         self.admissions += 1;
         s.admitted_at = self.admissions;
@@ -106,7 +193,7 @@ impl Scheduler {
     /// drafts, then whole prefill chunks in arrival order while the token budget lasts; ordered
     /// by position in `running`. Drafts come before prefill so that a request's drafts, and so
     /// its acceptance counts, do not depend on what else is prefilling.
-    pub fn plan(&self, with_drafts: bool) -> Vec<(usize, Work)> {
+    fn plan(&self, with_drafts: bool) -> Vec<(usize, Work)> {
         let mut budget = self.max_tokens_per_step;
         let mut plan = Vec::new();
         for (i, s) in self.running.iter().enumerate() {
@@ -176,7 +263,7 @@ impl Scheduler {
 
     /// Puts the most recently admitted running sequence back at the front of the queue, its
     /// cache gone (the caller drops it): it resumes by recomputing its history. Returns its id.
-    pub fn preempt_latest(&mut self) -> Option<SeqId> {
+    fn preempt_latest(&mut self) -> Option<SeqId> {
         let i = (0..self.running.len()).max_by_key(|&i| (self.running[i].admitted_at, i))?;
         let mut s = self.running.remove(i);
         s.computed = 0;
@@ -273,6 +360,61 @@ mod tests {
         // A cached prefix of 96 positions: the next chunk runs to the next multiple of 64.
         sch.running[0].computed = 96;
         assert_eq!(sch.plan(true)[0], (0, Work::Prefill(96..100)));
+    }
+
+    /// A pool of `free` blocks, each sequence's cache holding `positions`.
+    struct Pool {
+        free: usize,
+        positions: std::collections::HashMap<SeqId, usize>,
+    }
+    impl KvBlocks for Pool {
+        fn open(&mut self, s: &Sequence) -> usize {
+            self.positions.insert(s.id, 0);
+            0
+        }
+        fn restore(&mut self, _: &Sequence) -> Result<usize> {
+            Ok(0)
+        }
+        fn close(&mut self, id: SeqId) {
+            self.positions.remove(&id);
+        }
+        fn available_blocks(&self) -> usize {
+            self.free - self.positions.values().map(|p| p.div_ceil(KV_BLOCK)).sum::<usize>()
+        }
+        fn blocks_to_extend(&self, id: SeqId, rows: usize) -> usize {
+            let p = self.positions[&id];
+            (p + rows).div_ceil(KV_BLOCK) - p.div_ceil(KV_BLOCK)
+        }
+    }
+
+    #[test]
+    fn admission_stops_at_the_pool_and_preemption_makes_room_for_the_earliest() {
+        let mut sch = Scheduler::new(&EngineConfig::default(), 4096);
+        let mut kv = Pool { free: 5, positions: Default::default() };
+        // three different prompts (one shared with a running prefill would wait for its blocks)
+        sch.waiting.extend((1..=3).map(|id| {
+            let mut s = seq(id, 40);
+            s.req.prompt_tokens[0] = id as u32;
+            s
+        }));
+        // each needs 2 blocks for its prompt and first token: the third does not fit beside them
+        let plan = sch.schedule(&mut kv).unwrap();
+        assert_eq!(plan, [(0, Work::Prefill(0..40)), (1, Work::Prefill(0..40))]);
+        assert_eq!((sch.running.len(), sch.waiting.len(), kv.positions.len()), (2, 1, 2));
+        assert_eq!(sch.stats.prefix_queries, 80);
+        sch.advance(&plan);
+        assert_eq!(sch.running[0].computed, 40);
+        // both decode to position 64: their next rows need a new block each, and one is left
+        for s in sch.running.iter_mut() {
+            s.steps.extend((0..25).map(|_| record(false)));
+            s.computed = 64;
+            kv.positions.insert(s.id, 64);
+        }
+        let plan = sch.schedule(&mut kv).unwrap();
+        assert_eq!(plan, [(0, Work::Decode)]);
+        assert_eq!(sch.stats.preemptions, 1);
+        assert_eq!((sch.waiting[0].id, sch.waiting[0].computed), (SeqId(2), 0));
+        assert!(!kv.positions.contains_key(&SeqId(2)), "its cache was closed");
     }
 
     #[test]

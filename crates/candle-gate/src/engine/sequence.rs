@@ -2,7 +2,6 @@
 //! tokens, how many positions its cache holds, the token fed next) are methods, not fields.
 
 use crate::error::Error;
-use crate::kv_cache::KvCache;
 
 use super::speculative::SpecStats;
 use super::text::TextState;
@@ -54,14 +53,11 @@ pub(crate) struct Sequence {
     /// fed on the next step). Zero again when it is preempted.
     pub computed: usize,
     pub steps: Vec<StepRecord>,
-    /// Positions `..reference_exact` of `reference_cache` hold the reference lane's K/V computed
-    /// over the reference lane's own prefix (left by the last deep recheck), so the next deep
-    /// recheck only rebuilds from there.
+    /// Positions `..reference_exact` of its history hold the reference lane's K/V computed over
+    /// the reference lane's own prefix (left by the last deep recheck, in the runner's f32
+    /// reference cache, of which its KV cache took a copy), so the next deep recheck only
+    /// rebuilds from there.
     pub reference_exact: usize,
-    /// The reference lane's own cache, in f32 (the exact lane keeps exact K/V whatever the
-    /// engine stores): made by the first deep recheck. The sequence's cache takes a copy of
-    /// its positions, in the engine's dtype.
-    pub reference_cache: Option<KvCache>,
     pub text: TextState,
     pub finish: Option<FinishReason>,
     /// Why the sequence failed, when `finish` is `Error`.
@@ -89,7 +85,6 @@ impl Sequence {
             computed: 0,
             steps: Vec::new(),
             reference_exact: 0,
-            reference_cache: None,
             text: TextState::default(),
             finish: None,
             error: None,
@@ -113,7 +108,6 @@ impl Sequence {
             computed: self.computed,
             steps: Vec::new(),
             reference_exact: self.reference_exact,
-            reference_cache: self.reference_cache.clone(),
             text: TextState::default(),
             finish: None,
             error: None,

@@ -192,9 +192,40 @@ pub struct SpecStats {
     pub accepted_tokens: u64,
 }
 
+impl SpecStats {
+    /// Counts a verification run of `drafted` drafts that kept `kept`.
+    pub fn add_run(&mut self, drafted: usize, kept: usize) {
+        self.draft_tokens += drafted as u64;
+        self.accepted_tokens += kept as u64;
+    }
+}
+
+/// The drafts a sequence's next verification run may take after a run of `drafted` drafts that
+/// kept `kept`: a run kept whole asks for twice as many; one cut short, for one more than it
+/// kept. Verification rows cost compute, and a sequence that is copying its prompt keeps long
+/// runs while one that is not keeps none. A function of the sequence's own history alone.
+pub(crate) fn next_draft_window(drafted: usize, kept: usize) -> usize {
+    if kept == drafted {
+        2 * drafted
+    } else {
+        kept + 1
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_draft_window_doubles_on_a_whole_run_and_falls_to_one_more_than_kept() {
+        assert_eq!(next_draft_window(4, 4), 8);
+        assert_eq!(next_draft_window(4, 1), 2);
+        assert_eq!(next_draft_window(12, 0), 1);
+        let mut stats = SpecStats::default();
+        stats.add_run(4, 1);
+        stats.add_run(3, 3);
+        assert_eq!(stats, SpecStats { draft_tokens: 7, accepted_tokens: 4 });
+    }
 
     #[test]
     fn lookup_takes_the_longest_suffix_and_its_latest_occurrence() {

@@ -237,7 +237,7 @@ fn prepare<'w>(w: &'w QTensor, x: &[f32], m: usize) -> Result<(std::borrow::Cow<
     if !SUPPORTED.contains(&dtype) {
         return Err(Error::Unsupported(format!(
             "GGML dtype {dtype:?} has no canonical-order kernel (it has: {})",
-            SUPPORTED.map(crate::dispatch::dtype_name).join(", ")
+            SUPPORTED.map(super::dtype_name).join(", ")
         )));
     }
     let dims = w.shape().dims();
@@ -361,7 +361,7 @@ pub fn sample_weights(path: &std::path::Path, max_rows: usize) -> Result<Vec<(St
     let mut seen = std::collections::BTreeSet::new();
     let mut out = Vec::new();
     for (name, dtype, dims) in names {
-        if !seen.insert((crate::dispatch::dtype_name(dtype), dims.clone())) {
+        if !seen.insert((super::dtype_name(dtype), dims.clone())) {
             continue;
         }
         let t = file.tensor(&name)?;

@@ -32,6 +32,11 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use candle_core::{quantized::QMatMul, Module, Tensor};
 use rayon::prelude::*;
 
+/// The lowercase GGML name used in profiles and messages (`q4_1`, `q8_0`, `q4k`, ...).
+pub fn dtype_name(d: candle_core::quantized::GgmlDType) -> String {
+    format!("{d:?}").to_lowercase()
+}
+
 /// The worker pool the CPU kernels split output columns over. Which pool (and how many threads)
 /// never changes a result: every output element is computed whole by one worker.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
