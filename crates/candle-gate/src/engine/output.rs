@@ -192,19 +192,7 @@ mod tests {
     fn seq(index: u32, tokens: &[u32], params: SamplingParams) -> Sequence {
         let mut s = Sequence::new(SeqId(index as u64), 1, Request::new(vec![5, 6], params), 9);
         s.index = index;
-        for &token in tokens {
-            s.steps.push(StepRecord {
-                token,
-                margin: 1.0,
-                reference_margin: f32::NAN,
-                rechecked: false,
-                corrected: false,
-                deep: false,
-                logit_hash: None,
-                logprob: None,
-                top_logprobs: Vec::new(),
-            });
-        }
+        s.steps.extend(tokens.iter().map(|&token| StepRecord::plain(token, false)));
         s
     }
 

@@ -327,17 +327,7 @@ mod tests {
     }
 
     fn record(rechecked: bool) -> StepRecord {
-        StepRecord {
-            token: 2,
-            margin: 1.0,
-            reference_margin: f32::NAN,
-            rechecked,
-            corrected: false,
-            deep: false,
-            logit_hash: None,
-            logprob: None,
-            top_logprobs: Vec::new(),
-        }
+        StepRecord::plain(2, rechecked)
     }
 
     #[test]

@@ -27,6 +27,23 @@ pub(crate) struct StepRecord {
 }
 
 impl StepRecord {
+    /// A step that took `token` with margin 1, the gate letting it through or (`rechecked`)
+    /// confirming it: what the rooms' unit tests feed sequences.
+    #[cfg(test)]
+    pub fn plain(token: u32, rechecked: bool) -> Self {
+        StepRecord {
+            token,
+            margin: 1.0,
+            reference_margin: f32::NAN,
+            rechecked,
+            corrected: false,
+            deep: false,
+            logit_hash: None,
+            logprob: None,
+            top_logprobs: Vec::new(),
+        }
+    }
+
     /// Counts this step into the engine's gate counters.
     pub fn tally(&self, stats: &mut GateStats) {
         stats.steps += 1;
