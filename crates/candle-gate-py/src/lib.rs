@@ -868,9 +868,14 @@ fn merge_gate(py: Python<'_>, path: PathBuf, gate_json: &str) -> PyResult<String
 /// What this host and build contribute to the bits in `mode` (hashed into fingerprints): the
 /// compile target, plus the run-time dispatch of Candle's kernels for modes that use them.
 #[pyfunction]
-#[pyo3(signature = (mode = "invariant"))]
-fn host_signature(mode: &str) -> PyResult<String> {
-    Ok(candle_gate::host::signature(Mode::from_str(mode).map_err(to_py)?))
+#[pyo3(signature = (mode = None))]
+fn host_signature(mode: Option<&str>) -> PyResult<String> {
+    Ok(candle_gate::host::signature(mode_or_default(mode)?))
+}
+
+/// `mode` by name, or the default mode.
+fn mode_or_default(mode: Option<&str>) -> PyResult<Mode> {
+    Ok(mode.map(Mode::from_str).transpose().map_err(to_py)?.unwrap_or(Mode::DEFAULT))
 }
 
 /// The CPU kernels' instruction-set tier in use (`portable`, `avx2`, `avx512`): every tier gives
@@ -887,10 +892,12 @@ fn kernel_tier() -> &'static str {
 /// The kernels' description is `Engine::describe_kernels`' (tests/test_verify.py checks the two
 /// agree on a real engine).
 #[pyfunction]
-#[pyo3(signature = (model_sha256, mode = "invariant", kv_dtype = "f16", gate = "gate=off"))]
-fn system_fingerprint(model_sha256: &str, mode: &str, kv_dtype: &str, gate: &str) -> PyResult<String> {
-    let mode = Mode::from_str(mode).map_err(to_py)?;
-    let kv = candle_gate::decoder::KvDtype::from_str(kv_dtype).map_err(to_py)?;
+#[pyo3(signature = (model_sha256, mode = None, kv_dtype = None, gate = "gate=off"))]
+fn system_fingerprint(model_sha256: &str, mode: Option<&str>, kv_dtype: Option<&str>, gate: &str) -> PyResult<String> {
+    let mode = mode_or_default(mode)?;
+    let kv = kv_dtype
+        .map_or(Ok(EngineConfig::default().kv_dtype), candle_gate::decoder::KvDtype::from_str)
+        .map_err(to_py)?;
     let kernels = format!("{};kv={}", Policy::new(mode).describe(), kv.name());
     Ok(candle_gate::model::system_fingerprint(model_sha256, &kernels, gate, &candle_gate::host::signature(mode)))
 }
@@ -996,6 +1003,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("GATE_COUNTERS", candle_gate::engine::GateStats::KEYS.to_vec())?;
     m.add("DEFAULT_MODE", candle_gate::Mode::DEFAULT.name())?;
     m.add("LAYOUTS", WeightLayout::ALL.map(|l| l.name()).to_vec())?;
+    m.add("KV_DTYPES", candle_gate::decoder::KvDtype::ALL.map(|d| d.name()).to_vec())?;
     m.add_function(wrap_pyfunction!(layout_for, m)?)?;
     testing::register(m)?; // _native._testing: test scaffolding
     Ok(())

@@ -18,13 +18,14 @@ from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Optional
 
+from .. import _native
 from ..engine import DEFAULT_MODE, GATES, MODES, SPECULATIVE_METHODS
 from ..models import DEFAULT_MODEL
 
 #: what ``--api-key`` guards: ``api`` the API (/v1/*, /tokenize, /detokenize,
 #: /reset_prefix_cache), ``all`` also /metrics, /docs, /redoc and /openapi.json
 API_KEY_SCOPES = ("api", "all")
-KV_DTYPES = ("f16", "f32")
+KV_DTYPES = tuple(_native.KV_DTYPES)  # the Rust enum owns the names
 
 #: The fields whose ``candle-gate serve`` flag is not ``--`` and the field's name with dashes;
 #: None: no flag (set by :mod:`candle_gate.ray` for its replicas, not by a user).
