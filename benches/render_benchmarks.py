@@ -115,6 +115,10 @@ PROVENANCE = {
     "ab-q8_0-scales-qwen2.5-coder-0.5b-instruct-q4_k_m-zen4.json": dict(added="5296f70", before="d10aedb", host="epyc-zen4", date="2026-12-04"),
     "ab-issue31-qwen05-zen4.json": dict(added="5ec31a1", before="218487e", host="epyc-zen4", date="2026-12-04"),
     "ab-issue31-smollm2-zen4.json": dict(added="5ec31a1", before="218487e", host="epyc-zen4", date="2026-12-04"),
+    **{f"ab-issue51-{m}-zen4.json": dict(at="78dd3b7", before="73deae7", host="epyc-zen4", date="2026-12-06")
+       for m in ("smollm2", "qwen05", "qwen15", "gemma")},
+    **{f"ab-issue51-{m}-reversed-zen4.json": dict(at="73deae7", before="78dd3b7", host="epyc-zen4", date="2026-12-06")
+       for m in ("smollm2", "qwen15")},
     "ab-packed-smol-4k-zen4.json": dict(at="3d20feb", before="b80898d", host="epyc-zen4", date="2026-12-05"),
     "ab-packed-smol-chat-zen4.json": dict(at="3d20feb", before="b80898d", host="epyc-zen4", date="2026-12-05"),
     "ab-packed-q05-4k-zen4.json": dict(at="3d20feb", before="b80898d", host="epyc-zen4", date="2026-12-05"),
@@ -664,6 +668,24 @@ def t_ab_issue31(res, doc):
     return ab_table(res, doc, [(None, None, f"ab-issue31-{m}-zen4.json") for m in ("qwen05", "smollm2")])
 
 
+def t_ab_issue51(res, doc):
+    """73deae7 → 78dd3b7 in every row; in the swapped rows the newer build ran first in each
+    round (ab_builds' `--before`), so a bias of the order would show with the other sign."""
+    files = [f"ab-issue51-{m}-zen4.json" for m in ("smollm2", "qwen05", "qwen15", "gemma")]
+    swapped = [f"ab-issue51-{m}-reversed-zen4.json" for m in ("smollm2", "qwen15")]
+    conc = sorted({r["concurrency"] for f in files + swapped for r in res(f)["rows"]})
+    rows = []
+    for f in files + swapped:
+        d = res(f)
+        turn = (lambda r: (r["before"], r["after"])) if f in files else (lambda r: (r["after"], r["before"]))
+        cells = {r["concurrency"]: arrow(*turn(r)) for r in d["rows"]}
+        order = "73deae7 first" if f in files else "78dd3b7 first"
+        rows.append([model_name(d["model"]), order, str(d["rounds"])] + [cells.get(c, "") for c in conc])
+    header = ["model", "each round", "rounds"] + [f"{c} stream{'s' if c > 1 else ''}" for c in conc]
+    note = "Decode tok/s, 73deae7 → 78dd3b7 (ratio), best of alternating rounds, chat prompts. "
+    return table(header, grouped(rows)) + ["", note + res.source(files + swapped, doc)]
+
+
 def t_ab_draft_kquant(res, doc):
     return ab_table(res, doc, [(None, None, f"ab-draft-kquant-{m}-zen4.json") for m in ("qwen15", "qwen05")])
 
@@ -1071,6 +1093,7 @@ TABLES = {
     "ab-no-prefetch": t_ab_no_prefetch,
     "ab-q8_0-scales": t_ab_q8_0_scales,
     "ab-issue31": t_ab_issue31,
+    "ab-issue51": t_ab_issue51,
     "ab-q8_0-avx512": t_ab_q8_0_avx512,
     "ab-packed-q4_1": t_ab_packed_q4_1,
     "speculative": t_speculative,
