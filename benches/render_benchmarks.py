@@ -15,7 +15,7 @@ the result file; to change how a table looks, change its function below. Run
     python benches/render_benchmarks.py --check    # exit 1 if a document differs from its render
 
 `--check` also fails on a marker that names no table, a table rendered into no document, and a
-link to a section of docs/BENCHMARKS.md that does not exist (tests/test_render_benchmarks.py runs
+link to a section of docs/BENCHMARKS.md that does not exist (tests/benches/test_render_benchmarks.py runs
 it, so CI catches a hand-edited number).
 
 Most result files do not record where and when they were measured. For those, PROVENANCE below

@@ -271,12 +271,12 @@ def parse_autoscaling_config(text: str) -> Dict[str, Any]:
 
 def serve_replicas(settings: Settings, replicas: Optional[int], ray_address: Optional[str] = None,
                    num_cpus: float = 1.0, routing: str = "session",
-                   autoscaling_config: Optional[Dict[str, Any]] = None) -> int:
+                   autoscaling_config: Optional[Dict[str, Any]] = None, proxy_location: str = "EveryNode") -> int:
     """``candle-gate serve --replicas N`` (or ``--autoscaling-config``, Ray Serve's autoscaling
     between its ``min_replicas`` and ``max_replicas``): starts (or joins, ``ray_address``) a Ray
     cluster, deploys the app on ``settings.host:settings.port`` and serves until SIGTERM or
     Ctrl-C, then tears the deployment down (draining each replica) and leaves the cluster; 0 once
-    done."""
+    done. ``proxy_location``: Ray Serve's, where its HTTP proxies run (``EveryNode``, ``HeadOnly``)."""
     import ray
     # Ray's processes (controller, proxy, replicas) inherit these from the cluster this starts.
     os.environ.update(serve_env())
@@ -289,7 +289,7 @@ def serve_replicas(settings: Settings, replicas: Optional[int], ray_address: Opt
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        serve.start(http_options={"host": settings.host, "port": settings.port})
+        serve.start(proxy_location=proxy_location, http_options={"host": settings.host, "port": settings.port})
         count = (f"{replicas}" if autoscaling_config is None else
                  f"{autoscaling_config.get('min_replicas', 1)} to {autoscaling_config.get('max_replicas', 1)} "
                  f"(autoscaling)")

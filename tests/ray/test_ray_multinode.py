@@ -65,7 +65,11 @@ def cluster(tmp_path_factory):
 @pytest.fixture(scope="module")
 def fleet(cluster):
     c, _ = cluster
-    s = FleetServer("--replicas", "3", "--ray-address", c.address, "--threads", "1", "--num-cpus-per-replica", "1")
+    # The proxy on the head alone: with every node on one host, Ray's default (a proxy on every
+    # node, all on the one port) let a connection land on node A's proxy, and killing node A cut
+    # requests that were served by node B's replica.
+    s = FleetServer("--replicas", "3", "--ray-address", c.address, "--threads", "1", "--num-cpus-per-replica", "1",
+                    "--proxy-location", "HeadOnly")
     try:
         yield s
     finally:

@@ -32,6 +32,10 @@ def add_parser(sub) -> None:
                         "(e.g. '{\"min_replicas\": 1, \"max_replicas\": 4, \"target_ongoing_requests\": 8}'; default: none)")
     r.add_argument("--ray-address", default=None, help="join this Ray cluster (e.g. 10.0.0.1:6379 or auto; default: start a local one)")
     r.add_argument("--num-cpus-per-replica", type=float, default=1.0, help="Ray CPUs each replica reserves")
+    r.add_argument("--proxy-location", default="EveryNode", choices=["EveryNode", "HeadOnly"],
+                   help="where Ray Serve runs its HTTP proxies: EveryNode (Ray's default: a client may "
+                        "connect to any node), HeadOnly (the head node's alone: a worker node's loss cuts "
+                        "no connection, and nodes sharing one host do not share the port)")
     r.add_argument("--routing", default="session", choices=["session", "pow2"],
                    help="session: a request's x-session-id header picks its replica (prefix-cache affinity), "
                         "others as pow2; pow2: Ray's default power-of-two choices")
@@ -83,4 +87,4 @@ def main(a: argparse.Namespace) -> int:
             print(f"candle-gate serve: --autoscaling-config: {e}", file=sys.stderr)
             return 2
     return serve_replicas(Settings.from_args(a), a.replicas, a.ray_address, a.num_cpus_per_replica,
-                          a.routing, autoscaling)
+                          a.routing, autoscaling, proxy_location=a.proxy_location)
