@@ -23,6 +23,8 @@ import os
 import subprocess
 import sys
 
+import provenance
+
 
 def env_for(pkg_dir):
     env = dict(os.environ)
@@ -76,6 +78,7 @@ def main():
     ap.add_argument("--context", type=int, default=0,
                     help="prompts of this many tokens of running text (default: the short chat prompts)")
     ap.add_argument("--json", help="also write the table here")
+    ap.add_argument("--before-label", default=None, help="what the --before build is (a commit), recorded in --json")
     args = ap.parse_args()
     if args.context and args.mode != "invariant":
         ap.error("--context runs vs_llama_cpp.py's engine, which is `invariant` mode")
@@ -98,8 +101,9 @@ def main():
         print(f"{c:>12} {b:>10.1f} {a:>10.1f} {a / b:>12.2f}x")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "mode": args.mode, "context": args.context or None, "rounds": args.rounds,
-                       "rows": rows}, f, indent=1)
+            # The checkout's commit is the "after" build's when it is the work tree's (the default).
+            json.dump({**provenance.stamp(), "before_build": args.before_label, "model": args.model, "mode": args.mode,
+                       "context": args.context or None, "rounds": args.rounds, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

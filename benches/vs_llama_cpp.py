@@ -99,6 +99,7 @@ from typing import Dict, List
 import numpy as np
 
 import candle_gate
+import provenance
 from candle_gate import Engine, Model, layout_for
 from candle_gate.bench import bench_ids
 
@@ -607,8 +608,8 @@ def main(argv=None) -> int:
     print_table(rows)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"read_bandwidth_gbs": bw, "threads": a.threads, "mode": a.mode, "peers": a.peers, **builds, "rows": rows},
-                      f, indent=1)
+            json.dump({**provenance.stamp(), "read_bandwidth_gbs": bw, "threads": a.threads, "mode": a.mode,
+                       "peers": a.peers, **builds, "rows": rows}, f, indent=1)
     return 0
 
 

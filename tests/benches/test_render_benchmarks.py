@@ -65,6 +65,15 @@ def test_a_file_that_records_its_commit_and_host_is_believed():
     assert "“Some CPU”" in where and told  # the date still came from PROVENANCE
 
 
+def test_a_file_that_records_commit_host_and_date_needs_no_provenance_entry():
+    # what benches/provenance.py writes
+    data = dict(SYNTH, commit="def5678", host="AMD EPYC (family 25 model 17, 2 cores, avx512)", date="2026-12-06",
+                before_build="73deae7")
+    where, told = _synth_results(data, {}).where("synth.json")
+    assert (where, told) == ("at def5678 against 73deae7, on AMD EPYC (family 25 model 17, 2 cores, avx512), "
+                             "2026-12-06", False)
+
+
 def test_a_file_with_no_provenance_is_an_error():
     with pytest.raises(rb.RenderError, match="PROVENANCE"):
         _synth_results(provenance={}).where("synth.json")
