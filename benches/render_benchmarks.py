@@ -621,6 +621,24 @@ def t_peers(res, doc):
     return table(header, out) + ["", "tok/s, `invariant` mode. " + res.source(files, doc)]
 
 
+def t_peers_qwen15_zen4(res, doc):
+    """Qwen 1.5B, one stream, at chat length, 1k and 4k, against both peers (issue 50's goals)."""
+    chat, ctx = "vs-peers-qwen15-chat-zen4.json", "vs-peers-qwen15-context-zen4.json"
+    model, peers = "qwen2.5-coder-1.5b-instruct-q4_k_m", ("llama_cpp", "ik_llama_cpp")
+    rows = []
+    for name, context in ((chat, None), (ctx, 1023), (ctx, 4095)):
+        r = vs_row(res(name), model, 1, context)
+        rows.append([context_label(context), peer_cell(r, "prefill_tok_s", g3, peers),
+                     peer_cell(r, "decode_tok_s", g3, peers), pct(r["bandwidth_share"])])
+    eight = vs_row(res(chat), model, 8, None)
+    rows.append(["chat, 8 streams", "", peer_cell(eight, "decode_tok_s", g3, peers), ""])
+    header = ["prompt", "prefill", "decode", "decode's share of the read bandwidth"]
+    bw = ", ".join(f"{res(f)['read_bandwidth_gbs']:.1f} GB/s" for f in (chat, ctx))
+    return table(header, rows) + ["", "Qwen2.5-Coder-1.5B Q4_K_M, tok/s: candle-gate (`invariant`) vs llama.cpp "
+                                  f"(ratio) vs ik_llama.cpp (ratio), one stream unless said. Best read bandwidth {bw}. "
+                                  + res.source([chat, ctx], doc)]
+
+
 def t_peers_canonical(res, doc):
     name = "vs-peers-qwen15-chat-canonical-xeon-spr.json"
     d = res(name)
@@ -1098,6 +1116,7 @@ TABLES = {
     "ab-q8_0-scales": t_ab_q8_0_scales,
     "ab-issue31": t_ab_issue31,
     "ab-issue51": t_ab_issue51,
+    "peers-qwen15-zen4": t_peers_qwen15_zen4,
     "ab-q8_0-avx512": t_ab_q8_0_avx512,
     "ab-packed-q4_1": t_ab_packed_q4_1,
     "speculative": t_speculative,
