@@ -1,6 +1,7 @@
 """``candle-gate serve`` as a subprocess on loopback (tests/server, tests/probe, tests/ray, ...), and
 waiting for a state without calling a slow machine hung."""
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -84,3 +85,13 @@ class Server:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(timeout=30)
+
+    def terminate(self, timeout: float = 120):
+        """SIGTERM, as a supervisor stops the server (it drains first), then SIGKILL after `timeout`."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=30)

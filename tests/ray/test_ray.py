@@ -36,13 +36,7 @@ class RayServer(Server):
     replicas and stops the Ray cluster it started), then ``ray stop --force`` for anything left."""
 
     def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=30)
+        self.terminate()
         ray_cli = shutil.which("ray", path=os.path.dirname(sys.executable)) or shutil.which("ray")
         if ray_cli:
             subprocess.run([ray_cli, "stop", "--force"], capture_output=True, timeout=120)

@@ -32,15 +32,7 @@ class FleetServer(Server):
     """``candle-gate serve --replicas 3 --ray-address ADDR``; stopped with SIGTERM."""
 
     def stop(self):
-        import signal
-        import subprocess
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=30)
+        self.terminate()
 
 
 @pytest.fixture(scope="module")
