@@ -113,7 +113,7 @@ fn every_isa_tier_gives_the_portable_bits() {
     set_isa(Isa::best());
 }
 
-/// Weights packed for the sixteen-column kernels (`QMatMul::with_packing`: Q4_K, Q4_1, Q5_0)
+/// Weights packed for the sixteen-column kernels (`QMatMul::with_packing`: Q4_K, Q6_K, Q4_1, Q5_0)
 /// give the GGUF layout's bits at every row count, on every kernel tier this host has (tiers
 /// without AVX-512 unpack a copy), and `weight()` gives back the GGUF bytes. Shapes whose
 /// columns are not whole groups of sixteen stay unpacked.
@@ -121,9 +121,8 @@ fn every_isa_tier_gives_the_portable_bits() {
 fn packed_weights_give_the_gguf_layouts_bits() {
     use candle_gate::kernels::{set_isa, Isa};
     let policy = Arc::new(Policy::default());
-    let packs = |d| matches!(d, GgmlDType::Q4K | GgmlDType::Q4_1 | GgmlDType::Q5_0);
+    let packs = |d| matches!(d, GgmlDType::Q4K | GgmlDType::Q6K | GgmlDType::Q4_1 | GgmlDType::Q5_0);
     for d in [GgmlDType::Q4K, GgmlDType::Q6K, GgmlDType::Q4_1, GgmlDType::Q5_0] {
-        // Q6_K is not packed (`kernels::cpu::packable`): the same checks hold with_packing(true).
         for (n, k) in shapes(d) {
             let w = pseudo_random(n * k, 3 + n as u64);
             let q = Arc::new(QTensor::quantize(&Tensor::from_vec(w, (n, k), &Device::Cpu).unwrap(), d).unwrap());

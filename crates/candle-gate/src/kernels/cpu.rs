@@ -333,14 +333,12 @@ pub fn dequantize_rows(w: &QTensor, rows: std::ops::Range<usize>) -> Result<Vec<
     Ok(out)
 }
 
-/// Whether [`pack`] takes `w`: a Q4_K, Q4_1 or Q5_0 weight on the CPU, in whole groups of
-/// sixteen columns. (Q6_K would pack the same way, but at one row its GGUF-order kernel, not
-/// the sixteen-column one, is the fast one: 4.8–5.7 ms against 15–16 packed for Qwen2.5 1.5B's
-/// output on the Zen 4.)
+/// Whether [`pack`] takes `w`: a Q4_K, Q6_K, Q4_1 or Q5_0 weight on the CPU, in whole groups
+/// of sixteen columns.
 pub fn packable(w: &QTensor) -> bool {
     use super::{cpu_kquant, cpu_q32};
     let cols = match w.dtype() {
-        GgmlDType::Q4K => cpu_kquant::PACK_COLS,
+        GgmlDType::Q4K | GgmlDType::Q6K => cpu_kquant::PACK_COLS,
         GgmlDType::Q4_1 | GgmlDType::Q5_0 => cpu_q32::PACK_COLS,
         _ => return false,
     };
@@ -358,12 +356,19 @@ pub fn pack(w: &QTensor) -> Result<Option<QTensor>> {
     if !packable(w) {
         return Ok(None);
     }
-    permuted(w, true).map(Some)
+    match w.dtype() {
+        // The canonical mode's dword tiles: the sixteen-column kernel's segments as they are.
+        GgmlDType::Q6K => super::cpu_canonical::pack(w),
+        _ => permuted(w, true).map(Some),
+    }
 }
 
 /// [`pack`] undone: the GGUF layout every other reader takes.
 pub fn unpack(w: &QTensor) -> Result<QTensor> {
-    permuted(w, false)
+    match w.dtype() {
+        GgmlDType::Q6K => super::cpu_canonical::unpack(w),
+        _ => permuted(w, false),
+    }
 }
 
 /// `blocks` (`n` columns of `kb` blocks of a packable dtype) packed or unpacked.
@@ -398,6 +403,9 @@ pub fn dequantize_rows_packed(w: &QTensor, rows: std::ops::Range<usize>) -> Resu
     if rows.end > n || !packable(w) {
         return Err(Error::BadInput(format!("rows {rows:?} of a packed [{n}, {k}] {:?} weight", w.dtype())));
     }
+    if w.dtype() == GgmlDType::Q6K {
+        return super::cpu_canonical::dequantize_rows_packed(w, rows);
+    }
     let data = w.data()?;
     let (d, bytes) = (w.dtype(), w.dtype().type_size());
     let (kb, g0, g1) = (k / d.block_size(), rows.start / G, rows.end.div_ceil(G));
@@ -422,7 +430,7 @@ pub fn invariant_packed_into(w: &QTensor, x: &[f32], m: usize, out: &mut [f32]) 
     let (n, k) = check_out(w, x, m, out)?;
     if !packable(w) {
         return Err(Error::BadInput(format!(
-            "a packed weight is Q4_K, Q4_1 or Q5_0 with n a multiple of 16, got {:?} [{n}, {k}]",
+            "a packed weight is Q4_K, Q6_K, Q4_1 or Q5_0 with n a multiple of 16, got {:?} [{n}, {k}]",
             w.dtype()
         )));
     }
@@ -431,6 +439,10 @@ pub fn invariant_packed_into(w: &QTensor, x: &[f32], m: usize, out: &mut [f32]) 
         GgmlDType::Q4K => {
             let xq = quantize_rows::<BlockQ4K>(x, m, k);
             super::cpu_kquant::matmul_q4k_packed(blocks_of(&data)?, &xq, m, k, n, out);
+        }
+        GgmlDType::Q6K => {
+            let xq = quantize_rows::<BlockQ6K>(x, m, k);
+            super::cpu_kquant::matmul_q6k_packed(blocks_of(&data)?, &xq, m, k, n, out);
         }
         GgmlDType::Q4_1 => {
             let xq = quantize_rows::<BlockQ4_1>(x, m, k);

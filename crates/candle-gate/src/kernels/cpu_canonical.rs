@@ -108,19 +108,46 @@ impl Layout {
 }
 
 /// The dword-transposed tiles of this file (Q6_K, Q8_0): where a block's dwords start and how
-/// many, where its f16 `d` lies, and whether the tile puts the `d` vector first.
+/// many, which vector of the tile holds each, where its f16 `d` lies, and whether the tile puts
+/// the `d` vector first.
 struct DwordTile {
     body: usize,
     words: usize,
+    slot: fn(usize) -> usize,
     f16_at: usize,
     d_first: bool,
 }
 
-const Q6K_TILE: DwordTile = DwordTile { body: 0, words: 52, f16_at: 208, d_first: false };
-const Q8_0_TILE: DwordTile = DwordTile { body: 2, words: 8, f16_at: 0, d_first: true };
-/// Where a Q6_K tile's `qh` and scale vectors start (after 32 vectors of `ql`, then 16 of `qh`).
-const Q6K_QH: usize = 32 * 64;
-const Q6K_SCALES: usize = 48 * 64;
+const Q6K_TILE: DwordTile = DwordTile {
+    body: 0,
+    words: super::cpu_kquant::Q6K_WORDS,
+    slot: q6k_slot,
+    f16_at: 4 * super::cpu_kquant::Q6K_WORDS,
+    d_first: false,
+};
+const Q8_0_TILE: DwordTile = DwordTile { body: 2, words: 8, slot: |word| word, f16_at: 0, d_first: true };
+
+/// The vector of a Q6_K tile that holds the block's dword `word` (its `ql` are dwords 0..32,
+/// `qh` 32..48, the scales 48..52): the scales first, then for each 16-weight half `half` of
+/// each 128-weight chunk `n` four dwords of `ql`'s low nibbles (`ql[64n + 16half..]`), four
+/// of its high nibbles (`ql[64n + 32 + 16half..]`) and four of `qh` (`qh[32n + 16half..]`).
+/// That is the order the `invariant` kernel needs them in, so it reads a tile from its start
+/// to its end: any other order (the GGUF block's, which this was) left the hardware
+/// prefetchers behind, and the tiles streamed from memory at a third of the rate.
+pub(crate) const fn q6k_slot(word: usize) -> usize {
+    let (part, four) = match word {
+        0..32 => {
+            let (n, r) = (word / 16, word % 16);
+            (2 * n + (r % 8) / 4, 4 * (r / 8) + r % 4)
+        }
+        32..48 => {
+            let v = word - 32;
+            (2 * (v / 8) + (v % 8) / 4, 8 + v % 4)
+        }
+        _ => return word - 48,
+    };
+    4 + 12 * part + four
+}
 
 impl DwordTile {
     fn words_at(&self) -> usize {
@@ -188,14 +215,37 @@ fn permute_dwords(src: &[u8], layout: Layout, kb: usize, pack: bool) -> Vec<u8> 
             for b in 0..kb {
                 let plain = (c * kb + b) * block;
                 let t = b * layout.tile_bytes();
-                let words = (0..tile.words)
-                    .map(|word| (plain + tile.body + 4 * word, t + tile.words_at() + 64 * word + 4 * c, 4));
+                let words = (0..tile.words).map(|word| {
+                    (plain + tile.body + 4 * word, t + tile.words_at() + 64 * (tile.slot)(word) + 4 * c, 4)
+                });
                 for (p, q, len) in words.chain([(plain + tile.f16_at, t + tile.d_at() + 2 * c, 2)]) {
                     let (from, to) = if pack { (p, q) } else { (q, p) };
                     d[to..to + len].copy_from_slice(&s[from..from + len]);
                 }
             }
         }
+    }
+    out
+}
+
+/// Q6_K blocks (`n` columns of `kb`) packed in this file's tiles, unpacked: the GGUF layout
+/// that the `invariant` kernels' other tiers read (the two modes share the Q6_K tiles).
+pub(crate) fn unpack_q6k(
+    packed: &[candle_core::quantized::k_quants::BlockQ6K],
+    n: usize,
+    kb: usize,
+) -> Vec<candle_core::quantized::k_quants::BlockQ6K> {
+    use candle_core::quantized::k_quants::BlockQ6K;
+    let layout = Layout::of(GgmlDType::Q6K).expect("a tile layout");
+    assert_eq!(packed.len(), n * kb);
+    // SAFETY: Candle's `BlockQ6K` is `#[repr(C)]` plain bytes, `block_bytes` long.
+    let bytes = unsafe { std::slice::from_raw_parts(packed.as_ptr() as *const u8, std::mem::size_of_val(packed)) };
+    let plain = permute_dwords(bytes, layout, kb, false);
+    let mut out: Vec<BlockQ6K> = Vec::with_capacity(packed.len());
+    // SAFETY: `plain` holds exactly `packed.len()` blocks' bytes; any bytes are a valid block.
+    unsafe {
+        std::ptr::copy_nonoverlapping(plain.as_ptr(), out.as_mut_ptr() as *mut u8, plain.len());
+        out.set_len(packed.len());
     }
     out
 }

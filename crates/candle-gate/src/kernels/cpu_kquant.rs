@@ -711,6 +711,7 @@ mod eight {
 mod avx512 {
     use super::super::avx512::transpose16x4;
     use super::{KBlock, TILE_ROWS, Y_QS};
+    use crate::kernels::cpu_canonical::q6k_slot;
     use std::arch::x86_64::*;
 
     /// i16 lane l of the result: lane `first + l / run` of `v` (`run` a power of two): each
@@ -847,7 +848,81 @@ mod avx512 {
             let p = base.add(b * TILE + 256 * s);
             std::array::from_fn(|t| _mm512_loadu_si512(p.add(64 * t) as *const _))
         };
-        q4k_tile_rows(segments, kb, ys, rows, out)
+        match rows {
+            1 => q4k_tile_few::<1>(segments, kb, ys, out),
+            2 => q4k_tile_few::<2>(segments, kb, ys, out),
+            _ => q4k_tile_rows(segments, kb, ys, rows, out),
+        }
+    }
+
+    /// [`q4k_tile_rows`] for a fixed `R` of one or two rows (a decode step's), every sum in
+    /// registers: the general kernel keeps up to [`TILE_ROWS`] rows' sums in arrays on the stack,
+    /// so at one row each sub-block's sum went through a store and a reload, and each call
+    /// zeroed 4 KB of them. Even and odd sub-blocks sum in two chains, added once a super-block:
+    /// integer sums, so the same `isum` and, through the same float step, the same bits.
+    #[inline(always)]
+    unsafe fn q4k_tile_few<const R: usize>(
+        mut segments: impl FnMut(usize, usize) -> [__m512i; 4],
+        kb: usize,
+        ys: &[super::Q8K],
+        out: &mut [[f32; 16]],
+    ) {
+        debug_assert!(out.len() >= R);
+        assert!(ys.len() >= R * kb);
+        let m4 = _mm512_set1_epi8(0x0F);
+        let mut acc = [_mm512_setzero_ps(); R];
+        for b in 0..kb {
+            let [dd, s0, s1, s2] = segments(b, 0);
+            let high = |lo: __m512i, top: __m512i, k: u32, shift: u32| {
+                _mm512_or_si512(field(lo, 8 * k + shift, 0x0F), _mm512_slli_epi32::<4>(field(top, 8 * k + 6, 3)))
+            };
+            let mut isum = [[_mm512_setzero_si512(); 2]; R];
+            for i in 0..4 {
+                let (lo, hi) = (segments(b, 1 + 2 * i), segments(b, 2 + 2 * i));
+                let q = [lo[0], lo[1], lo[2], lo[3], hi[0], hi[1], hi[2], hi[3]];
+                for half in 0..2 {
+                    let j = 2 * i + half;
+                    let sc = if j < 4 { field(s0, 8 * j as u32, 63) } else { high(s2, s0, j as u32 - 4, 0) };
+                    let mut a = [[_mm512_setzero_si512(); 2]; R];
+                    for (t, &q) in q.iter().enumerate() {
+                        let u = if half == 0 {
+                            _mm512_and_si512(q, m4)
+                        } else {
+                            _mm512_and_si512(_mm512_srli_epi16::<4>(q), m4)
+                        };
+                        for (r, a) in a.iter_mut().enumerate() {
+                            let y =
+                                ys.as_ptr().add(r * kb + b).cast::<u8>().add(Y_QS + 64 * i + 32 * half) as *const i32;
+                            a[t / 4] = dpbusd_broadcast(a[t / 4], u, y.add(t));
+                        }
+                    }
+                    for (s, a) in isum.iter_mut().zip(a) {
+                        s[half] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(s[half], a[0], sc), a[1], sc);
+                    }
+                }
+            }
+            let xd = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));
+            let xdmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(dd)));
+            for (r, (acc, isum)) in acc.iter_mut().zip(isum).enumerate() {
+                let y = &ys[r * kb + b];
+                let bs = y.bsums.as_ptr() as *const i32;
+                let mut imin = [_mm512_setzero_si512(); 2];
+                for j in 0..8 {
+                    let m = if j < 4 { field(s1, 8 * j as u32, 63) } else { high(s2, s1, j as u32 - 4, 4) };
+                    let m = _mm512_or_si512(_mm512_slli_epi32::<16>(m), m);
+                    imin[j % 2] = _mm512_dpwssd_epi32(imin[j % 2], m, _mm512_set1_epi32(bs.add(j).read_unaligned()));
+                }
+                let yd = _mm512_set1_ps(y.d);
+                let isum = _mm512_add_epi32(isum[0], isum[1]);
+                let imin = _mm512_add_epi32(imin[0], imin[1]);
+                let a = _mm512_mul_ps(_mm512_mul_ps(yd, xd), _mm512_cvtepi32_ps(isum));
+                let m = _mm512_mul_ps(_mm512_mul_ps(yd, xdmin), _mm512_cvtepi32_ps(imin));
+                *acc = _mm512_add_ps(*acc, _mm512_sub_ps(a, m));
+            }
+        }
+        for (o, a) in out.iter_mut().zip(&acc) {
+            _mm512_storeu_ps(o.as_mut_ptr(), *a);
+        }
     }
 
     /// The sixteen-column Q4_K kernel over any source of its segments: `segments(b, s)` is
@@ -957,76 +1032,235 @@ mod avx512 {
         rows: usize,
         out: &mut [[f32; 16]],
     ) {
-        debug_assert!(rows <= TILE_ROWS && out.len() >= rows);
+        let cols: [&[super::Q6K]; 16] = std::array::from_fn(&col);
+        assert!(cols.iter().all(|c| c.len() >= kb));
+        let at = |b: usize| -> [*const u8; 16] { std::array::from_fn(|c| cols[c].as_ptr().add(b) as *const u8) };
+        let scales = |b: usize| {
+            let at = at(b);
+            for &a in &at {
+                let x = &*(a as *const super::Q6K);
+                super::super::prefetch_at(x, AHEAD * kb * std::mem::size_of_val(x));
+            }
+            transpose16x4(|c| at[c].add(std::mem::offset_of!(super::Q6K, scales)))
+        };
+        let d = |b: usize| {
+            // The block ends two bytes after its scales, so `d` comes in lane by lane.
+            let at = at(b);
+            let d: [u16; 16] = std::array::from_fn(|c| (*(at[c] as *const super::Q6K)).d.to_bits());
+            _mm512_cvtph_ps(_mm256_loadu_si256(d.as_ptr() as *const __m256i))
+        };
+        let segment = |b: usize, byte: usize| {
+            let at = at(b);
+            transpose16x4(|c| at[c].add(byte))
+        };
+        q6k_tile(Q6kTiles { scales, segment, d }, kb, ys, rows, out)
+    }
+
+    /// [`q6k_sixteen_columns`] over a packed group (the dword tiles of
+    /// [`crate::kernels::cpu_canonical`], which this mode shares): each segment's four vectors
+    /// and the scales are aligned loads, and the sixteen `d` one 256-bit load.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c")]
+    pub unsafe fn q6k_sixteen_packed(
+        group: &[super::Q6K],
+        kb: usize,
+        ys: &[super::Q8K],
+        rows: usize,
+        out: &mut [[f32; 16]],
+    ) {
+        assert!(group.len() >= 16 * kb);
+        const TILE: usize = 16 * std::mem::size_of::<super::Q6K>();
+        let base = group.as_ptr() as *const u8;
+        let vectors = |b: usize, first: usize| -> [__m512i; 4] {
+            let p = base.add(b * TILE + 64 * first);
+            std::array::from_fn(|t| _mm512_loadu_si512(p.add(64 * t) as *const _))
+        };
+        // Each tile is read from its start to its end ([`q6k_slot`]): the scales, the
+        // sixteen halves' segments as the kernel takes them, then `d`.
+        let scales = |b: usize| vectors(b, q6k_slot(std::mem::offset_of!(super::Q6K, scales) / 4));
+        let segment = |b: usize, byte: usize| vectors(b, q6k_slot(byte / 4));
+        let d = |b: usize| {
+            _mm512_cvtph_ps(_mm256_loadu_si256(base.add(b * TILE + 64 * super::Q6K_WORDS) as *const __m256i))
+        };
+        q6k_tile(Q6kTiles { scales, segment, d }, kb, ys, rows, out)
+    }
+
+    /// Where a Q6_K kernel finds sixteen columns' super-block `b`: `scales(b)` its scale bytes
+    /// as four vectors, `segment(b, byte)` bytes `byte..byte + 16` (vector t, lane c: column
+    /// c's dword t), `d(b)` the sixteen `d`; called in that order, `d` once the sums are made.
+    struct Q6kTiles<S, G, D> {
+        scales: S,
+        segment: G,
+        d: D,
+    }
+
+    /// Picks the kernel for `rows`: one or two rows keep every sum in registers.
+    #[inline(always)]
+    unsafe fn q6k_tile<S, G, D>(
+        tiles: Q6kTiles<S, G, D>,
+        kb: usize,
+        ys: &[super::Q8K],
+        rows: usize,
+        out: &mut [[f32; 16]],
+    ) where
+        S: Fn(usize) -> [__m512i; 4],
+        G: Fn(usize, usize) -> [__m512i; 4],
+        D: Fn(usize) -> __m512,
+    {
+        match rows {
+            1 => q6k_tile_few::<1, S, G, D>(tiles, kb, ys, out),
+            2 => q6k_tile_few::<2, S, G, D>(tiles, kb, ys, out),
+            _ => q6k_tile_rows(tiles, kb, ys, rows, out),
+        }
+    }
+
+    /// Scale s (i8) sign-extended in each lane, from the four vectors of a tile's scale bytes.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn q6k_scale(scales: &[__m512i; 4], s: usize) -> __m512i {
+        _mm512_srai_epi32::<24>(_mm512_sll_epi32(scales[s / 4], _mm_cvtsi32_si128(24 - 8 * (s % 4) as i32)))
+    }
+
+    /// The `bsums` term's integer: Σ_s sc_s · bsums_s, scales paired (s = 2p, 2p + 1) as i16
+    /// against the (bsums[2p], bsums[2p + 1]) pairs, in two chains.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn q6k_bsum_term(scales: &[__m512i; 4], y: &super::Q8K) -> __m512i {
+        let bs = y.bsums.as_ptr() as *const i32;
+        let mut ib = [_mm512_setzero_si512(); 2];
+        for p in 0..8 {
+            let pair = _mm512_or_si512(
+                _mm512_and_si512(q6k_scale(scales, 2 * p), _mm512_set1_epi32(0xFFFF)),
+                _mm512_slli_epi32::<16>(q6k_scale(scales, 2 * p + 1)),
+            );
+            ib[p % 2] = _mm512_dpwssd_epi32(ib[p % 2], pair, _mm512_set1_epi32(bs.add(p).read_unaligned()));
+        }
+        _mm512_add_epi32(ib[0], ib[1])
+    }
+
+    /// Chunk `4n + t` of a Q6_K half as `Q6K::unpack` gives it: a nibble of `ql` (`a` or `bq`),
+    /// two bits of `qh`, per four weights `g` of sixteen columns.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn q6k_chunk(a: &[__m512i; 4], bq: &[__m512i; 4], h: &[__m512i; 4], t: usize) -> [__m512i; 4] {
         let (m4, m30) = (_mm512_set1_epi8(0x0F), _mm512_set1_epi8(0x30));
+        let mut u = [_mm512_setzero_si512(); 4];
+        for (g, u) in u.iter_mut().enumerate() {
+            let (lo, hi) = match t {
+                0 => (_mm512_and_si512(a[g], m4), _mm512_slli_epi16::<4>(h[g])),
+                1 => (_mm512_and_si512(bq[g], m4), _mm512_slli_epi16::<2>(h[g])),
+                2 => (_mm512_and_si512(_mm512_srli_epi16::<4>(a[g]), m4), h[g]),
+                _ => (_mm512_and_si512(_mm512_srli_epi16::<4>(bq[g]), m4), _mm512_srli_epi16::<2>(h[g])),
+            };
+            // lo | (hi & 0x30)
+            *u = _mm512_ternarylogic_epi32::<0xF8>(lo, hi, m30);
+        }
+        u
+    }
+
+    /// The float step of [`super::step`] for Q6_K, lane by lane.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn q6k_step(acc: __m512, isum: __m512i, ib: __m512i, xd: __m512, y: &super::Q8K) -> __m512 {
+        let isum = _mm512_sub_epi32(isum, _mm512_mullo_epi32(ib, _mm512_set1_epi32(super::Q6K::OFFSET)));
+        _mm512_add_ps(acc, _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(y.d), xd), _mm512_cvtepi32_ps(isum)))
+    }
+
+    const Q6K_QL: usize = std::mem::offset_of!(super::Q6K, ql);
+    const Q6K_QH: usize = std::mem::offset_of!(super::Q6K, qh);
+
+    /// Up to [`TILE_ROWS`] rows over sixteen Q6_K columns ([`Q6kTiles`]).
+    #[inline(always)]
+    unsafe fn q6k_tile_rows<S, G, D>(
+        tiles: Q6kTiles<S, G, D>,
+        kb: usize,
+        ys: &[super::Q8K],
+        rows: usize,
+        out: &mut [[f32; 16]],
+    ) where
+        S: Fn(usize) -> [__m512i; 4],
+        G: Fn(usize, usize) -> [__m512i; 4],
+        D: Fn(usize) -> __m512,
+    {
+        let Q6kTiles { scales, segment, d } = tiles;
+        debug_assert!(rows <= TILE_ROWS && out.len() >= rows);
         let mut acc = [_mm512_setzero_ps(); TILE_ROWS];
         let mut isum = [_mm512_setzero_si512(); TILE_ROWS];
-        let cols: [&[super::Q6K]; 16] = std::array::from_fn(&col);
-        assert!(cols.iter().all(|c| c.len() >= kb) && ys.len() >= rows * kb);
+        assert!(ys.len() >= rows * kb);
         for b in 0..kb {
-            let at: [*const u8; 16] = std::array::from_fn(|c| cols[c].as_ptr().add(b) as *const u8);
-            let x = |c: usize| &*(at[c] as *const super::Q6K);
-            for c in 0..16 {
-                super::super::prefetch_at(x(c), AHEAD * kb * std::mem::size_of_val(x(c)));
-            }
-            // The block ends two bytes after its scales, so `d` comes in lane by lane.
-            let d: [u16; 16] = std::array::from_fn(|c| x(c).d.to_bits());
-            let xd = _mm512_cvtph_ps(_mm256_loadu_si256(d.as_ptr() as *const __m256i));
-            let packed = transpose16x4(|c| at[c].add(std::mem::offset_of!(super::Q6K, scales)));
-            // Scale s (i8) sign-extended in each lane, and the pairs (s = 2p, 2p + 1) as i16
-            // against the (bsums[2p], bsums[2p + 1]) pairs.
-            let sc: [__m512i; 16] = std::array::from_fn(|s| {
-                let v = packed[s / 4];
-                _mm512_srai_epi32::<24>(_mm512_sll_epi32(v, _mm_cvtsi32_si128(24 - 8 * (s % 4) as i32)))
-            });
-            let pairs: [__m512i; 8] = std::array::from_fn(|p| {
-                _mm512_or_si512(
-                    _mm512_and_si512(sc[2 * p], _mm512_set1_epi32(0xFFFF)),
-                    _mm512_slli_epi32::<16>(sc[2 * p + 1]),
-                )
-            });
+            let scales = scales(b);
             isum[..rows].fill(_mm512_setzero_si512());
             for n in 0..2 {
                 for half in 0..2 {
-                    let (ql, qh) = (std::mem::offset_of!(super::Q6K, ql), std::mem::offset_of!(super::Q6K, qh));
-                    let a = transpose16x4(|c| at[c].add(ql + 64 * n + 16 * half));
-                    let bq = transpose16x4(|c| at[c].add(ql + 64 * n + 32 + 16 * half));
-                    let h = transpose16x4(|c| at[c].add(qh + 32 * n + 16 * half));
+                    let a = segment(b, Q6K_QL + 64 * n + 16 * half);
+                    let bq = segment(b, Q6K_QL + 64 * n + 32 + 16 * half);
+                    let h = segment(b, Q6K_QH + 32 * n + 16 * half);
                     for t in 0..4 {
-                        // `Q6K::unpack` for chunk 4n + t: a nibble of `ql`, two bits of `qh`.
-                        let u: [__m512i; 4] = std::array::from_fn(|g| {
-                            let (lo, hi) = match t {
-                                0 => (_mm512_and_si512(a[g], m4), _mm512_slli_epi16::<4>(h[g])),
-                                1 => (_mm512_and_si512(bq[g], m4), _mm512_slli_epi16::<2>(h[g])),
-                                2 => (_mm512_and_si512(_mm512_srli_epi16::<4>(a[g]), m4), h[g]),
-                                _ => {
-                                    (_mm512_and_si512(_mm512_srli_epi16::<4>(bq[g]), m4), _mm512_srli_epi16::<2>(h[g]))
-                                }
-                            };
-                            // lo | (hi & 0x30)
-                            _mm512_ternarylogic_epi32::<0xF8>(lo, hi, m30)
-                        });
+                        let u = q6k_chunk(&a, &bq, &h, t);
                         let s = 8 * n + 2 * t + half;
                         let y = |r: usize| ys.as_ptr().add(r * kb + b).cast::<u8>().add(Y_QS + 16 * s) as *const i32;
-                        every_row!(half_rows, &u, sc[s], rows, y, isum);
+                        every_row!(half_rows, &u, q6k_scale(&scales, s), rows, y, isum);
                     }
                 }
             }
+            let xd = d(b);
             for (r, (acc, &isum)) in acc[..rows].iter_mut().zip(&isum).enumerate() {
                 let y = &ys[r * kb + b];
-                let bs = y.bsums.as_ptr() as *const i32;
-                let mut ib = _mm512_setzero_si512();
-                for (p, &pair) in pairs.iter().enumerate() {
-                    ib = _mm512_dpwssd_epi32(ib, pair, _mm512_set1_epi32(bs.add(p).read_unaligned()));
-                }
-                let isum = _mm512_sub_epi32(isum, _mm512_mullo_epi32(ib, _mm512_set1_epi32(super::Q6K::OFFSET)));
-                *acc = _mm512_add_ps(
-                    *acc,
-                    _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(y.d), xd), _mm512_cvtepi32_ps(isum)),
-                );
+                *acc = q6k_step(*acc, isum, q6k_bsum_term(&scales, y), xd, y);
             }
         }
         for (o, a) in out.iter_mut().zip(&acc[..rows]) {
+            _mm512_storeu_ps(o.as_mut_ptr(), *a);
+        }
+    }
+
+    /// [`q6k_tile_rows`] for a fixed `R` of one or two rows, every sum in registers, the
+    /// sixteen halves' sums in two chains (as [`q4k_tile_few`]: the same integers, so the same
+    /// bits).
+    #[inline(always)]
+    unsafe fn q6k_tile_few<const R: usize, S, G, D>(
+        tiles: Q6kTiles<S, G, D>,
+        kb: usize,
+        ys: &[super::Q8K],
+        out: &mut [[f32; 16]],
+    ) where
+        S: Fn(usize) -> [__m512i; 4],
+        G: Fn(usize, usize) -> [__m512i; 4],
+        D: Fn(usize) -> __m512,
+    {
+        let Q6kTiles { scales, segment, d } = tiles;
+        debug_assert!(out.len() >= R);
+        assert!(ys.len() >= R * kb);
+        let mut acc = [_mm512_setzero_ps(); R];
+        for b in 0..kb {
+            let scales = scales(b);
+            let mut isum = [[_mm512_setzero_si512(); 2]; R];
+            for n in 0..2 {
+                for half in 0..2 {
+                    let a = segment(b, Q6K_QL + 64 * n + 16 * half);
+                    let bq = segment(b, Q6K_QL + 64 * n + 32 + 16 * half);
+                    let h = segment(b, Q6K_QH + 32 * n + 16 * half);
+                    for t in 0..4 {
+                        let u = q6k_chunk(&a, &bq, &h, t);
+                        let s = 8 * n + 2 * t + half;
+                        let sc = q6k_scale(&scales, s);
+                        for (r, isum) in isum.iter_mut().enumerate() {
+                            let y = ys.as_ptr().add(r * kb + b).cast::<u8>().add(Y_QS + 16 * s) as *const i32;
+                            let mut a = _mm512_setzero_si512();
+                            for (g, &u) in u.iter().enumerate() {
+                                a = dpbusd_broadcast(a, u, y.add(g));
+                            }
+                            isum[t % 2] = _mm512_add_epi32(isum[t % 2], _mm512_mullo_epi32(a, sc));
+                        }
+                    }
+                }
+            }
+            let xd = d(b);
+            for (r, (acc, isum)) in acc.iter_mut().zip(isum).enumerate() {
+                let y = &ys[r * kb + b];
+                *acc = q6k_step(*acc, _mm512_add_epi32(isum[0], isum[1]), q6k_bsum_term(&scales, y), xd, y);
+            }
+        }
+        for (o, a) in out.iter_mut().zip(&acc) {
             _mm512_storeu_ps(o.as_mut_ptr(), *a);
         }
     }
@@ -1263,6 +1497,10 @@ pub fn matmul_q6k(w: &[BlockQ6K], xq: &[BlockQ8K], m: usize, k: usize, n: usize,
 
 /// Columns per packed group of a Q4_K weight.
 pub const PACK_COLS: usize = 16;
+/// Dwords of a Q6_K block before its `d` (`ql`, `qh`, `scales`): a packed tile's `d` vector
+/// follows that many vectors.
+pub(crate) const Q6K_WORDS: usize = 52;
+const _: () = assert!(4 * Q6K_WORDS == std::mem::offset_of!(Q6K, d));
 /// 16-byte segments of a Q4_K block: `d`, `dmin` and the scales, then `qs` in eight.
 const SEGMENTS: usize = std::mem::size_of::<Q4K>() / 16;
 const _: () = assert!(SEGMENTS * 16 == std::mem::size_of::<Q4K>());
@@ -1318,32 +1556,79 @@ pub fn unpack_q4k(packed: &[BlockQ4K], n: usize, kb: usize) -> Vec<BlockQ4K> {
 /// (forced, or a host without AVX-512 handed packed weights) unpack a copy and run their own.
 pub fn matmul_q4k_packed(w: &[BlockQ4K], xq: &[BlockQ8K], m: usize, k: usize, n: usize, out: &mut [f32]) {
     let kb = k / 256;
-    assert!(n.is_multiple_of(PACK_COLS) && w.len() == n * kb && out.len() == m * n);
     #[cfg(target_arch = "x86_64")]
-    if super::isa() == super::Isa::Avx512 {
-        // SAFETY: mirror types of the same size, alignment and layout (asserted above).
-        let (w, xq) = unsafe { (mirror::<_, Q4K>(w), mirror::<_, Q8K>(xq)) };
-        let ptr = OutPtr(out.as_mut_ptr());
-        return super::parallel_for(n / PACK_COLS, |g| {
-            let p = ptr;
-            let group = &w[g * PACK_COLS * kb..(g + 1) * PACK_COLS * kb];
-            with_tile::<16>(m, |got| {
-                for r0 in (0..m).step_by(TILE_ROWS) {
-                    let rows = TILE_ROWS.min(m - r0);
-                    // SAFETY: the AVX-512 tier was detected at run time; each (row, column) of this
-                    // group's columns is written by this task alone, inside `out`.
-                    unsafe {
-                        avx512::q4k_sixteen_packed(group, kb, &xq[r0 * kb..], rows, got);
-                        for (i, row) in got[..rows].iter().enumerate() {
-                            let o = p.0.add((r0 + i) * n + g * PACK_COLS);
-                            std::ptr::copy_nonoverlapping(row.as_ptr(), o, PACK_COLS);
-                        }
-                    }
-                }
-            });
-        });
+    // SAFETY: the kernel reads a packed Q4_K group of `kb` tiles; the tier is checked inside.
+    if unsafe { packed_groups::<_, Q4K>(w, xq, m, kb, n, out, avx512::q4k_sixteen_packed) } {
+        return;
     }
     matmul_q4k(&unpack_q4k(w, n, kb), xq, m, k, n, out)
+}
+
+/// [`matmul_q6k`] over weights packed in [`super::cpu_canonical`]'s Q6_K dword tiles, the same
+/// bits: the AVX-512 sixteen-column kernel at every row count; the other tiers unpack a copy.
+pub fn matmul_q6k_packed(w: &[BlockQ6K], xq: &[BlockQ8K], m: usize, k: usize, n: usize, out: &mut [f32]) {
+    let kb = k / 256;
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: the kernel reads a packed Q6_K group of `kb` tiles; the tier is checked inside.
+    if unsafe { packed_groups::<_, Q6K>(w, xq, m, kb, n, out, avx512::q6k_sixteen_packed) } {
+        return;
+    }
+    matmul_q6k(&super::cpu_canonical::unpack_q6k(w, n, kb), xq, m, k, n, out)
+}
+
+/// A sixteen-column kernel over one packed group: (group, kb, rows' activations, rows, out).
+#[cfg(target_arch = "x86_64")]
+type GroupKernel<W> = unsafe fn(&[W], usize, &[Q8K], usize, &mut [[f32; 16]]);
+
+/// `kernel` over every group of [`PACK_COLS`] packed columns, [`TILE_ROWS`] rows a pass, on
+/// the AVX-512 tier; false (nothing written) on any other.
+///
+/// # Safety
+/// `kernel` must read at most a group's `PACK_COLS * kb` blocks and `rows * kb` of `ys`, and
+/// need no more than AVX-512 F/BW/VL/VNNI.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn packed_groups<B, W>(
+    w: &[B],
+    xq: &[BlockQ8K],
+    m: usize,
+    kb: usize,
+    n: usize,
+    out: &mut [f32],
+    kernel: GroupKernel<W>,
+) -> bool
+where
+    W: Sync,
+{
+    assert!(n.is_multiple_of(PACK_COLS) && w.len() == n * kb && out.len() == m * n);
+    assert!(
+        std::mem::size_of::<B>() == std::mem::size_of::<W>() && std::mem::align_of::<B>() >= std::mem::align_of::<W>()
+    );
+    if super::isa() != super::Isa::Avx512 {
+        return false;
+    }
+    // SAFETY: mirror types of the same size, alignment and layout (asserted above).
+    let (w, xq) = (mirror::<_, W>(w), mirror::<_, Q8K>(xq));
+    let ptr = OutPtr(out.as_mut_ptr());
+    super::parallel_for(n / PACK_COLS, |g| {
+        let p = ptr;
+        let group = &w[g * PACK_COLS * kb..(g + 1) * PACK_COLS * kb];
+        with_tile::<16>(m, |got| {
+            for r0 in (0..m).step_by(TILE_ROWS) {
+                let rows = TILE_ROWS.min(m - r0);
+                // SAFETY: the AVX-512 tier was detected at run time; each (row, column) of this
+                // group's columns is written by this task alone, inside `out`.
+                unsafe {
+                    kernel(group, kb, &xq[r0 * kb..], rows, got);
+                    for (i, row) in got[..rows].iter().enumerate() {
+                        let o = p.0.add((r0 + i) * n + g * PACK_COLS);
+                        std::ptr::copy_nonoverlapping(row.as_ptr(), o, PACK_COLS);
+                    }
+                }
+            }
+        });
+    });
+    true
 }
 
 /// The portable definition for `m` rows (what the AVX2 paths must equal bit for bit).

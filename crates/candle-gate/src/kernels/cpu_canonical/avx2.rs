@@ -6,7 +6,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{GroupOut, Layout, Pass, PACK_COLS, Q6K_QH, Q6K_SCALES};
+use super::{q6k_slot, GroupOut, Layout, Pass, PACK_COLS};
 use crate::kernels::canonical::{BUTTERFLY, LANES};
 use candle_core::quantized::GgmlDType;
 
@@ -111,8 +111,8 @@ unsafe fn q6k<const R: usize>(tile: *const u8, sb: usize, h8: usize, pass: &Pass
         for t in 0..2 {
             let mut w = [[_mm256_setzero_si256(); 8]; 2];
             for i in 0..8 {
-                let ql = load(tile.add(64 * (16 * h + 8 * t + i)), h8);
-                let qh = load(tile.add(Q6K_QH + 64 * (8 * h + i)), h8);
+                let ql = load(tile.add(64 * q6k_slot(16 * h + 8 * t + i)), h8);
+                let qh = load(tile.add(64 * q6k_slot(32 + 8 * h + i)), h8);
                 let (high_t, high_t2) = if t == 0 {
                     (_mm256_slli_epi16::<4>(qh), qh)
                 } else {
@@ -126,7 +126,7 @@ unsafe fn q6k<const R: usize>(tile: *const u8, sb: usize, h8: usize, pass: &Pass
             }
             for (pair, w) in w.iter().enumerate() {
                 let tt = t + 2 * pair;
-                let scales = load(tile.add(Q6K_SCALES + 64 * (2 * h + tt / 2)), h8);
+                let scales = load(tile.add(64 * q6k_slot(48 + 2 * h + tt / 2)), h8);
                 let signed_byte = |byte: usize| {
                     let shifted = _mm256_sllv_epi32(scales, _mm256_set1_epi32(24 - 8 * byte as i32));
                     _mm256_cvtepi32_ps(_mm256_srai_epi32::<24>(shifted))

@@ -3,7 +3,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{GroupOut, Layout, Pass, PACK_COLS, Q6K_QH, Q6K_SCALES};
+use super::{q6k_slot, GroupOut, Layout, Pass, PACK_COLS};
 use crate::kernels::canonical::{BUTTERFLY, LANES};
 use candle_core::quantized::GgmlDType;
 
@@ -99,8 +99,8 @@ unsafe fn q4k<const R: usize>(tile: *const u8, sb: usize, pass: &Pass, acc: &mut
     }
 }
 
-/// Q6_K super-block `sb`, this file's tile: `ql` as 32 vectors, `qh` as 16 (from
-/// [`Q6K_QH`]), the scales as 4 (from [`Q6K_SCALES`]), then the sixteen `d`. Unit
+/// Q6_K super-block `sb`, this file's tile: the block's 52 dwords as vectors in
+/// [`q6k_slot`]'s order, then the sixteen `d`. Unit
 /// `j = 4h + t` takes `ql[64h + 32(t % 2)..][..32]` shifted by `4(t / 2)` and bits `2t, 2t+1`
 /// of `qh[32h..][..32]`, as `w + 32` (0..64), and the int8 scales `sc[8h + 2t]` (values
 /// 0..16) and `sc[8h + 2t + 1]` (16..32). Units `t` and `t + 2` share their `ql` and `qh`
@@ -113,8 +113,8 @@ unsafe fn q6k<const R: usize>(tile: *const u8, sb: usize, pass: &Pass, acc: &mut
         for t in 0..2 {
             let mut w = [[_mm512_setzero_si512(); 8]; 2];
             for i in 0..8 {
-                let ql = load(tile.add(64 * (16 * h + 8 * t + i)));
-                let qh = load(tile.add(Q6K_QH + 64 * (8 * h + i)));
+                let ql = load(tile.add(64 * q6k_slot(16 * h + 8 * t + i)));
+                let qh = load(tile.add(64 * q6k_slot(32 + 8 * h + i)));
                 // Bits 2t, 2t + 1 (unit t) and 2t + 4, 2t + 5 (unit t + 2) of each qh byte
                 // to bits 4, 5; a 16-bit shift moves bits across bytes only into places
                 // the mask clears.
@@ -133,7 +133,7 @@ unsafe fn q6k<const R: usize>(tile: *const u8, sb: usize, pass: &Pass, acc: &mut
             }
             for (pair, w) in w.iter().enumerate() {
                 let tt = t + 2 * pair;
-                let scales = load(tile.add(Q6K_SCALES + 64 * (2 * h + tt / 2)));
+                let scales = load(tile.add(64 * q6k_slot(48 + 2 * h + tt / 2)));
                 // Bytes 2t and 2t + 1 of the dword, sign-extended, as f32 (exact).
                 let signed_byte = |byte: usize| {
                     let shifted = _mm512_sllv_epi32(scales, _mm512_set1_epi32(24 - 8 * byte as i32));
