@@ -15,7 +15,8 @@ editable). Each run is a fresh process, so the two builds never share one.
 
 With `--context N` each stream's prompt is instead N tokens of running text and each run is
 `benches/vs_llama_cpp.py`'s candle-gate side (the same prompts, prefill in chunks, decode tok/s
-counted once every stream has its first token): long-context decode, two builds side by side.
+counted once every stream has its first token): long-context decode, and prefill, two builds
+side by side (`--json` keeps the prefill rows as `prefill_rows`).
 """
 import argparse
 import json
@@ -47,23 +48,29 @@ def long_context_child(argv):
     from candle_gate import Model
     model, context, new, threads, concurrency = argv[0], int(argv[1]), int(argv[2]), int(argv[3]), argv[4]
     m = Model.load(model)  # invariant's layout, the default in every build
-    out = [{"concurrency": c, "tok_per_s": v.candle_gate_run(m, [v.long_prompt(m, context, i) for i in range(c)],
-                                                             new, threads)["decode_tok_s"]}
-           for c in [int(x) for x in concurrency.split(",")]]
+    out = []
+    for c in [int(x) for x in concurrency.split(",")]:
+        r = v.candle_gate_run(m, [v.long_prompt(m, context, i) for i in range(c)], new, threads)
+        out.append({"concurrency": c, "tok_per_s": r["decode_tok_s"], "prefill_tok_s": r["prefill_tok_s"]})
     print(json.dumps({"results": out}))
 
 
 def run(pkg_dir, args):
+    """{(metric, concurrency): tok/s} of one run: decode, and with --context prefill too."""
     env = env_for(pkg_dir)
     if args.context:
         cmd = [sys.executable, os.path.abspath(__file__), "--long-context-child", args.model, str(args.context),
                str(args.max_new_tokens), str(os.cpu_count() or 1), args.concurrency]
         out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
-        return {r["concurrency"]: r["tok_per_s"] for r in json.loads(out.strip().splitlines()[-1])["results"]}
+        got = {}
+        for r in json.loads(out.strip().splitlines()[-1])["results"]:
+            got[("decode", r["concurrency"])] = r["tok_per_s"]
+            got[("prefill", r["concurrency"])] = r["prefill_tok_s"]
+        return got
     cmd = [sys.executable, "-m", "candle_gate", "bench", "throughput", "--json", "--model", args.model,
            "--mode", args.mode, "--concurrency", args.concurrency, "--max-new-tokens", str(args.max_new_tokens)]
     out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
-    return {r["concurrency"]: r["tok_per_s"] for r in json.loads(out.strip().splitlines()[-1])["results"]}
+    return {("decode", r["concurrency"]): r["tok_per_s"] for r in json.loads(out.strip().splitlines()[-1])["results"]}
 
 
 def main():
@@ -91,19 +98,21 @@ def main():
                 best[side][c] = max(best[side].get(c, 0.0), v)
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     what = f", {args.context}-token prompts" if args.context else ""
-    print(f"{args.model}, {args.mode}{what}, decode tok/s, best of {args.rounds} alternating rounds")
+    print(f"{args.model}, {args.mode}{what}, tok/s, best of {args.rounds} alternating rounds")
     print(f"  before: {paths['before']}\n  after:  {paths['after']}")
-    print(f"{'concurrency':>12} {'before':>10} {'after':>10} {'after/before':>13}")
-    rows = []
-    for c in sorted(best["before"]):
-        b, a = best["before"][c], best["after"][c]
-        rows.append({"concurrency": c, "before": b, "after": a, "ratio": a / b})
-        print(f"{c:>12} {b:>10.1f} {a:>10.1f} {a / b:>12.2f}x")
+    print(f"{'metric':>8} {'concurrency':>12} {'before':>10} {'after':>10} {'after/before':>13}")
+    tables = {"decode": [], "prefill": []}
+    for metric, c in sorted(best["before"]):
+        b, a = best["before"][(metric, c)], best["after"][(metric, c)]
+        tables[metric].append({"concurrency": c, "before": b, "after": a, "ratio": a / b})
+        print(f"{metric:>8} {c:>12} {b:>10.1f} {a:>10.1f} {a / b:>12.2f}x")
+    rows = tables["decode"]
     if args.json:
         with open(args.json, "w") as f:
             # The checkout's commit is the "after" build's when it is the work tree's (the default).
             json.dump({**provenance.stamp(), "before_build": args.before_label, "model": args.model, "mode": args.mode,
-                       "context": args.context or None, "rounds": args.rounds, "rows": rows}, f, indent=1)
+                       "context": args.context or None, "rounds": args.rounds, "rows": rows,
+                       **({"prefill_rows": tables["prefill"]} if tables["prefill"] else {})}, f, indent=1)
 
 
 if __name__ == "__main__":

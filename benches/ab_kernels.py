@@ -10,7 +10,7 @@ than the next, so a single run of each build compares the host's moods, not the 
                                                               # away if the two trees share a target
                                                               # directory (cargo names both alike)
     python benches/ab_kernels.py --before /tmp/prev/target/release/deps/kernels-HASH \\
-        [--after BIN] [--rounds 3] -- --model qwen2.5-coder-0.5b-instruct-q4_k_m --rows 1,8 --only Q5_0
+        [--after BIN] [--rounds 3] [--json OUT --before-label COMMIT] -- --model qwen2.5-coder-0.5b-instruct-q4_k_m --rows 1,8 --only Q5_0
 
 `--after` defaults to this tree's bench (built with `cargo bench --bench kernels --no-run`).
 Benches older than `--only` ignore it and time every shape; only the shapes both printed are
@@ -19,11 +19,14 @@ layout (unchanged since the `vs avx2` column). Nothing is asserted: the ratios a
 at the time of the run.
 """
 import argparse
+import json
 import os
 import re
 import subprocess
 import sys
 from typing import Dict, Tuple
+
+import provenance
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 Key = Tuple[str, int, int, int]
@@ -58,6 +61,8 @@ def main(argv=None) -> int:
     ap.add_argument("--before", required=True, help="the other build's `kernels` bench executable")
     ap.add_argument("--after", default=None, help="this build's (default: this tree's, built if needed)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", help="also write the table here, with where and when it ran")
+    ap.add_argument("--before-label", default=None, help="what the --before build is (a commit), recorded in --json")
     ap.add_argument("bench_args", nargs=argparse.REMAINDER, help="after `--`: the bench's own arguments")
     a = ap.parse_args(argv)
     bench_args = a.bench_args[1:] if a.bench_args[:1] == ["--"] else a.bench_args
@@ -72,12 +77,19 @@ def main(argv=None) -> int:
     print(f"before: {a.before}\nafter:  {after}\nbest of {a.rounds} alternating rounds, invariant kernel, ms")
     print(f"{'dtype':<6} {'n':>7} {'k':>6} {'rows':>4} {'hot before':>11} {'after':>8} {'ratio':>6} "
           f"{'cold before':>12} {'after':>8} {'ratio':>6}")
+    table = []
     for key in sorted(best["after"]):
         if key not in best["before"]:
             continue
         (hb, cb), (ha, ca) = best["before"][key], best["after"][key]
         d, n, k, m = key
         print(f"{d:<6} {n:>7} {k:>6} {m:>4} {hb:>11.3f} {ha:>8.3f} {hb / ha:>5.2f}x {cb:>12.3f} {ca:>8.3f} {cb / ca:>5.2f}x")
+        table.append({"dtype": d, "n": n, "k": k, "rows": m, "hot_ms_before": hb, "hot_ms_after": ha,
+                      "cold_ms_before": cb, "cold_ms_after": ca})
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({**provenance.stamp(), "before": a.before_label or a.before, "rounds": a.rounds,
+                       "bench_args": bench_args, "results": table}, f, indent=1)
     return 0
 
 

@@ -164,6 +164,7 @@ MODELS = {
     "qwen2.5-coder-1.5b-instruct-q4_k_m": "Qwen2.5-Coder-1.5B Q4_K_M",
     "gemma-3-270m-q4_k_m": "Gemma 3 270M Q4_K_M (base)",
     "/tmp/llama8b-shapes.gguf": "Llama-3.1-8B shapes, Q4_K_M mix (random weights)",
+    "/tmp/synth-llama8b.gguf": "Llama-3.1-8B shapes, Q4_K_M mix (random weights)",
 }
 
 
@@ -621,9 +622,8 @@ def t_peers(res, doc):
     return table(header, out) + ["", "tok/s, `invariant` mode. " + res.source(files, doc)]
 
 
-def t_peers_qwen15_zen4(res, doc):
+def peers_qwen15_table(res, doc, chat: str, ctx: str) -> list[str]:
     """Qwen 1.5B, one stream, at chat length, 1k and 4k, against both peers (issue 50's goals)."""
-    chat, ctx = "vs-peers-qwen15-chat-zen4.json", "vs-peers-qwen15-context-zen4.json"
     model, peers = "qwen2.5-coder-1.5b-instruct-q4_k_m", ("llama_cpp", "ik_llama_cpp")
     rows = []
     for name, context in ((chat, None), (ctx, 1023), (ctx, 4095)):
@@ -637,6 +637,31 @@ def t_peers_qwen15_zen4(res, doc):
     return table(header, rows) + ["", "Qwen2.5-Coder-1.5B Q4_K_M, tok/s: candle-gate (`invariant`) vs llama.cpp "
                                   f"(ratio) vs ik_llama.cpp (ratio), one stream unless said. Best read bandwidth {bw}. "
                                   + res.source([chat, ctx], doc)]
+
+
+def t_peers_qwen15_zen4(res, doc):
+    return peers_qwen15_table(res, doc, "vs-peers-qwen15-chat-zen4.json", "vs-peers-qwen15-context-zen4.json")
+
+
+def t_peers_qwen15_zen4_sixteen_packed(res, doc):
+    return peers_qwen15_table(res, doc, "vs-peers-qwen15-chat-zen4-sixteen-packed.json",
+                              "vs-peers-qwen15-context-zen4-sixteen-packed.json")
+
+
+def t_peers_synth8b_zen4(res, doc):
+    """The 8B-shaped file against both peers: issue 50's parity and 8-stream goals."""
+    name = "vs-peers-synth8b-chat-zen4-sixteen-packed.json"
+    d, peers = res(name), ("llama_cpp", "ik_llama_cpp")
+    one, eight = vs_row(d, d["rows"][0]["model"], 1), vs_row(d, d["rows"][0]["model"], 8)
+    rows = [["prefill, 1 stream", peer_cell(one, "prefill_tok_s", g3, peers)],
+            ["decode, 1 stream", peer_cell(one, "decode_tok_s", g3, peers)],
+            ["decode, 8 streams", peer_cell(eight, "decode_tok_s", g3, peers)]]
+    paired = ", ".join(pct(x) for x in one["bandwidth_share_paired"])
+    return table(["chat prompts", "candle-gate vs llama.cpp (ratio) vs ik_llama.cpp (ratio)"], rows) + [
+        "", f"`benches/synth_gguf.py`'s file (Llama-3.1-8B's shapes, Q4_K_M's mix, 4.47 GB), tok/s, `invariant` mode. "
+            f"Single-stream decode at {pct(one['bandwidth_share'])} of the best read bandwidth "
+            f"({d['read_bandwidth_gbs']:.1f} GB/s); each round against the bandwidth read just before it: {paired}. "
+            + res.source([name], doc)]
 
 
 def t_peers_canonical(res, doc):
@@ -690,22 +715,56 @@ def t_ab_issue31(res, doc):
     return ab_table(res, doc, [(None, None, f"ab-issue31-{m}-zen4.json") for m in ("qwen05", "smollm2")])
 
 
-def t_ab_issue51(res, doc):
-    """73deae7 → 78dd3b7 in every row; in the swapped rows the newer build ran first in each
+def ab_orders_table(res, doc, files, swapped, old: str, new: str, prompts: str) -> list[str]:
+    """`old` → `new` in every row; in the `swapped` files the newer build ran first in each
     round (ab_builds' `--before`), so a bias of the order would show with the other sign."""
-    files = [f"ab-issue51-{m}-zen4.json" for m in ("smollm2", "qwen05", "qwen15", "gemma")]
-    swapped = [f"ab-issue51-{m}-reversed-zen4.json" for m in ("smollm2", "qwen15")]
     conc = sorted({r["concurrency"] for f in files + swapped for r in res(f)["rows"]})
     rows = []
     for f in files + swapped:
         d = res(f)
         turn = (lambda r: (r["before"], r["after"])) if f in files else (lambda r: (r["after"], r["before"]))
         cells = {r["concurrency"]: arrow(*turn(r)) for r in d["rows"]}
-        order = "73deae7 first" if f in files else "78dd3b7 first"
+        order = f"{old} first" if f in files else f"{new} first"
         rows.append([model_name(d["model"]), order, str(d["rounds"])] + [cells.get(c, "") for c in conc])
     header = ["model", "each round", "rounds"] + [f"{c} stream{'s' if c > 1 else ''}" for c in conc]
-    note = "Decode tok/s, 73deae7 → 78dd3b7 (ratio), best of alternating rounds, chat prompts. "
+    note = f"Decode tok/s, {old} → {new} (ratio), best of alternating rounds, {prompts}. "
     return table(header, grouped(rows)) + ["", note + res.source(files + swapped, doc)]
+
+
+def t_ab_issue51(res, doc):
+    files = [f"ab-issue51-{m}-zen4.json" for m in ("smollm2", "qwen05", "qwen15", "gemma")]
+    swapped = [f"ab-issue51-{m}-reversed-zen4.json" for m in ("smollm2", "qwen15")]
+    return ab_orders_table(res, doc, files, swapped, "73deae7", "78dd3b7", "chat prompts")
+
+
+def t_ab_sixteen_packed(res, doc):
+    """Sums in registers and packed Q6_K (c8cc3ef) against 7ab3551, chat prompts."""
+    files = [f"ab-sixteen-packed-{m}-zen4.json" for m in ("smollm2", "qwen05", "gemma", "qwen15", "synth8b")]
+    swapped = ["ab-sixteen-packed-qwen15-reversed-zen4.json"]
+    return ab_orders_table(res, doc, files, swapped, "7ab3551", "c8cc3ef", "chat prompts")
+
+
+def t_ab_sixteen_packed_context(res, doc):
+    name = "ab-sixteen-packed-qwen15-context4096-zen4.json"
+    d = res(name)
+    rows = [[model_name(d["model"]), context_label(d["context"]), str(d["rounds"]), arrow(p["before"], p["after"]),
+             arrow(r["before"], r["after"])] for p, r in zip(d["prefill_rows"], d["rows"])]
+    return table(["model", "prompt", "rounds", "prefill, 1 stream", "decode, 1 stream"], rows) + [
+        "", "tok/s, 7ab3551 → c8cc3ef (ratio), best of alternating rounds. " + res.source([name], doc)]
+
+
+def t_ab_kernels_sixteen_packed(res, doc):
+    name = "ab-sixteen-packed-kernels-qwen15-zen4.json"
+    d = res(name)
+    rows = []
+    for r in d["results"]:
+        rows.append([f"{r['dtype']} {r['n']} × {r['k']}", str(r["rows"]),
+                     f"{r['hot_ms_before']:.3f} → {r['hot_ms_after']:.3f} ({ratio(r['hot_ms_before'], r['hot_ms_after'])})",
+                     f"{r['cold_ms_before']:.3f} → {r['cold_ms_after']:.3f} ({ratio(r['cold_ms_before'], r['cold_ms_after'])})"])
+    header = ["matrix (n × k)", "rows", "from the cache, ms", "every layer's matrix in turn, ms"]
+    return table(header, grouped(rows)) + [
+        "", f"`cargo bench --bench kernels` through `benches/ab_kernels.py`, invariant kernel, {d['before']} → "
+            f"{d['commit']} (speedup), best of {d['rounds']} alternating rounds. " + res.source([name], doc)]
 
 
 def t_ab_draft_kquant(res, doc):
@@ -1117,6 +1176,11 @@ TABLES = {
     "ab-issue31": t_ab_issue31,
     "ab-issue51": t_ab_issue51,
     "peers-qwen15-zen4": t_peers_qwen15_zen4,
+    "peers-qwen15-zen4-sixteen-packed": t_peers_qwen15_zen4_sixteen_packed,
+    "peers-synth8b-zen4": t_peers_synth8b_zen4,
+    "ab-sixteen-packed": t_ab_sixteen_packed,
+    "ab-sixteen-packed-context": t_ab_sixteen_packed_context,
+    "ab-kernels-sixteen-packed": t_ab_kernels_sixteen_packed,
     "ab-q8_0-avx512": t_ab_q8_0_avx512,
     "ab-packed-q4_1": t_ab_packed_q4_1,
     "speculative": t_speculative,

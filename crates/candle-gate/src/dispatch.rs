@@ -82,11 +82,11 @@ impl FromStr for Mode {
 pub enum WeightLayout {
     /// As in the file.
     Gguf,
-    /// Sixteen-column tiles for the invariant kernels (Q4_K, Q4_1, Q5_0; the rest as in the
-    /// file), on hosts whose kernels run AVX-512.
+    /// Sixteen-column tiles for the invariant kernels (Q4_K, Q6_K, Q4_1, Q5_0; the rest as in
+    /// the file), on hosts whose kernels run AVX-512.
     Invariant,
-    /// The canonical kernels' tiles (the invariant ones, and Q6_K and Q8_0 transposed), on
-    /// hosts with AVX2 or wider.
+    /// The canonical kernels' tiles (the invariant ones, and Q8_0 transposed), on hosts with
+    /// AVX2 or wider.
     Canonical,
 }
 
@@ -295,11 +295,11 @@ impl QMatMul {
     /// A matmul over `weight` in `layout`. `policy` is what [`Module::forward`] runs (Candle's
     /// interface has no room for one); an engine passes its own to every call.
     ///
-    /// In the `invariant` layout on a host whose kernels run AVX-512, a Q4_K, Q4_1 or Q5_0
+    /// In the `invariant` layout on a host whose kernels run AVX-512, a Q4_K, Q6_K, Q4_1 or Q5_0
     /// weight nobody else holds (this is its only `Arc`) is repacked in place for the
     /// sixteen-column kernels ([`QMatMul::is_packed`]): the same bits, at about the memory rate
     /// at one row where the GGUF layout's transposes or per-element sums cost compute. In the
-    /// `canonical` layout, on a host with AVX2 or wider, Q6_K and Q8_0 are packed too
+    /// `canonical` layout, on a host with AVX2 or wider, Q8_0 is packed too
     /// (`kernels::cpu_canonical`). `CANDLE_GATE_PACK=0` keeps the GGUF layout.
     pub fn laid_out(weight: Arc<QTensor>, layout: WeightLayout, policy: Arc<Policy>) -> Result<Self> {
         let pack = layout.packs_here()
@@ -381,7 +381,7 @@ impl QMatMul {
     }
 
     /// Whether the weight is in the invariant kernels' packed layout: the canonical mode's
-    /// for Q4_K, Q4_1 and Q5_0 is the same one; its Q6_K and Q8_0 layouts are its own.
+    /// for Q4_K, Q6_K, Q4_1 and Q5_0 is the same one; its Q8_0 layout is its own.
     fn invariant_packed(&self) -> bool {
         self.packed && kernels::cpu::packable(&self.weight)
     }

@@ -20,10 +20,11 @@
 //! its integer product.
 //!
 //! Layouts ([`pack`]): Q4_K, Q4_1 and Q5_0 use the `invariant` mode's packed tiles
-//! ([`super::cpu::pack`]); Q6_K and Q8_0 get tiles of their own here, each sixteen columns'
-//! block `b` with its bytes transposed a dword at a time (vector `t`, lane `c`: column `c`'s
-//! dword `t`) and the sixteen f16 scales `d` as one vector. A pack only permutes bytes: the
-//! size is the GGUF size and [`unpack`] restores it exactly.
+//! ([`super::cpu::pack`]); Q6_K and Q8_0 get tiles of their own here (the `invariant` mode packs
+//! Q6_K in these too), each sixteen columns' block `b` with its bytes transposed a dword at a
+//! time (vector `slot(t)`, lane `c`: column `c`'s dword `t`; Q6_K's [`q6k_slot`] puts them in
+//! the order its `invariant` kernel reads) and the sixteen f16 scales `d` as one vector. A pack
+//! only permutes bytes: the size is the GGUF size and [`unpack`] restores it exactly.
 
 use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 
