@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import subprocess
 import time
 from typing import Dict, List
 
 import candle_gate
 from candle_gate import Engine, Model, layout_for
 from candle_gate.bench import throughput
+
+import provenance
 
 
 def long_ids(model: Model, n: int) -> List[int]:
@@ -43,16 +43,6 @@ def prefill_tok_s(model: Model, mode: str, ids: List[int]) -> float:
     return len(ids) / (time.perf_counter() - t0)
 
 
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="smollm2-135m-instruct-q4_1,qwen2.5-coder-0.5b-instruct-q4_k_m,"
@@ -68,9 +58,8 @@ def main() -> int:
     if len(modes) != 2:
         ap.error("--modes takes two modes")
     streams = [int(s) for s in a.streams.split(",")]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    out: Dict = {"host": cpu_name(), "commit": commit, "modes": modes, "models": {}}
-    print(f"host: {out['host']}, commit {commit}; {modes[0]} / {modes[1]}, best of {a.rounds} alternating rounds")
+    out: Dict = {**provenance.stamp(), "modes": modes, "models": {}}
+    print(f"host: {out['host']}, commit {out['commit']}; {modes[0]} / {modes[1]}, best of {a.rounds} alternating rounds")
     for name in a.models.split(","):
         loaded = {m: Model.load(name, layout=layout_for(m)) for m in modes}
         ids = long_ids(loaded[modes[0]], a.prefill) if a.prefill else []

@@ -413,11 +413,11 @@ def headline_rows(res: Results, chat: str, long: str, peers, suspect):
     for model in dict.fromkeys(r["model"] for r in c["rows"]):
         one, eight = vs_row(c, model, 1), vs_row(c, model, 8)
         rows.append([model_name(model), "chat", peer_cell(one, "prefill_tok_s", g3, peers, suspect),
-                     peer_cell(one, "decode_tok_s", g3, peers, suspect),
+                     peer_cell(one, "decode_tok_s", g3, peers, suspect), pct(one["bandwidth_share"]),
                      peer_cell(eight, "decode_tok_s", g3, peers, suspect)])
         lr = vs_row(l, model, 1, 4096)
         rows.append([model_name(model), "4,096", peer_cell(lr, "prefill_tok_s", g3, peers, suspect),
-                     peer_cell(lr, "decode_tok_s", g3, peers, suspect), ""])
+                     peer_cell(lr, "decode_tok_s", g3, peers, suspect), pct(lr["bandwidth_share"]), ""])
     return grouped(rows)
 
 
@@ -426,10 +426,13 @@ def headline_rows(res: Results, chat: str, long: str, peers, suspect):
 HEADLINE_SUSPECT = {("smollm2-135m-instruct-q4_1", "ik_llama_cpp", "prefill_tok_s")}
 
 
-def t_headline(res, doc):
-    chat, long = "headline-chat-xeon-spr-4870004.json", "headline-4096-xeon-spr-4870004.json"
+# The README's one headline table: one commit, one host, one date.
+HEADLINE = ("headline-chat-zen4-HEADCOMMIT.json", "headline-4096-zen4-HEADCOMMIT.json")
+
+
+def headline_table(res, doc, chat: str, long: str) -> list[str]:
     rows = headline_rows(res, chat, long, ("llama_cpp", "ik_llama_cpp"), HEADLINE_SUSPECT)
-    header = ["model", "prompt", "prefill", "decode, 1 stream", "decode, 8 streams"]
+    header = ["model", "prompt", "prefill", "decode, 1 stream", "its share of the read bandwidth", "decode, 8 streams"]
     c, l = res(chat), res(long)
     # One commit, one host, one date: the headline's rule. Say which, above the table.
     where = {res.where(chat)[0], res.where(long)[0]}
@@ -438,10 +441,20 @@ def t_headline(res, doc):
     return [f"**Measured {where.pop()}.**", ""] + table(header, rows) + [
         "",
         "tok/s: candle-gate vs llama.cpp (ratio) vs ik_llama.cpp (ratio); ‡ ik_llama.cpp's SmolLM2 "
-        f"prefill computes wrong logits, so it gets no ratio. Best read bandwidth in the runs {c['read_bandwidth_gbs']:.1f} GB/s (chat) "
-        f"and {l['read_bandwidth_gbs']:.1f} GB/s (4,096); {c['threads']} threads each; ik-llama-cpp-python "
+        f"prefill computes wrong logits, so it gets no ratio. The share: candle-gate's best single-stream decode "
+        f"(weights and K/V read per token) over the best read bandwidth of its run, {c['read_bandwidth_gbs']:.1f} GB/s (chat) "
+        f"and {l['read_bandwidth_gbs']:.1f} GB/s (4,096), which moves by a third within an hour on these hosts; "
+        f"{c['threads']} threads each; ik-llama-cpp-python "
         f"{c['ik_llama_cpp_version']}. " + res.source([chat, long], doc),
     ]
+
+
+def t_headline(res, doc):
+    return headline_table(res, doc, *HEADLINE)
+
+
+def t_headline_xeon(res, doc):
+    return headline_table(res, doc, "headline-chat-xeon-spr-4870004.json", "headline-4096-xeon-spr-4870004.json")
 
 
 def t_zen4_latest(res, doc):
@@ -1150,6 +1163,7 @@ def t_crossover(res, doc):
 
 TABLES = {
     "headline": t_headline,
+    "headline-xeon": t_headline_xeon,
     "vs-llama-cpp-zen1": t_vs_llama_cpp_zen1,
     "vs-llama-cpp-xeon": t_vs_llama_cpp_xeon,
     "vs-llama-cpp-zen3": t_vs_llama_cpp_zen3,

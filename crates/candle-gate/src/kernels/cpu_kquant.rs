@@ -1093,7 +1093,8 @@ mod avx512 {
         d: D,
     }
 
-    /// Picks the kernel for `rows`: one or two rows keep every sum in registers.
+    /// Picks the kernel for `rows`: up to four rows keep every sum in registers (Q4_K's kernel
+    /// only up to two: at three and four rows its register form ran slower on some shapes).
     #[inline(always)]
     unsafe fn q6k_tile<S, G, D>(
         tiles: Q6kTiles<S, G, D>,
@@ -1109,6 +1110,8 @@ mod avx512 {
         match rows {
             1 => q6k_tile_few::<1, S, G, D>(tiles, kb, ys, out),
             2 => q6k_tile_few::<2, S, G, D>(tiles, kb, ys, out),
+            3 => q6k_tile_few::<3, S, G, D>(tiles, kb, ys, out),
+            4 => q6k_tile_few::<4, S, G, D>(tiles, kb, ys, out),
             _ => q6k_tile_rows(tiles, kb, ys, rows, out),
         }
     }
@@ -1213,7 +1216,7 @@ mod avx512 {
         }
     }
 
-    /// [`q6k_tile_rows`] for a fixed `R` of one or two rows, every sum in registers, the
+    /// [`q6k_tile_rows`] for a fixed `R` of one to four rows, every sum in registers, the
     /// sixteen halves' sums in two chains (as [`q4k_tile_few`]: the same integers, so the same
     /// bits).
     #[inline(always)]
