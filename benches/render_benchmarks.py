@@ -427,7 +427,7 @@ HEADLINE_SUSPECT = {("smollm2-135m-instruct-q4_1", "ik_llama_cpp", "prefill_tok_
 
 
 # The README's one headline table: one commit, one host, one date.
-HEADLINE = ("headline-chat-zen4-HEADCOMMIT.json", "headline-4096-zen4-HEADCOMMIT.json")
+HEADLINE = ("headline-chat-zen4-c9cf0ec.json", "headline-4096-zen4-c9cf0ec.json")
 
 
 def headline_table(res, doc, chat: str, long: str) -> list[str]:
@@ -605,6 +605,11 @@ def modes_rows(res, name, prefill_note=""):
 MODES_HEADER = ["model", "decode, 1 stream", "decode, 8 streams", "prefill, 1,024 tokens"]
 
 
+def t_canonical_zen4(res, doc):
+    name = "modes-canonical-vs-invariant-zen4-c9cf0ec.json"
+    return table(MODES_HEADER, modes_rows(res, name)) + ["", "tok/s, `canonical` vs `invariant` (ratio). " + res.source([name], doc)]
+
+
 def t_canonical_quantize(res, doc):
     name = "modes-canonical-vs-invariant-xeon-spr-quantize.json"
     return table(MODES_HEADER, modes_rows(res, name)) + ["", "tok/s, `canonical` vs `invariant` (ratio). " + res.source([name], doc)]
@@ -766,8 +771,8 @@ def t_ab_sixteen_packed_context(res, doc):
         "", "tok/s, 7ab3551 → c8cc3ef (ratio), best of alternating rounds. " + res.source([name], doc)]
 
 
-def t_ab_kernels_sixteen_packed(res, doc):
-    name = "ab-sixteen-packed-kernels-qwen15-zen4.json"
+def kernels_ab_table(res, doc, name: str) -> list[str]:
+    """An `ab_kernels.py --json` file: each (matrix, rows), hot and cold, before → after."""
     d = res(name)
     rows = []
     for r in d["results"]:
@@ -778,6 +783,14 @@ def t_ab_kernels_sixteen_packed(res, doc):
     return table(header, grouped(rows)) + [
         "", f"`cargo bench --bench kernels` through `benches/ab_kernels.py`, invariant kernel, {d['before']} → "
             f"{d['commit']} (speedup), best of {d['rounds']} alternating rounds. " + res.source([name], doc)]
+
+
+def t_ab_kernels_sixteen_packed(res, doc):
+    return kernels_ab_table(res, doc, "ab-sixteen-packed-kernels-qwen15-zen4.json")
+
+
+def t_ab_kernels_q6k_four_rows(res, doc):
+    return kernels_ab_table(res, doc, "ab-q6k-four-rows-kernels-qwen15-zen4.json")
 
 
 def t_ab_draft_kquant(res, doc):
@@ -1181,6 +1194,7 @@ TABLES = {
     "packed-q4_1-vs-llama-cpp": t_packed_q4_1_vs_llama_cpp,
     "gemma-vs-llama-cpp": t_gemma_vs_llama_cpp,
     "canonical-quantize": t_canonical_quantize,
+    "canonical-zen4": t_canonical_zen4,
     "canonical-scalar": t_canonical_scalar,
     "ab-session-start-xeon": t_ab_session_start_xeon,
     "peers": t_peers,
@@ -1195,6 +1209,7 @@ TABLES = {
     "ab-sixteen-packed": t_ab_sixteen_packed,
     "ab-sixteen-packed-context": t_ab_sixteen_packed_context,
     "ab-kernels-sixteen-packed": t_ab_kernels_sixteen_packed,
+    "ab-kernels-q6k-four-rows": t_ab_kernels_q6k_four_rows,
     "ab-q8_0-avx512": t_ab_q8_0_avx512,
     "ab-packed-q4_1": t_ab_packed_q4_1,
     "speculative": t_speculative,
