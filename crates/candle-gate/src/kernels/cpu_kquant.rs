@@ -1053,7 +1053,7 @@ mod avx512 {
             let at = at(b);
             transpose16x4(|c| at[c].add(byte))
         };
-        q6k_tile(Q6kTiles { scales, segment, d }, kb, ys, rows, out)
+        Q6kTiles { scales, segment, d }.run(kb, ys, rows, out)
     }
 
     /// [`q6k_sixteen_columns`] over a packed group (the dword tiles of
@@ -1081,7 +1081,7 @@ mod avx512 {
         let d = |b: usize| {
             _mm512_cvtph_ps(_mm256_loadu_si256(base.add(b * TILE + 64 * super::Q6K_WORDS) as *const __m256i))
         };
-        q6k_tile(Q6kTiles { scales, segment, d }, kb, ys, rows, out)
+        Q6kTiles { scales, segment, d }.run(kb, ys, rows, out)
     }
 
     /// Where a Q6_K kernel finds sixteen columns' super-block `b`: `scales(b)` its scale bytes
@@ -1093,26 +1093,103 @@ mod avx512 {
         d: D,
     }
 
-    /// Picks the kernel for `rows`: up to four rows keep every sum in registers (Q4_K's kernel
-    /// only up to two: at three and four rows its register form ran slower on some shapes).
-    #[inline(always)]
-    unsafe fn q6k_tile<S, G, D>(
-        tiles: Q6kTiles<S, G, D>,
-        kb: usize,
-        ys: &[super::Q8K],
-        rows: usize,
-        out: &mut [[f32; 16]],
-    ) where
+    impl<S, G, D> Q6kTiles<S, G, D>
+    where
         S: Fn(usize) -> [__m512i; 4],
         G: Fn(usize, usize) -> [__m512i; 4],
         D: Fn(usize) -> __m512,
     {
-        match rows {
-            1 => q6k_tile_few::<1, S, G, D>(tiles, kb, ys, out),
-            2 => q6k_tile_few::<2, S, G, D>(tiles, kb, ys, out),
-            3 => q6k_tile_few::<3, S, G, D>(tiles, kb, ys, out),
-            4 => q6k_tile_few::<4, S, G, D>(tiles, kb, ys, out),
-            _ => q6k_tile_rows(tiles, kb, ys, rows, out),
+        /// Picks the kernel for `rows`: up to four rows keep every sum in registers (Q4_K's
+        /// kernel only up to two: at three and four rows its register form ran slower on some
+        /// shapes).
+        #[inline(always)]
+        unsafe fn run(self, kb: usize, ys: &[super::Q8K], rows: usize, out: &mut [[f32; 16]]) {
+            match rows {
+                1 => self.few::<1>(kb, ys, out),
+                2 => self.few::<2>(kb, ys, out),
+                3 => self.few::<3>(kb, ys, out),
+                4 => self.few::<4>(kb, ys, out),
+                _ => self.rows(kb, ys, rows, out),
+            }
+        }
+
+        /// Up to [`TILE_ROWS`] rows over sixteen Q6_K columns ([`Q6kTiles`]).
+        #[inline(always)]
+        unsafe fn rows(self, kb: usize, ys: &[super::Q8K], rows: usize, out: &mut [[f32; 16]]) {
+            let Q6kTiles { scales, segment, d } = self;
+            debug_assert!(rows <= TILE_ROWS && out.len() >= rows);
+            let mut acc = [_mm512_setzero_ps(); TILE_ROWS];
+            let mut isum = [_mm512_setzero_si512(); TILE_ROWS];
+            assert!(ys.len() >= rows * kb);
+            for b in 0..kb {
+                let scales = scales(b);
+                isum[..rows].fill(_mm512_setzero_si512());
+                for n in 0..2 {
+                    for half in 0..2 {
+                        let a = segment(b, Q6K_QL + 64 * n + 16 * half);
+                        let bq = segment(b, Q6K_QL + 64 * n + 32 + 16 * half);
+                        let h = segment(b, Q6K_QH + 32 * n + 16 * half);
+                        for t in 0..4 {
+                            let u = q6k_chunk(&a, &bq, &h, t);
+                            let s = 8 * n + 2 * t + half;
+                            let y =
+                                |r: usize| ys.as_ptr().add(r * kb + b).cast::<u8>().add(Y_QS + 16 * s) as *const i32;
+                            every_row!(half_rows, &u, q6k_scale(&scales, s), rows, y, isum);
+                        }
+                    }
+                }
+                let xd = d(b);
+                for (r, (acc, &isum)) in acc[..rows].iter_mut().zip(&isum).enumerate() {
+                    let y = &ys[r * kb + b];
+                    *acc = q6k_step(*acc, isum, q6k_bsum_term(&scales, y), xd, y);
+                }
+            }
+            for (o, a) in out.iter_mut().zip(&acc[..rows]) {
+                _mm512_storeu_ps(o.as_mut_ptr(), *a);
+            }
+        }
+
+        /// [`Q6kTiles::rows`] for a fixed `R` of one to four rows, every sum in registers, the
+        /// sixteen halves' sums in two chains (as [`q4k_tile_few`]: the same integers, so the same
+        /// bits).
+        #[inline(always)]
+        unsafe fn few<const R: usize>(self, kb: usize, ys: &[super::Q8K], out: &mut [[f32; 16]]) {
+            let Q6kTiles { scales, segment, d } = self;
+            debug_assert!(out.len() >= R);
+            assert!(ys.len() >= R * kb);
+            let mut acc = [_mm512_setzero_ps(); R];
+            for b in 0..kb {
+                let scales = scales(b);
+                let mut isum = [[_mm512_setzero_si512(); 2]; R];
+                for n in 0..2 {
+                    for half in 0..2 {
+                        let a = segment(b, Q6K_QL + 64 * n + 16 * half);
+                        let bq = segment(b, Q6K_QL + 64 * n + 32 + 16 * half);
+                        let h = segment(b, Q6K_QH + 32 * n + 16 * half);
+                        for t in 0..4 {
+                            let u = q6k_chunk(&a, &bq, &h, t);
+                            let s = 8 * n + 2 * t + half;
+                            let sc = q6k_scale(&scales, s);
+                            for (r, isum) in isum.iter_mut().enumerate() {
+                                let y = ys.as_ptr().add(r * kb + b).cast::<u8>().add(Y_QS + 16 * s) as *const i32;
+                                let mut a = _mm512_setzero_si512();
+                                for (g, &u) in u.iter().enumerate() {
+                                    a = dpbusd_broadcast(a, u, y.add(g));
+                                }
+                                isum[t % 2] = _mm512_add_epi32(isum[t % 2], _mm512_mullo_epi32(a, sc));
+                            }
+                        }
+                    }
+                }
+                let xd = d(b);
+                for (r, (acc, isum)) in acc.iter_mut().zip(isum).enumerate() {
+                    let y = &ys[r * kb + b];
+                    *acc = q6k_step(*acc, _mm512_add_epi32(isum[0], isum[1]), q6k_bsum_term(&scales, y), xd, y);
+                }
+            }
+            for (o, a) in out.iter_mut().zip(&acc) {
+                _mm512_storeu_ps(o.as_mut_ptr(), *a);
+            }
         }
     }
 
@@ -1170,103 +1247,6 @@ mod avx512 {
 
     const Q6K_QL: usize = std::mem::offset_of!(super::Q6K, ql);
     const Q6K_QH: usize = std::mem::offset_of!(super::Q6K, qh);
-
-    /// Up to [`TILE_ROWS`] rows over sixteen Q6_K columns ([`Q6kTiles`]).
-    #[inline(always)]
-    unsafe fn q6k_tile_rows<S, G, D>(
-        tiles: Q6kTiles<S, G, D>,
-        kb: usize,
-        ys: &[super::Q8K],
-        rows: usize,
-        out: &mut [[f32; 16]],
-    ) where
-        S: Fn(usize) -> [__m512i; 4],
-        G: Fn(usize, usize) -> [__m512i; 4],
-        D: Fn(usize) -> __m512,
-    {
-        let Q6kTiles { scales, segment, d } = tiles;
-        debug_assert!(rows <= TILE_ROWS && out.len() >= rows);
-        let mut acc = [_mm512_setzero_ps(); TILE_ROWS];
-        let mut isum = [_mm512_setzero_si512(); TILE_ROWS];
-        assert!(ys.len() >= rows * kb);
-        for b in 0..kb {
-            let scales = scales(b);
-            isum[..rows].fill(_mm512_setzero_si512());
-            for n in 0..2 {
-                for half in 0..2 {
-                    let a = segment(b, Q6K_QL + 64 * n + 16 * half);
-                    let bq = segment(b, Q6K_QL + 64 * n + 32 + 16 * half);
-                    let h = segment(b, Q6K_QH + 32 * n + 16 * half);
-                    for t in 0..4 {
-                        let u = q6k_chunk(&a, &bq, &h, t);
-                        let s = 8 * n + 2 * t + half;
-                        let y = |r: usize| ys.as_ptr().add(r * kb + b).cast::<u8>().add(Y_QS + 16 * s) as *const i32;
-                        every_row!(half_rows, &u, q6k_scale(&scales, s), rows, y, isum);
-                    }
-                }
-            }
-            let xd = d(b);
-            for (r, (acc, &isum)) in acc[..rows].iter_mut().zip(&isum).enumerate() {
-                let y = &ys[r * kb + b];
-                *acc = q6k_step(*acc, isum, q6k_bsum_term(&scales, y), xd, y);
-            }
-        }
-        for (o, a) in out.iter_mut().zip(&acc[..rows]) {
-            _mm512_storeu_ps(o.as_mut_ptr(), *a);
-        }
-    }
-
-    /// [`q6k_tile_rows`] for a fixed `R` of one to four rows, every sum in registers, the
-    /// sixteen halves' sums in two chains (as [`q4k_tile_few`]: the same integers, so the same
-    /// bits).
-    #[inline(always)]
-    unsafe fn q6k_tile_few<const R: usize, S, G, D>(
-        tiles: Q6kTiles<S, G, D>,
-        kb: usize,
-        ys: &[super::Q8K],
-        out: &mut [[f32; 16]],
-    ) where
-        S: Fn(usize) -> [__m512i; 4],
-        G: Fn(usize, usize) -> [__m512i; 4],
-        D: Fn(usize) -> __m512,
-    {
-        let Q6kTiles { scales, segment, d } = tiles;
-        debug_assert!(out.len() >= R);
-        assert!(ys.len() >= R * kb);
-        let mut acc = [_mm512_setzero_ps(); R];
-        for b in 0..kb {
-            let scales = scales(b);
-            let mut isum = [[_mm512_setzero_si512(); 2]; R];
-            for n in 0..2 {
-                for half in 0..2 {
-                    let a = segment(b, Q6K_QL + 64 * n + 16 * half);
-                    let bq = segment(b, Q6K_QL + 64 * n + 32 + 16 * half);
-                    let h = segment(b, Q6K_QH + 32 * n + 16 * half);
-                    for t in 0..4 {
-                        let u = q6k_chunk(&a, &bq, &h, t);
-                        let s = 8 * n + 2 * t + half;
-                        let sc = q6k_scale(&scales, s);
-                        for (r, isum) in isum.iter_mut().enumerate() {
-                            let y = ys.as_ptr().add(r * kb + b).cast::<u8>().add(Y_QS + 16 * s) as *const i32;
-                            let mut a = _mm512_setzero_si512();
-                            for (g, &u) in u.iter().enumerate() {
-                                a = dpbusd_broadcast(a, u, y.add(g));
-                            }
-                            isum[t % 2] = _mm512_add_epi32(isum[t % 2], _mm512_mullo_epi32(a, sc));
-                        }
-                    }
-                }
-            }
-            let xd = d(b);
-            for (r, (acc, isum)) in acc.iter_mut().zip(isum).enumerate() {
-                let y = &ys[r * kb + b];
-                *acc = q6k_step(*acc, _mm512_add_epi32(isum[0], isum[1]), q6k_bsum_term(&scales, y), xd, y);
-            }
-        }
-        for (o, a) in out.iter_mut().zip(&acc) {
-            _mm512_storeu_ps(o.as_mut_ptr(), *a);
-        }
-    }
 }
 
 /// The one-row loop of every SIMD tier: `sums(x, y)` is a block's exact (Σ sc·u·y, Σ bcoef·bsums),
