@@ -15,7 +15,12 @@ from ..live_server import HANG_S
 pytestmark = pytest.mark.model  # loads a model, or serves one
 
 CHILD = r'''
+import signal
 import sys
+# Python's own Ctrl-C handler, whatever the parent left: a process started in the background of a
+# non-interactive shell (`cmd &`, as CI runners may start the suite) inherits SIGINT ignored, and
+# Python then never installs its handler.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import candle_gate
 model = candle_gate.Model.load()
 eng = candle_gate.Engine(model)
