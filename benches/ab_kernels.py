@@ -10,7 +10,7 @@ than the next, so a single run of each build compares the host's moods, not the 
                                                               # away if the two trees share a target
                                                               # directory (cargo names both alike)
     python benches/ab_kernels.py --before /tmp/prev/target/release/deps/kernels-HASH \\
-        [--after BIN] [--rounds 3] [--json OUT --before-label COMMIT] -- --model qwen2.5-coder-0.5b-instruct-q4_k_m --rows 1,8 --only Q5_0
+        [--after BIN] [--rounds 3] [--kernel canonical] [--json OUT --before-label COMMIT] -- --model qwen2.5-coder-0.5b-instruct-q4_k_m --rows 1,8 --only Q5_0
 
 `--after` defaults to this tree's bench (built with `cargo bench --bench kernels --no-run`).
 Benches older than `--only` ignore it and time every shape; only the shapes both printed are
@@ -42,15 +42,24 @@ def this_tree_bench() -> str:
     return os.path.join(ROOT, m.group(1))
 
 
-def run(binary: str, args) -> Dict[Key, Tuple[float, float]]:
-    """(hot ms, cold ms) of the invariant kernel per (dtype, n, k, rows), from one run."""
+def run(binary: str, args, kernel: str = "invariant") -> Dict[Key, Tuple[float, float]]:
+    """(hot ms, cold ms) of `kernel` (the invariant or the canonical mode's) per (dtype, n, k,
+    rows), from one run. The bench prints the canonical kernel's cold rate, not its time: both
+    kernels read the same bytes (a pack only permutes them), so its cold time is the invariant
+    kernel's times the ratio of their rates."""
     out = subprocess.run([binary, *args], capture_output=True, text=True, check=True).stdout
     rows = {}
     for line in out.splitlines():
         f = line.split()
         # dtype n k count rows invariant QMatMul ratio vec_dot ratio GB/s-inv inv-cold GB/s-cold vs-avx2
+        # canonical vs-inv GB/s-can
         if len(f) >= 13 and f[5].endswith("ms") and f[1].isdigit():
-            rows[(f[0], int(f[1]), int(f[2]), int(f[4]))] = (float(f[5][:-2]), float(f[11][:-2]))
+            hot, cold = float(f[5][:-2]), float(f[11][:-2])
+            if kernel == "canonical":
+                if len(f) < 17:
+                    sys.exit(f"{binary} printed no canonical columns")
+                hot, cold = float(f[14][:-2]), cold * float(f[12]) / float(f[16])
+            rows[(f[0], int(f[1]), int(f[2]), int(f[4]))] = (hot, cold)
     if not rows:
         sys.exit(f"{binary} printed no kernel rows:\n{out}")
     return rows
@@ -61,6 +70,8 @@ def main(argv=None) -> int:
     ap.add_argument("--before", required=True, help="the other build's `kernels` bench executable")
     ap.add_argument("--after", default=None, help="this build's (default: this tree's, built if needed)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--kernel", choices=["invariant", "canonical"], default="invariant",
+                    help="which mode's kernel to compare (default: invariant)")
     ap.add_argument("--json", help="also write the table here, with where and when it ran")
     ap.add_argument("--before-label", default=None, help="what the --before build is (a commit), recorded in --json")
     ap.add_argument("bench_args", nargs=argparse.REMAINDER, help="after `--`: the bench's own arguments")
@@ -70,11 +81,11 @@ def main(argv=None) -> int:
     best = {"before": {}, "after": {}}
     for rnd in range(a.rounds):
         for side, binary in (("before", a.before), ("after", after)):
-            for key, (hot, cold) in run(binary, bench_args).items():
+            for key, (hot, cold) in run(binary, bench_args, a.kernel).items():
                 h, c = best[side].get(key, (float("inf"), float("inf")))
                 best[side][key] = (min(h, hot), min(c, cold))
         print(f"round {rnd + 1}/{a.rounds} done", file=sys.stderr, flush=True)
-    print(f"before: {a.before}\nafter:  {after}\nbest of {a.rounds} alternating rounds, invariant kernel, ms")
+    print(f"before: {a.before}\nafter:  {after}\nbest of {a.rounds} alternating rounds, {a.kernel} kernel, ms")
     print(f"{'dtype':<6} {'n':>7} {'k':>6} {'rows':>4} {'hot before':>11} {'after':>8} {'ratio':>6} "
           f"{'cold before':>12} {'after':>8} {'ratio':>6}")
     table = []
@@ -88,7 +99,7 @@ def main(argv=None) -> int:
                       "cold_ms_before": cb, "cold_ms_after": ca})
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({**provenance.stamp(), "before": a.before_label or a.before, "rounds": a.rounds,
+            json.dump({**provenance.stamp(), "before": a.before_label or a.before, "kernel": a.kernel, "rounds": a.rounds,
                        "bench_args": bench_args, "results": table}, f, indent=1)
     return 0
 

@@ -102,45 +102,51 @@ unsafe fn q4k<const R: usize>(tile: *const u8, sb: usize, h: usize, pass: &Pass,
     }
 }
 
-/// [`super::avx512`]'s Q6_K, eight columns a vector.
+/// [`super::avx512`]'s Q6_K, eight columns a vector, in the same order: the tile from its start
+/// to its end, `d` last.
 #[inline(always)]
 unsafe fn q6k<const R: usize>(tile: *const u8, sb: usize, h8: usize, pass: &Pass, acc: &mut Lanes<R>) {
-    let d = halves_f32(tile.add(super::Q6K_TILE.d_at()), h8);
     let (low4, bits45) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x30));
+    let six = |ql: __m256i, high: __m256i| _mm256_or_si256(_mm256_and_si256(ql, low4), _mm256_and_si256(high, bits45));
+    let scales: [__m256i; 4] = std::array::from_fn(|i| load(tile.add(64 * q6k_slot(48 + i)), h8));
+    let mut sums = [[_mm256_setzero_ps(); 8]; R];
     for h in 0..2 {
-        for t in 0..2 {
-            let mut w = [[_mm256_setzero_si256(); 8]; 2];
-            for i in 0..8 {
-                let ql = load(tile.add(64 * q6k_slot(16 * h + 8 * t + i)), h8);
-                let qh = load(tile.add(64 * q6k_slot(32 + 8 * h + i)), h8);
-                let (high_t, high_t2) = if t == 0 {
-                    (_mm256_slli_epi16::<4>(qh), qh)
-                } else {
-                    (_mm256_slli_epi16::<2>(qh), _mm256_srli_epi16::<2>(qh))
-                };
-                let six = |ql: __m256i, high: __m256i| {
-                    _mm256_or_si256(_mm256_and_si256(ql, low4), _mm256_and_si256(high, bits45))
-                };
-                w[0][i] = six(ql, high_t);
-                w[1][i] = six(_mm256_srli_epi16::<4>(ql), high_t2);
+        for half in 0..2 {
+            let mut w = [[_mm256_setzero_si256(); 4]; 4];
+            for i in 0..4 {
+                let word = 4 * half + i;
+                let ql0 = load(tile.add(64 * q6k_slot(16 * h + word)), h8);
+                let ql1 = load(tile.add(64 * q6k_slot(16 * h + 8 + word)), h8);
+                let qh = load(tile.add(64 * q6k_slot(32 + 8 * h + word)), h8);
+                w[0][i] = six(ql0, _mm256_slli_epi16::<4>(qh));
+                w[1][i] = six(ql1, _mm256_slli_epi16::<2>(qh));
+                w[2][i] = six(_mm256_srli_epi16::<4>(ql0), qh);
+                w[3][i] = six(_mm256_srli_epi16::<4>(ql1), _mm256_srli_epi16::<2>(qh));
             }
-            for (pair, w) in w.iter().enumerate() {
-                let tt = t + 2 * pair;
-                let scales = load(tile.add(64 * q6k_slot(48 + 2 * h + tt / 2)), h8);
+            for (t, w) in w.iter().enumerate() {
+                let (j, u) = (4 * h + t, 8 * sb + 4 * h + t);
                 let signed_byte = |byte: usize| {
-                    let shifted = _mm256_sllv_epi32(scales, _mm256_set1_epi32(24 - 8 * byte as i32));
+                    let shifted = _mm256_sllv_epi32(scales[2 * h + t / 2], _mm256_set1_epi32(24 - 8 * byte as i32));
                     _mm256_cvtepi32_ps(_mm256_srai_epi32::<24>(shifted))
                 };
-                let (sc_lo, sc_hi) = (signed_byte(2 * t), signed_byte(2 * t + 1));
-                let u = 8 * sb + 4 * h + tt;
-                for (r, lanes) in acc.iter_mut().enumerate() {
-                    let offset = |h: usize| _mm256_set1_epi32(32 * pass.half(r, u, h));
-                    let lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(dot(pass, r, u, &w[..4], 0), offset(0)));
-                    let hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(dot(pass, r, u, &w[4..], 4), offset(1)));
-                    let c = _mm256_fmadd_ps(sc_lo, lo, _mm256_mul_ps(sc_hi, hi));
-                    step(&mut lanes[u % LANES], d, pass.d(r, u), c);
+                for (r, sums) in sums.iter_mut().enumerate() {
+                    let offset = _mm256_set1_epi32(32 * pass.half(r, u, half));
+                    let sum = _mm256_cvtepi32_ps(_mm256_sub_epi32(dot(pass, r, u, w, 4 * half), offset));
+                    sums[j] = if half == 0 {
+                        sum
+                    } else {
+                        let (sc_lo, sc_hi) = (signed_byte(2 * (t % 2)), signed_byte(2 * (t % 2) + 1));
+                        _mm256_fmadd_ps(sc_lo, sums[j], _mm256_mul_ps(sc_hi, sum))
+                    };
                 }
             }
+        }
+    }
+    let d = halves_f32(tile.add(super::Q6K_TILE.d_at()), h8);
+    for (r, (lanes, sums)) in acc.iter_mut().zip(&sums).enumerate() {
+        for (j, &c) in sums.iter().enumerate() {
+            let u = 8 * sb + j;
+            step(&mut lanes[u % LANES], d, pass.d(r, u), c);
         }
     }
 }

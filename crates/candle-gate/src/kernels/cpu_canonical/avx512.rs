@@ -10,7 +10,7 @@ use candle_core::quantized::GgmlDType;
 /// How far ahead of the tile it reads the kernel asks for memory, at up to
 /// [`PREFETCH_ROWS_MAX`] rows (beyond them each tile's bytes take long enough to use).
 const PREFETCH_AHEAD: usize = 4096;
-const PREFETCH_ROWS_MAX: usize = 2;
+const PREFETCH_ROWS_MAX: usize = 0;
 
 /// Each row's 32 lane accumulators, sixteen columns a vector.
 type Lanes<const R: usize> = [[__m512; LANES]; R];
@@ -100,57 +100,67 @@ unsafe fn q4k<const R: usize>(tile: *const u8, sb: usize, pass: &Pass, acc: &mut
 }
 
 /// Q6_K super-block `sb`, this file's tile: the block's 52 dwords as vectors in
-/// [`q6k_slot`]'s order, then the sixteen `d`. Unit
-/// `j = 4h + t` takes `ql[64h + 32(t % 2)..][..32]` shifted by `4(t / 2)` and bits `2t, 2t+1`
-/// of `qh[32h..][..32]`, as `w + 32` (0..64), and the int8 scales `sc[8h + 2t]` (values
-/// 0..16) and `sc[8h + 2t + 1]` (16..32). Units `t` and `t + 2` share their `ql` and `qh`
-/// bytes, so they are decoded from one load of each.
+/// [`q6k_slot`]'s order, then the sixteen `d`. Unit `j = 4h + t` takes
+/// `ql[64h + 32(t % 2)..][..32]` shifted by `4(t / 2)` and bits `2t, 2t+1` of `qh[32h..][..32]`,
+/// as `w + 32` (0..64), and the int8 scales `sc[8h + 2t]` (values 0..16) and `sc[8h + 2t + 1]`
+/// (16..32).
+///
+/// The tile is read from its start to its end, as the hardware prefetchers need (see
+/// [`q6k_slot`]): the scales, then one part `(h, half)` at a time, twelve vectors that hold
+/// half (sixteen values) of each of the units `4h..4h + 4`, and `d` last. So every unit's
+/// float step waits for the end of the tile. The eight units add into eight different lane
+/// accumulators, so neither the wait nor their order changes a bit.
 #[inline(always)]
 unsafe fn q6k<const R: usize>(tile: *const u8, sb: usize, pass: &Pass, acc: &mut Lanes<R>) {
-    let d = halves_f32(tile.add(super::Q6K_TILE.d_at()));
     let (low4, bits45) = (_mm512_set1_epi8(0x0F), _mm512_set1_epi8(0x30));
+    // (ql & 0x0F) | (high & 0x30)
+    let six = |ql: __m512i, high: __m512i| _mm512_ternarylogic_epi32::<0xEC>(ql, _mm512_and_si512(high, bits45), low4);
+    let scales: [__m512i; 4] = std::array::from_fn(|i| load(tile.add(64 * q6k_slot(48 + i))));
+    // Each row's units: the first half's sum less its offset, then the unit's whole sum.
+    let mut sums = [[_mm512_setzero_ps(); 8]; R];
     for h in 0..2 {
-        for t in 0..2 {
-            let mut w = [[_mm512_setzero_si512(); 8]; 2];
-            for i in 0..8 {
-                let ql = load(tile.add(64 * q6k_slot(16 * h + 8 * t + i)));
-                let qh = load(tile.add(64 * q6k_slot(32 + 8 * h + i)));
-                // Bits 2t, 2t + 1 (unit t) and 2t + 4, 2t + 5 (unit t + 2) of each qh byte
-                // to bits 4, 5; a 16-bit shift moves bits across bytes only into places
-                // the mask clears.
-                let (high_t, high_t2) = if t == 0 {
-                    (_mm512_slli_epi16::<4>(qh), qh)
-                } else {
-                    (_mm512_slli_epi16::<2>(qh), _mm512_srli_epi16::<2>(qh))
-                };
-                // (ql & 0x0F) | (high & 0x30)
-                w[0][i] = _mm512_ternarylogic_epi32::<0xEC>(ql, _mm512_and_si512(high_t, bits45), low4);
-                w[1][i] = _mm512_ternarylogic_epi32::<0xEC>(
-                    _mm512_srli_epi16::<4>(ql),
-                    _mm512_and_si512(high_t2, bits45),
-                    low4,
-                );
+        for half in 0..2 {
+            let mut w = [[_mm512_setzero_si512(); 4]; 4];
+            for i in 0..4 {
+                let word = 4 * half + i;
+                let ql0 = load(tile.add(64 * q6k_slot(16 * h + word)));
+                let ql1 = load(tile.add(64 * q6k_slot(16 * h + 8 + word)));
+                let qh = load(tile.add(64 * q6k_slot(32 + 8 * h + word)));
+                // Bits 2t, 2t + 1 of each qh byte to bits 4, 5; a 16-bit shift moves bits
+                // across bytes only into places the mask clears.
+                w[0][i] = six(ql0, _mm512_slli_epi16::<4>(qh));
+                w[1][i] = six(ql1, _mm512_slli_epi16::<2>(qh));
+                w[2][i] = six(_mm512_srli_epi16::<4>(ql0), qh);
+                w[3][i] = six(_mm512_srli_epi16::<4>(ql1), _mm512_srli_epi16::<2>(qh));
             }
-            for (pair, w) in w.iter().enumerate() {
-                let tt = t + 2 * pair;
-                let scales = load(tile.add(64 * q6k_slot(48 + 2 * h + tt / 2)));
-                // Bytes 2t and 2t + 1 of the dword, sign-extended, as f32 (exact).
+            for (t, w) in w.iter().enumerate() {
+                let (j, u) = (4 * h + t, 8 * sb + 4 * h + t);
+                // Bytes 2(t % 2) and 2(t % 2) + 1 of the unit's scale dword, sign-extended, as
+                // f32 (exact).
                 let signed_byte = |byte: usize| {
-                    let shifted = _mm512_sllv_epi32(scales, _mm512_set1_epi32(24 - 8 * byte as i32));
+                    let shifted = _mm512_sllv_epi32(scales[2 * h + t / 2], _mm512_set1_epi32(24 - 8 * byte as i32));
                     _mm512_cvtepi32_ps(_mm512_srai_epi32::<24>(shifted))
                 };
-                let (sc_lo, sc_hi) = (signed_byte(2 * t), signed_byte(2 * t + 1));
-                let u = 8 * sb + 4 * h + tt;
-                for (r, lanes) in acc.iter_mut().enumerate() {
-                    let offset = |h: usize| _mm512_set1_epi32(32 * pass.half(r, u, h));
-                    let lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot(pass, r, u, &w[..4], 0), offset(0)));
-                    let hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot(pass, r, u, &w[4..], 4), offset(1)));
-                    // sc_lo · lo + sc_hi · hi in f32 is the integer sum exactly: each
-                    // product is below 2^23 and the sum below 2^24.
-                    let c = _mm512_fmadd_ps(sc_lo, lo, _mm512_mul_ps(sc_hi, hi));
-                    step(&mut lanes[u % LANES], d, pass.d(r, u), c);
+                for (r, sums) in sums.iter_mut().enumerate() {
+                    let offset = _mm512_set1_epi32(32 * pass.half(r, u, half));
+                    let sum = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot(pass, r, u, w, 4 * half), offset));
+                    sums[j] = if half == 0 {
+                        sum
+                    } else {
+                        // sc_lo · lo + sc_hi · hi in f32 is the integer sum exactly: each
+                        // product is below 2^23 and the sum below 2^24.
+                        let (sc_lo, sc_hi) = (signed_byte(2 * (t % 2)), signed_byte(2 * (t % 2) + 1));
+                        _mm512_fmadd_ps(sc_lo, sums[j], _mm512_mul_ps(sc_hi, sum))
+                    };
                 }
             }
+        }
+    }
+    let d = halves_f32(tile.add(super::Q6K_TILE.d_at()));
+    for (r, (lanes, sums)) in acc.iter_mut().zip(&sums).enumerate() {
+        for (j, &c) in sums.iter().enumerate() {
+            let u = 8 * sb + j;
+            step(&mut lanes[u % LANES], d, pass.d(r, u), c);
         }
     }
 }
