@@ -7,11 +7,6 @@ use super::{q6k_slot, GroupOut, Layout, Pass, PACK_COLS};
 use crate::kernels::canonical::{BUTTERFLY, LANES};
 use candle_core::quantized::GgmlDType;
 
-/// How far ahead of the tile it reads the kernel asks for memory, at up to
-/// [`PREFETCH_ROWS_MAX`] rows (beyond them each tile's bytes take long enough to use).
-const PREFETCH_AHEAD: usize = 4096;
-const PREFETCH_ROWS_MAX: usize = 0;
-
 /// Each row's 32 lane accumulators, sixteen columns a vector.
 type Lanes<const R: usize> = [[__m512; LANES]; R];
 
@@ -227,14 +222,6 @@ unsafe fn group<const R: usize>(layout: Layout, group: *const u8, blocks: usize,
     let mut acc: Lanes<R> = [[_mm512_setzero_ps(); LANES]; R];
     for b in 0..blocks {
         let tile = group.add(b * layout.tile_bytes());
-        if R <= PREFETCH_ROWS_MAX {
-            // A group's tiles are one run of bytes; at few rows the kernel reads them
-            // faster than the hardware prefetcher alone brings them (past the group's end
-            // this asks for the next group's, or for nothing: a prefetch never faults).
-            for line in (0..layout.tile_bytes()).step_by(64) {
-                _mm_prefetch::<_MM_HINT_T0>(tile.wrapping_add(PREFETCH_AHEAD + line) as *const i8);
-            }
-        }
         match layout.dtype {
             GgmlDType::Q4K => q4k(tile, b, pass, &mut acc),
             GgmlDType::Q6K => q6k(tile, b, pass, &mut acc),
