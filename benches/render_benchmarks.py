@@ -610,6 +610,11 @@ def t_canonical_zen4(res, doc):
     return table(MODES_HEADER, modes_rows(res, name)) + ["", "tok/s, `canonical` vs `invariant` (ratio). " + res.source([name], doc)]
 
 
+def t_canonical_zen4_in_order(res, doc):
+    name = "modes-canonical-vs-invariant-zen4-f3f18bf.json"
+    return table(MODES_HEADER, modes_rows(res, name)) + ["", "tok/s, `canonical` vs `invariant` (ratio). " + res.source([name], doc)]
+
+
 def t_canonical_quantize(res, doc):
     name = "modes-canonical-vs-invariant-xeon-spr-quantize.json"
     return table(MODES_HEADER, modes_rows(res, name)) + ["", "tok/s, `canonical` vs `invariant` (ratio). " + res.source([name], doc)]
@@ -771,8 +776,9 @@ def t_ab_sixteen_packed_context(res, doc):
         "", "tok/s, 7ab3551 → c8cc3ef (ratio), best of alternating rounds. " + res.source([name], doc)]
 
 
-def kernels_ab_table(res, doc, name: str) -> list[str]:
-    """An `ab_kernels.py --json` file: each (matrix, rows), hot and cold, before → after."""
+def kernels_ab_table(res, doc, name: str, tier: str = "") -> list[str]:
+    """An `ab_kernels.py --json` file: each (matrix, rows), hot and cold, before → after; `tier`
+    names the kernel tier where the run capped it (`CANDLE_GATE_ISA`)."""
     d = res(name)
     rows = []
     for r in d["results"]:
@@ -781,7 +787,8 @@ def kernels_ab_table(res, doc, name: str) -> list[str]:
                      f"{r['cold_ms_before']:.3f} → {r['cold_ms_after']:.3f} ({ratio(r['cold_ms_before'], r['cold_ms_after'])})"])
     header = ["matrix (n × k)", "rows", "from the cache, ms", "every layer's matrix in turn, ms"]
     return table(header, grouped(rows)) + [
-        "", f"`cargo bench --bench kernels` through `benches/ab_kernels.py`, invariant kernel, {d['before']} → "
+        "", f"`cargo bench --bench kernels` through `benches/ab_kernels.py`, {d.get('kernel', 'invariant')} kernel"
+            f"{tier}, {d['before']} → "
             f"{d['commit']} (speedup), best of {d['rounds']} alternating rounds. " + res.source([name], doc)]
 
 
@@ -791,6 +798,20 @@ def t_ab_kernels_sixteen_packed(res, doc):
 
 def t_ab_kernels_q6k_four_rows(res, doc):
     return kernels_ab_table(res, doc, "ab-q6k-four-rows-kernels-qwen15-zen4.json")
+
+
+def t_ab_kernels_canonical_in_order(res, doc):
+    return kernels_ab_table(res, doc, "ab-kernels-canonical-in-order-qwen15-zen4.json", " (AVX-512 tier)")
+
+
+def t_ab_kernels_canonical_in_order_avx2(res, doc):
+    return kernels_ab_table(res, doc, "ab-kernels-canonical-in-order-avx2-qwen15-zen4.json",
+                            " capped at AVX2 (`CANDLE_GATE_ISA=avx2`)")
+
+
+def t_ab_canonical_in_order(res, doc):
+    return ab_table(res, doc, [(None, None, f"ab-canonical-in-order-{m}-zen4.json")
+                               for m in ("qwen15", "qwen05", "gemma", "smollm2")])
 
 
 def t_ab_draft_kquant(res, doc):
@@ -1195,6 +1216,10 @@ TABLES = {
     "gemma-vs-llama-cpp": t_gemma_vs_llama_cpp,
     "canonical-quantize": t_canonical_quantize,
     "canonical-zen4": t_canonical_zen4,
+    "canonical-zen4-in-order": t_canonical_zen4_in_order,
+    "ab-kernels-canonical-in-order": t_ab_kernels_canonical_in_order,
+    "ab-kernels-canonical-in-order-avx2": t_ab_kernels_canonical_in_order_avx2,
+    "ab-canonical-in-order": t_ab_canonical_in_order,
     "canonical-scalar": t_canonical_scalar,
     "ab-session-start-xeon": t_ab_session_start_xeon,
     "peers": t_peers,
