@@ -5,17 +5,21 @@
 //! against |q| ≤ 127 cannot; Q8_0's signed weights go in as `|w|` against `q · sign(w)`.
 
 use std::arch::x86_64::*;
+use std::mem::MaybeUninit;
 
 use super::{q6k_slot, GroupOut, Layout, Pass, PACK_COLS};
 use crate::kernels::canonical::{BUTTERFLY, LANES};
 use candle_core::quantized::GgmlDType;
 
 /// Each row's 32 lane accumulators, eight columns a vector.
-type Lanes<const R: usize> = [[__m256; LANES]; R];
+type Lanes<const R: usize> = [[MaybeUninit<__m256>; LANES]; R];
 
+/// [`super::avx512`]'s float step, eight outputs at once.
 #[inline(always)]
-unsafe fn step(acc: &mut __m256, coef: __m256, d: f32, c: __m256) {
-    *acc = _mm256_fmadd_ps(_mm256_mul_ps(coef, _mm256_set1_ps(d)), c, *acc);
+unsafe fn step(lanes: &mut [MaybeUninit<__m256>; LANES], u: usize, first: bool, coef: __m256, d: f32, c: __m256) {
+    let lane = &mut lanes[u % LANES];
+    let acc = if first && u < LANES { _mm256_setzero_ps() } else { lane.assume_init() };
+    lane.write(_mm256_fmadd_ps(_mm256_mul_ps(coef, _mm256_set1_ps(d)), c, acc));
 }
 
 /// The four-product sums `vpdpbusd` would add, exact on the ranges here (module docs).
@@ -92,11 +96,10 @@ unsafe fn q4k<const R: usize>(tile: *const u8, sb: usize, h: usize, pass: &Pass,
             let u = 8 * sb + j;
             let (sc, mn) = scale_min(j as u32);
             for (r, lanes) in acc.iter_mut().enumerate() {
-                let lane = &mut lanes[u % LANES];
                 let c = _mm256_mul_ps(_mm256_cvtepi32_ps(dot(pass, r, u, w, 0)), sc);
                 let dr = pass.d(r, u);
-                step(lane, d, dr, c);
-                step(lane, neg_dmin, dr, _mm256_mul_ps(mn, _mm256_set1_ps(pass.sum(r, u) as f32)));
+                step(lanes, u, true, d, dr, c);
+                step(lanes, u, false, neg_dmin, dr, _mm256_mul_ps(mn, _mm256_set1_ps(pass.sum(r, u) as f32)));
             }
         }
     }
@@ -109,7 +112,7 @@ unsafe fn q6k<const R: usize>(tile: *const u8, sb: usize, h8: usize, pass: &Pass
     let (low4, bits45) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x30));
     let six = |ql: __m256i, high: __m256i| _mm256_or_si256(_mm256_and_si256(ql, low4), _mm256_and_si256(high, bits45));
     let scales: [__m256i; 4] = std::array::from_fn(|i| load(tile.add(64 * q6k_slot(48 + i)), h8));
-    let mut sums = [[_mm256_setzero_ps(); 8]; R];
+    let mut sums = [[MaybeUninit::uninit(); 8]; R];
     for h in 0..2 {
         for half in 0..2 {
             let mut w = [[_mm256_setzero_si256(); 4]; 4];
@@ -132,21 +135,22 @@ unsafe fn q6k<const R: usize>(tile: *const u8, sb: usize, h8: usize, pass: &Pass
                 for (r, sums) in sums.iter_mut().enumerate() {
                     let offset = _mm256_set1_epi32(32 * pass.half(r, u, half));
                     let sum = _mm256_cvtepi32_ps(_mm256_sub_epi32(dot(pass, r, u, w, 4 * half), offset));
-                    sums[j] = if half == 0 {
+                    let whole = if half == 0 {
                         sum
                     } else {
                         let (sc_lo, sc_hi) = (signed_byte(2 * (t % 2)), signed_byte(2 * (t % 2) + 1));
-                        _mm256_fmadd_ps(sc_lo, sums[j], _mm256_mul_ps(sc_hi, sum))
+                        _mm256_fmadd_ps(sc_lo, sums[j].assume_init(), _mm256_mul_ps(sc_hi, sum))
                     };
+                    sums[j].write(whole);
                 }
             }
         }
     }
     let d = halves_f32(tile.add(super::Q6K_TILE.d_at()), h8);
     for (r, (lanes, sums)) in acc.iter_mut().zip(&sums).enumerate() {
-        for (j, &c) in sums.iter().enumerate() {
+        for (j, c) in sums.iter().enumerate() {
             let u = 8 * sb + j;
-            step(&mut lanes[u % LANES], d, pass.d(r, u), c);
+            step(lanes, u, true, d, pass.d(r, u), c.assume_init());
         }
     }
 }
@@ -183,15 +187,14 @@ unsafe fn q32<const R: usize, const Q5: bool>(tile: *const u8, u: usize, h: usiz
     let d = halves_f32(tile, h);
     let m = halves_f32(tile.add(32), h);
     for (r, lanes) in acc.iter_mut().enumerate() {
-        let lane = &mut lanes[u % LANES];
         let mut c = dot(pass, r, u, &w, 0);
         if Q5 {
             c = _mm256_sub_epi32(c, _mm256_set1_epi32(16 * pass.sum(r, u)));
         }
         let dr = pass.d(r, u);
-        step(lane, d, dr, _mm256_cvtepi32_ps(c));
+        step(lanes, u, true, d, dr, _mm256_cvtepi32_ps(c));
         if !Q5 {
-            step(lane, m, dr, _mm256_set1_ps(pass.sum(r, u) as f32));
+            step(lanes, u, false, m, dr, _mm256_set1_ps(pass.sum(r, u) as f32));
         }
     }
 }
@@ -213,14 +216,14 @@ unsafe fn q8_0<const R: usize>(tile: *const u8, u: usize, h: usize, pass: &Pass,
             odd = _mm256_add_epi32(odd, dot4(_mm256_abs_epi8(w[i + 1]), _mm256_sign_epi8(q(i + 1), w[i + 1])));
         }
         let c = _mm256_add_epi32(even, odd);
-        step(&mut lanes[u % LANES], d, pass.d(r, u), _mm256_cvtepi32_ps(c));
+        step(lanes, u, true, d, pass.d(r, u), _mm256_cvtepi32_ps(c));
     }
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn group<const R: usize>(layout: Layout, tiles: *const u8, blocks: usize, pass: &Pass, out: &mut GroupOut) {
     for h in 0..2 {
-        let mut acc: Lanes<R> = [[_mm256_setzero_ps(); LANES]; R];
+        let mut acc: Lanes<R> = [[MaybeUninit::uninit(); LANES]; R];
         for b in 0..blocks {
             let tile = tiles.add(b * layout.tile_bytes());
             match layout.dtype {
@@ -232,14 +235,24 @@ unsafe fn group<const R: usize>(layout: Layout, tiles: *const u8, blocks: usize,
             }
         }
         for (lanes, out) in acc.iter_mut().zip(out.iter_mut()) {
-            for off in BUTTERFLY {
-                for l in 0..off {
-                    lanes[l] = _mm256_add_ps(lanes[l], lanes[l + off]);
-                }
-            }
-            _mm256_storeu_ps(out[8 * h..].as_mut_ptr(), lanes[0]);
+            _mm256_storeu_ps(out[8 * h..].as_mut_ptr(), fold(lanes, blocks * layout.units_per_block));
         }
     }
+}
+
+/// [`super::avx512`]'s `fold`, eight columns a vector.
+#[inline(always)]
+unsafe fn fold(lanes: &mut [MaybeUninit<__m256>; LANES], units: usize) -> __m256 {
+    for lane in lanes.iter_mut().skip(units) {
+        lane.write(_mm256_setzero_ps());
+    }
+    for off in BUTTERFLY {
+        for l in 0..off {
+            let sum = _mm256_add_ps(lanes[l].assume_init(), lanes[l + off].assume_init());
+            lanes[l].write(sum);
+        }
+    }
+    lanes[0].assume_init()
 }
 
 pub(super) fn pass(layout: Layout, tiles: *const u8, blocks: usize, pass: &Pass, count: usize, out: &mut GroupOut) {

@@ -2,18 +2,24 @@
 //! columns against a row's broadcast bytes, every row's 32 lane vectors in L1.
 
 use std::arch::x86_64::*;
+use std::mem::MaybeUninit;
 
 use super::{q6k_slot, GroupOut, Layout, Pass, PACK_COLS};
 use crate::kernels::canonical::{BUTTERFLY, LANES};
 use candle_core::quantized::GgmlDType;
 
 /// Each row's 32 lane accumulators, sixteen columns a vector.
-type Lanes<const R: usize> = [[__m512; LANES]; R];
+type Lanes<const R: usize> = [[MaybeUninit<__m512>; LANES]; R];
 
-/// The order's one float step, sixteen outputs at once: `acc = fma(coef · d, c, acc)`.
+/// The order's one float step, sixteen outputs at once: `acc = fma(coef · d, c, acc)` on lane
+/// `u % LANES`. A lane starts at +0: the step of its first unit that comes `first` (the unit's
+/// first step) takes that zero from a register, so the lanes are never zeroed in memory (at
+/// eight rows that was 16 KiB a group and pass, as long as a small matrix's arithmetic).
 #[inline(always)]
-unsafe fn step(acc: &mut __m512, coef: __m512, d: f32, c: __m512) {
-    *acc = _mm512_fmadd_ps(_mm512_mul_ps(coef, _mm512_set1_ps(d)), c, *acc);
+unsafe fn step(lanes: &mut [MaybeUninit<__m512>; LANES], u: usize, first: bool, coef: __m512, d: f32, c: __m512) {
+    let lane = &mut lanes[u % LANES];
+    let acc = if first && u < LANES { _mm512_setzero_ps() } else { lane.assume_init() };
+    lane.write(_mm512_fmadd_ps(_mm512_mul_ps(coef, _mm512_set1_ps(d)), c, acc));
 }
 
 /// `Σ_i dpbusd(w[i], word(i))` over `w.len()` dwords of a unit (or half unit) of row `r`,
@@ -83,12 +89,11 @@ unsafe fn q4k<const R: usize>(tile: *const u8, sb: usize, pass: &Pass, acc: &mut
             let u = 8 * sb + j;
             let (sc, mn) = scale_min(j as u32);
             for (r, lanes) in acc.iter_mut().enumerate() {
-                let lane = &mut lanes[u % LANES];
                 // (sc · isum) and (m · Σq) as f32: exact products of exact floats (< 2^24).
                 let c = _mm512_mul_ps(_mm512_cvtepi32_ps(dot(pass, r, u, w, 0)), sc);
                 let dr = pass.d(r, u);
-                step(lane, d, dr, c);
-                step(lane, neg_dmin, dr, _mm512_mul_ps(mn, _mm512_set1_ps(pass.sum(r, u) as f32)));
+                step(lanes, u, true, d, dr, c);
+                step(lanes, u, false, neg_dmin, dr, _mm512_mul_ps(mn, _mm512_set1_ps(pass.sum(r, u) as f32)));
             }
         }
     }
@@ -112,7 +117,7 @@ unsafe fn q6k<const R: usize>(tile: *const u8, sb: usize, pass: &Pass, acc: &mut
     let six = |ql: __m512i, high: __m512i| _mm512_ternarylogic_epi32::<0xEC>(ql, _mm512_and_si512(high, bits45), low4);
     let scales: [__m512i; 4] = std::array::from_fn(|i| load(tile.add(64 * q6k_slot(48 + i))));
     // Each row's units: the first half's sum less its offset, then the unit's whole sum.
-    let mut sums = [[_mm512_setzero_ps(); 8]; R];
+    let mut sums = [[MaybeUninit::uninit(); 8]; R];
     for h in 0..2 {
         for half in 0..2 {
             let mut w = [[_mm512_setzero_si512(); 4]; 4];
@@ -139,23 +144,24 @@ unsafe fn q6k<const R: usize>(tile: *const u8, sb: usize, pass: &Pass, acc: &mut
                 for (r, sums) in sums.iter_mut().enumerate() {
                     let offset = _mm512_set1_epi32(32 * pass.half(r, u, half));
                     let sum = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot(pass, r, u, w, 4 * half), offset));
-                    sums[j] = if half == 0 {
+                    let whole = if half == 0 {
                         sum
                     } else {
                         // sc_lo · lo + sc_hi · hi in f32 is the integer sum exactly: each
                         // product is below 2^23 and the sum below 2^24.
                         let (sc_lo, sc_hi) = (signed_byte(2 * (t % 2)), signed_byte(2 * (t % 2) + 1));
-                        _mm512_fmadd_ps(sc_lo, sums[j], _mm512_mul_ps(sc_hi, sum))
+                        _mm512_fmadd_ps(sc_lo, sums[j].assume_init(), _mm512_mul_ps(sc_hi, sum))
                     };
+                    sums[j].write(whole);
                 }
             }
         }
     }
     let d = halves_f32(tile.add(super::Q6K_TILE.d_at()));
     for (r, (lanes, sums)) in acc.iter_mut().zip(&sums).enumerate() {
-        for (j, &c) in sums.iter().enumerate() {
+        for (j, c) in sums.iter().enumerate() {
             let u = 8 * sb + j;
-            step(&mut lanes[u % LANES], d, pass.d(r, u), c);
+            step(lanes, u, true, d, pass.d(r, u), c.assume_init());
         }
     }
 }
@@ -186,15 +192,14 @@ unsafe fn q32<const R: usize, const Q5: bool>(tile: *const u8, u: usize, pass: &
     let d = halves_f32(tile);
     let m = halves_f32(tile.add(32));
     for (r, lanes) in acc.iter_mut().enumerate() {
-        let lane = &mut lanes[u % LANES];
         let mut c = dot(pass, r, u, &w, 0);
         if Q5 {
             c = _mm512_sub_epi32(c, _mm512_set1_epi32(16 * pass.sum(r, u)));
         }
         let dr = pass.d(r, u);
-        step(lane, d, dr, _mm512_cvtepi32_ps(c));
+        step(lanes, u, true, d, dr, _mm512_cvtepi32_ps(c));
         if !Q5 {
-            step(lane, m, dr, _mm512_set1_ps(pass.sum(r, u) as f32));
+            step(lanes, u, false, m, dr, _mm512_set1_ps(pass.sum(r, u) as f32));
         }
     }
 }
@@ -211,7 +216,7 @@ unsafe fn q8_0<const R: usize>(tile: *const u8, u: usize, pass: &Pass, acc: &mut
     let d = halves_f32(tile);
     for (r, lanes) in acc.iter_mut().enumerate() {
         let c = _mm512_sub_epi32(dot(pass, r, u, &w, 0), _mm512_set1_epi32(128 * pass.sum(r, u)));
-        step(&mut lanes[u % LANES], d, pass.d(r, u), _mm512_cvtepi32_ps(c));
+        step(lanes, u, true, d, pass.d(r, u), _mm512_cvtepi32_ps(c));
     }
 }
 
@@ -219,7 +224,7 @@ unsafe fn q8_0<const R: usize>(tile: *const u8, u: usize, pass: &Pass, acc: &mut
 /// row's butterfly, into `out[r]`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn group<const R: usize>(layout: Layout, group: *const u8, blocks: usize, pass: &Pass, out: &mut [[f32; 16]]) {
-    let mut acc: Lanes<R> = [[_mm512_setzero_ps(); LANES]; R];
+    let mut acc: Lanes<R> = [[MaybeUninit::uninit(); LANES]; R];
     for b in 0..blocks {
         let tile = group.add(b * layout.tile_bytes());
         match layout.dtype {
@@ -231,15 +236,26 @@ unsafe fn group<const R: usize>(layout: Layout, group: *const u8, blocks: usize,
         }
     }
     for (lanes, out) in acc.iter_mut().zip(out) {
-        // The xor butterfly: after offset `off`, lane l < off holds lane l + lane l + off
-        // (lanes l ≥ off would hold the same sums, commuted; nothing reads them).
-        for off in BUTTERFLY {
-            for l in 0..off {
-                lanes[l] = _mm512_add_ps(lanes[l], lanes[l + off]);
-            }
-        }
-        _mm512_storeu_ps(out.as_mut_ptr(), lanes[0]);
+        _mm512_storeu_ps(out.as_mut_ptr(), fold(lanes, blocks * layout.units_per_block));
     }
+}
+
+/// One row's output from its lanes, after `units` units: the lanes no unit reached (fewer units
+/// than lanes) at the order's +0, then the xor butterfly. After offset `off`, lane l < off
+/// holds lane l + lane l + off (lanes l ≥ off would hold the same sums, commuted; nothing reads
+/// them).
+#[inline(always)]
+unsafe fn fold(lanes: &mut [MaybeUninit<__m512>; LANES], units: usize) -> __m512 {
+    for lane in lanes.iter_mut().skip(units) {
+        lane.write(_mm512_setzero_ps());
+    }
+    for off in BUTTERFLY {
+        for l in 0..off {
+            let sum = _mm512_add_ps(lanes[l].assume_init(), lanes[l + off].assume_init());
+            lanes[l].write(sum);
+        }
+    }
+    lanes[0].assume_init()
 }
 
 /// Rows `pass.first..pass.first + count` against one group, into `out`.
