@@ -687,16 +687,38 @@ def t_peers_synth8b_zen4(res, doc):
             + res.source([name], doc)]
 
 
-def t_peers_canonical(res, doc):
-    name = "vs-peers-qwen15-chat-canonical-xeon-spr.json"
+def peers_canonical_table(res, doc, name: str) -> list[str]:
+    """Qwen 1.5B in `canonical` mode against both peers: one stream's prefill and decode, and
+    eight streams' decode where the file has them."""
     d = res(name)
-    r = vs_row(d, "qwen2.5-coder-1.5b-instruct-q4_k_m", 1, None)
+    model = "qwen2.5-coder-1.5b-instruct-q4_k_m"
+    r = vs_row(d, model, 1, None)
     peers = ("llama_cpp", "ik_llama_cpp")
-    rows = [[model_name(r["model"]), "chat", "1", m.split("_")[0], peer_cell(r, m, g3, peers)]
+    rows = [[model_name(model), "chat", "1", m.split("_")[0], peer_cell(r, m, g3, peers)]
             for m in ("prefill_tok_s", "decode_tok_s")]
+    if any(x["model"] == model and x["streams"] == 8 for x in d["rows"]):
+        rows.append([model_name(model), "chat", "8", "decode", peer_cell(vs_row(d, model, 8, None), "decode_tok_s", g3, peers)])
     header = ["model", "prompt", "streams", "metric", "candle-gate `canonical` vs llama.cpp vs ik_llama.cpp"]
-    return table(header, grouped(rows)) + ["", f"Decode at {pct(r['bandwidth_share'])} of the best bandwidth read "
-                                           f"({d['read_bandwidth_gbs']:.1f} GB/s). " + res.source([name], doc)]
+    return table(header, grouped(rows)) + ["", f"One stream decodes at {pct(r['bandwidth_share'])} of the best bandwidth "
+                                           f"read ({d['read_bandwidth_gbs']:.1f} GB/s). " + res.source([name], doc)]
+
+
+def t_peers_canonical(res, doc):
+    return peers_canonical_table(res, doc, "vs-peers-qwen15-chat-canonical-xeon-spr.json")
+
+
+def t_peers_canonical_zen4(res, doc):
+    return peers_canonical_table(res, doc, "vs-peers-qwen15-chat-canonical-zen4.json")
+
+
+def t_canonical_zen4_unzeroed(res, doc):
+    name = "modes-canonical-vs-invariant-zen4-c880b4f.json"
+    return table(MODES_HEADER, modes_rows(res, name)) + ["", "tok/s, `canonical` vs `invariant` (ratio). " + res.source([name], doc)]
+
+
+def t_ab_canonical_unzeroed(res, doc):
+    return ab_table(res, doc, [(None, None, f"ab-canonical-lanes-unzeroed-{m}-zen4.json")
+                               for m in ("qwen15", "qwen05", "gemma", "smollm2")])
 
 
 # ---------------------------------------------------------------- ab_builds.py tables
@@ -1217,6 +1239,9 @@ TABLES = {
     "canonical-quantize": t_canonical_quantize,
     "canonical-zen4": t_canonical_zen4,
     "canonical-zen4-in-order": t_canonical_zen4_in_order,
+    "canonical-zen4-unzeroed": t_canonical_zen4_unzeroed,
+    "ab-canonical-unzeroed": t_ab_canonical_unzeroed,
+    "peers-canonical-zen4": t_peers_canonical_zen4,
     "ab-kernels-canonical-in-order": t_ab_kernels_canonical_in_order,
     "ab-kernels-canonical-in-order-avx2": t_ab_kernels_canonical_in_order_avx2,
     "ab-canonical-in-order": t_ab_canonical_in_order,
