@@ -605,19 +605,21 @@ def modes_rows(res, name, prefill_note=""):
 MODES_HEADER = ["model", "decode, 1 stream", "decode, 8 streams", "prefill, 1,024 tokens"]
 
 
-def t_canonical_zen4(res, doc):
-    name = "modes-canonical-vs-invariant-zen4-c9cf0ec.json"
+def modes_table(res, doc, name: str) -> list[str]:
+    """One `modes.py --json` file: `canonical` against `invariant`, model by model."""
     return table(MODES_HEADER, modes_rows(res, name)) + ["", "tok/s, `canonical` vs `invariant` (ratio). " + res.source([name], doc)]
+
+
+def t_canonical_zen4(res, doc):
+    return modes_table(res, doc, "modes-canonical-vs-invariant-zen4-c9cf0ec.json")
 
 
 def t_canonical_zen4_in_order(res, doc):
-    name = "modes-canonical-vs-invariant-zen4-f3f18bf.json"
-    return table(MODES_HEADER, modes_rows(res, name)) + ["", "tok/s, `canonical` vs `invariant` (ratio). " + res.source([name], doc)]
+    return modes_table(res, doc, "modes-canonical-vs-invariant-zen4-f3f18bf.json")
 
 
 def t_canonical_quantize(res, doc):
-    name = "modes-canonical-vs-invariant-xeon-spr-quantize.json"
-    return table(MODES_HEADER, modes_rows(res, name)) + ["", "tok/s, `canonical` vs `invariant` (ratio). " + res.source([name], doc)]
+    return modes_table(res, doc, "modes-canonical-vs-invariant-xeon-spr-quantize.json")
 
 
 def t_canonical_scalar(res, doc):
@@ -712,8 +714,7 @@ def t_peers_canonical_zen4(res, doc):
 
 
 def t_canonical_zen4_unzeroed(res, doc):
-    name = "modes-canonical-vs-invariant-zen4-c880b4f.json"
-    return table(MODES_HEADER, modes_rows(res, name)) + ["", "tok/s, `canonical` vs `invariant` (ratio). " + res.source([name], doc)]
+    return modes_table(res, doc, "modes-canonical-vs-invariant-zen4-c880b4f.json")
 
 
 def t_ab_canonical_unzeroed(res, doc):
