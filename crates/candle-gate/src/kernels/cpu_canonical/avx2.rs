@@ -132,14 +132,15 @@ unsafe fn q6k<const R: usize>(tile: *const u8, sb: usize, h8: usize, pass: &Pass
                     let shifted = _mm256_sllv_epi32(scales[2 * h + t / 2], _mm256_set1_epi32(24 - 8 * byte as i32));
                     _mm256_cvtepi32_ps(_mm256_srai_epi32::<24>(shifted))
                 };
+                let sc = (half == 1).then(|| (signed_byte(2 * (t % 2)), signed_byte(2 * (t % 2) + 1)));
                 for (r, sums) in sums.iter_mut().enumerate() {
                     let offset = _mm256_set1_epi32(32 * pass.half(r, u, half));
                     let sum = _mm256_cvtepi32_ps(_mm256_sub_epi32(dot(pass, r, u, w, 4 * half), offset));
-                    let whole = if half == 0 {
-                        sum
-                    } else {
-                        let (sc_lo, sc_hi) = (signed_byte(2 * (t % 2)), signed_byte(2 * (t % 2) + 1));
-                        _mm256_fmadd_ps(sc_lo, sums[j].assume_init(), _mm256_mul_ps(sc_hi, sum))
+                    let whole = match sc {
+                        None => sum,
+                        Some((sc_lo, sc_hi)) => {
+                            _mm256_fmadd_ps(sc_lo, sums[j].assume_init(), _mm256_mul_ps(sc_hi, sum))
+                        }
                     };
                     sums[j].write(whole);
                 }

@@ -12,9 +12,10 @@ use candle_core::quantized::GgmlDType;
 type Lanes<const R: usize> = [[MaybeUninit<__m512>; LANES]; R];
 
 /// The order's one float step, sixteen outputs at once: `acc = fma(coef · d, c, acc)` on lane
-/// `u % LANES`. A lane starts at +0: the step of its first unit that comes `first` (the unit's
-/// first step) takes that zero from a register, so the lanes are never zeroed in memory (at
-/// eight rows that was 16 KiB a group and pass, as long as a small matrix's arithmetic).
+/// `u % LANES`; `first` marks a unit's first step. A lane starts at +0, and the first step of
+/// its first unit (`u < LANES`) takes that zero from a register, so the lanes are never zeroed
+/// in memory (at eight rows that was 16 KiB a group and pass, as long as a small matrix's
+/// arithmetic).
 #[inline(always)]
 unsafe fn step(lanes: &mut [MaybeUninit<__m512>; LANES], u: usize, first: bool, coef: __m512, d: f32, c: __m512) {
     let lane = &mut lanes[u % LANES];
@@ -141,16 +142,18 @@ unsafe fn q6k<const R: usize>(tile: *const u8, sb: usize, pass: &Pass, acc: &mut
                     let shifted = _mm512_sllv_epi32(scales[2 * h + t / 2], _mm512_set1_epi32(24 - 8 * byte as i32));
                     _mm512_cvtepi32_ps(_mm512_srai_epi32::<24>(shifted))
                 };
+                // The unit's two scales, for its second half.
+                let sc = (half == 1).then(|| (signed_byte(2 * (t % 2)), signed_byte(2 * (t % 2) + 1)));
                 for (r, sums) in sums.iter_mut().enumerate() {
                     let offset = _mm512_set1_epi32(32 * pass.half(r, u, half));
                     let sum = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot(pass, r, u, w, 4 * half), offset));
-                    let whole = if half == 0 {
-                        sum
-                    } else {
+                    let whole = match sc {
+                        None => sum,
                         // sc_lo · lo + sc_hi · hi in f32 is the integer sum exactly: each
                         // product is below 2^23 and the sum below 2^24.
-                        let (sc_lo, sc_hi) = (signed_byte(2 * (t % 2)), signed_byte(2 * (t % 2) + 1));
-                        _mm512_fmadd_ps(sc_lo, sums[j].assume_init(), _mm512_mul_ps(sc_hi, sum))
+                        Some((sc_lo, sc_hi)) => {
+                            _mm512_fmadd_ps(sc_lo, sums[j].assume_init(), _mm512_mul_ps(sc_hi, sum))
+                        }
                     };
                     sums[j].write(whole);
                 }
