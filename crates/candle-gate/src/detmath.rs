@@ -5,6 +5,8 @@
 //! Each works in f64 with plain multiplies and adds in a fixed order (Rust never contracts
 //! them into FMAs), far more precisely than the f32 result needs, then rounds once.
 
+use crate::kernels::Isa;
+
 const LN2_HI: f64 = 6.931_471_803_691_238e-1; // ln 2 with trailing zero bits: k * LN2_HI is exact for the k here
 const LN2_LO: f64 = 1.908_214_929_270_587_7e-10; // ln 2 - LN2_HI
 const INV_LN2: f64 = std::f64::consts::LOG2_E;
@@ -55,69 +57,248 @@ pub fn exp_f32(x: f32) -> f32 {
 
 /// `exp_f32` of every element, in place, bit for bit: softmax over a cached sequence and SiLU
 /// over a layer's hidden width call it thousands of times a token, and one scalar `exp_f64` is a
-/// chain of fourteen dependent multiply-adds.
+/// chain of fourteen dependent multiply-adds. The vector paths take a batch of floats at a time,
+/// so that several such chains are in flight at once.
 pub fn exp_f32_in_place(xs: &mut [f32]) {
-    #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
+    exp_f32_in_place_on(crate::kernels::isa(), xs)
+}
+
+/// [`exp_f32_in_place`] on the given kernel tier (capped at the host's): every tier gives the
+/// same bits, which the tests check by forcing each. The tier is chosen at run time, as the
+/// matmul kernels' is, so a build without `target-cpu=x86-64-v3` keeps the vector paths.
+pub fn exp_f32_in_place_on(isa: Isa, xs: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
     let xs = {
-        let mut chunks = xs.chunks_exact_mut(8);
-        for c in &mut chunks {
-            // SAFETY: AVX2 is enabled at compile time; `c` holds eight floats.
-            unsafe { avx2::exp_f32x8(c) };
+        let isa = isa.min(Isa::best());
+        let xs = if isa == Isa::Avx512 {
+            let mut batches = xs.chunks_exact_mut(avx512::EXP_BATCH);
+            // SAFETY: the host runs AVX-512 F (`Isa::best`); each `c` holds a batch.
+            batches.by_ref().for_each(|c| unsafe { avx512::exp_f32_batch(c) });
+            batches.into_remainder()
+        } else {
+            xs
+        };
+        if isa >= Isa::Avx2 {
+            let mut batches = xs.chunks_exact_mut(EXP_BATCH);
+            // SAFETY: the host runs AVX2; each `c` holds EXP_BATCH floats.
+            batches.by_ref().for_each(|c| unsafe { avx2::exp_f32_batch(c) });
+            let mut chunks = batches.into_remainder().chunks_exact_mut(8);
+            // SAFETY: as above; each `c` holds eight floats.
+            chunks.by_ref().for_each(|c| unsafe { avx2::exp_f32x8(c) });
+            chunks.into_remainder()
+        } else {
+            xs
         }
-        chunks.into_remainder()
     };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = isa;
     for x in xs {
         *x = exp_f32(*x);
     }
 }
 
+/// `exp_f64` of every element, in place, bit for bit (sampling's weights over a vocabulary),
+/// through the same vector batches as [`exp_f32_in_place`].
+pub fn exp_f64_in_place(xs: &mut [f64]) {
+    exp_f64_in_place_on(crate::kernels::isa(), xs)
+}
+
+/// [`exp_f64_in_place`] on the given kernel tier (capped at the host's).
+pub fn exp_f64_in_place_on(isa: Isa, xs: &mut [f64]) {
+    #[cfg(target_arch = "x86_64")]
+    let xs = {
+        let isa = isa.min(Isa::best());
+        let xs = if isa == Isa::Avx512 {
+            let mut batches = xs.chunks_exact_mut(avx512::EXP_BATCH);
+            // SAFETY: the host runs AVX-512 F; each `c` holds a batch.
+            batches.by_ref().for_each(|c| unsafe { avx512::exp_f64_batch(c) });
+            batches.into_remainder()
+        } else {
+            xs
+        };
+        if isa >= Isa::Avx2 {
+            let mut batches = xs.chunks_exact_mut(EXP_BATCH);
+            // SAFETY: the host runs AVX2; each `c` holds EXP_BATCH values.
+            batches.by_ref().for_each(|c| unsafe { avx2::exp_f64_batch(c) });
+            batches.into_remainder()
+        } else {
+            xs
+        }
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = isa;
+    for x in xs {
+        *x = exp_f64(*x);
+    }
+}
+
+/// Floats per pass of the vector `exp`: eight vectors of four f64. One chain's multiply-add
+/// steps each wait for the last (about six cycles), while a core issues four vector adds or
+/// multiplies a cycle; with one vector in flight, `exp` ran at a third of that rate.
+pub const EXP_BATCH: usize = 32;
+
 /// `exp_f64`'s arithmetic four lanes at a time: the same multiplies and adds in the same order
 /// (no FMA), the same round-half-away-from-zero `k`, the same `p * 2^k`; lanes that would leave
-/// its common path (NaN, |x| > 690, where `k` passes ±1000) send all eight back to the scalar.
-#[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
+/// its common path (NaN, |x| > 690, where `k` passes ±1000) send their eight floats back to the
+/// scalar.
+#[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;
 
-    pub unsafe fn exp_f32x8(c: &mut [f32]) {
-        debug_assert_eq!(c.len(), 8);
-        let x = _mm256_loadu_ps(c.as_ptr());
-        let lo = exp_f64x4(_mm256_cvtps_pd(_mm256_castps256_ps128(x)));
-        let hi = exp_f64x4(_mm256_cvtps_pd(_mm256_extractf128_ps::<1>(x)));
-        match (lo, hi) {
+    const VECTORS: usize = super::EXP_BATCH / 4;
+
+    /// [`exp_f32x8`] of `EXP_BATCH` floats, its steps interleaved across the batch.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn exp_f32_batch(c: &mut [f32]) {
+        debug_assert_eq!(c.len(), super::EXP_BATCH);
+        let x: [__m256d; VECTORS] = std::array::from_fn(|v| _mm256_cvtps_pd(_mm_loadu_ps(c.as_ptr().add(4 * v))));
+        match exp_f64x4s(x) {
             // `cvtpd_ps` rounds to nearest even, as `as f32` does.
-            (Some(lo), Some(hi)) => {
-                _mm256_storeu_ps(c.as_mut_ptr(), _mm256_set_m128(_mm256_cvtpd_ps(hi), _mm256_cvtpd_ps(lo)))
+            Some(e) => {
+                e.iter().enumerate().for_each(|(v, &e)| _mm_storeu_ps(c.as_mut_ptr().add(4 * v), _mm256_cvtpd_ps(e)))
             }
-            _ => c.iter_mut().for_each(|v| *v = super::exp_f32(*v)),
+            None => c.chunks_exact_mut(8).for_each(|c| exp_f32x8(c)),
         }
     }
 
-    pub(super) unsafe fn exp_f64x4(x: __m256d) -> Option<__m256d> {
+    /// `exp_f64` of `EXP_BATCH` values.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn exp_f64_batch(c: &mut [f64]) {
+        debug_assert_eq!(c.len(), super::EXP_BATCH);
+        let x: [__m256d; VECTORS] = std::array::from_fn(|v| _mm256_loadu_pd(c.as_ptr().add(4 * v)));
+        match exp_f64x4s(x) {
+            Some(e) => e.iter().enumerate().for_each(|(v, &e)| _mm256_storeu_pd(c.as_mut_ptr().add(4 * v), e)),
+            None => c.iter_mut().for_each(|v| *v = super::exp_f64(*v)),
+        }
+    }
+
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn exp_f32x8(c: &mut [f32]) {
+        debug_assert_eq!(c.len(), 8);
+        let x = _mm256_loadu_ps(c.as_ptr());
+        match exp_f64x4s([_mm256_cvtps_pd(_mm256_castps256_ps128(x)), _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(x))]) {
+            Some([lo, hi]) => {
+                _mm256_storeu_ps(c.as_mut_ptr(), _mm256_set_m128(_mm256_cvtpd_ps(hi), _mm256_cvtpd_ps(lo)))
+            }
+            None => c.iter_mut().for_each(|v| *v = super::exp_f32(*v)),
+        }
+    }
+
+    /// `exp_f64` of each lane of `N` vectors, or None when a lane leaves the common path.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn exp_f64x4s<const N: usize>(x: [__m256d; N]) -> Option<[__m256d; N]> {
         let sign = _mm256_set1_pd(-0.0);
-        let in_range = _mm256_cmp_pd::<_CMP_LE_OQ>(_mm256_andnot_pd(sign, x), _mm256_set1_pd(690.0));
+        let limit = _mm256_set1_pd(690.0);
+        let in_range = x.iter().fold(_mm256_castsi256_pd(_mm256_set1_epi64x(-1)), |all, &x| {
+            _mm256_and_pd(all, _mm256_cmp_pd::<_CMP_LE_OQ>(_mm256_andnot_pd(sign, x), limit))
+        });
         if _mm256_movemask_pd(in_range) != 0b1111 {
             return None;
         }
-        let t = _mm256_mul_pd(x, _mm256_set1_pd(super::INV_LN2));
-        // f64::round: trunc, then one step away from zero when the (exact) fraction is ≥ 1/2.
-        let whole = _mm256_round_pd::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(t);
-        let frac = _mm256_andnot_pd(sign, _mm256_sub_pd(t, whole));
-        let half_or_more = _mm256_cmp_pd::<_CMP_GE_OQ>(frac, _mm256_set1_pd(0.5));
-        let step = _mm256_and_pd(half_or_more, _mm256_or_pd(_mm256_set1_pd(1.0), _mm256_and_pd(t, sign)));
-        let k = _mm256_add_pd(whole, step);
-        let r = _mm256_sub_pd(
-            _mm256_sub_pd(x, _mm256_mul_pd(k, _mm256_set1_pd(super::LN2_HI))),
-            _mm256_mul_pd(k, _mm256_set1_pd(super::LN2_LO)),
-        );
-        let mut p = _mm256_set1_pd(1.0 / 6_227_020_800.0);
+        let k = x.map(|x| {
+            let t = _mm256_mul_pd(x, _mm256_set1_pd(super::INV_LN2));
+            // f64::round: trunc, then one step away from zero when the (exact) fraction is ≥ 1/2.
+            let whole = _mm256_round_pd::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(t);
+            let frac = _mm256_andnot_pd(sign, _mm256_sub_pd(t, whole));
+            let half_or_more = _mm256_cmp_pd::<_CMP_GE_OQ>(frac, _mm256_set1_pd(0.5));
+            let step = _mm256_and_pd(half_or_more, _mm256_or_pd(_mm256_set1_pd(1.0), _mm256_and_pd(t, sign)));
+            _mm256_add_pd(whole, step)
+        });
+        let r: [__m256d; N] = std::array::from_fn(|v| {
+            _mm256_sub_pd(
+                _mm256_sub_pd(x[v], _mm256_mul_pd(k[v], _mm256_set1_pd(super::LN2_HI))),
+                _mm256_mul_pd(k[v], _mm256_set1_pd(super::LN2_LO)),
+            )
+        });
+        let mut p = [_mm256_set1_pd(1.0 / 6_227_020_800.0); N];
         for d in super::EXP_TAYLOR {
-            p = _mm256_add_pd(_mm256_mul_pd(p, r), _mm256_set1_pd(1.0 / d));
+            for v in 0..N {
+                p[v] = _mm256_add_pd(_mm256_mul_pd(p[v], r[v]), _mm256_set1_pd(1.0 / d));
+            }
         }
         // 2^k for |k| <= 1000: k + 1023 (exact) in the low mantissa bits of 2^52 + (k + 1023),
         // shifted up into the exponent field.
-        let biased = _mm256_add_pd(k, _mm256_set1_pd(4_503_599_627_370_496.0 + 1023.0));
-        let pow2 = _mm256_castsi256_pd(_mm256_slli_epi64::<52>(_mm256_castpd_si256(biased)));
-        Some(_mm256_mul_pd(p, pow2))
+        Some(std::array::from_fn(|v| {
+            let biased = _mm256_add_pd(k[v], _mm256_set1_pd(4_503_599_627_370_496.0 + 1023.0));
+            _mm256_mul_pd(p[v], _mm256_castsi256_pd(_mm256_slli_epi64::<52>(_mm256_castpd_si256(biased))))
+        }))
+    }
+}
+
+/// The AVX-512 tier of `exp_f64`'s vector arithmetic: eight lanes a vector where AVX2 has four,
+/// and 32 registers, so a batch of eight vectors keeps all its chains in registers. Every lane
+/// runs the AVX2 tier's operations in its order, so the bits are the same.
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    /// Floats per batch: eight vectors of eight f64.
+    pub const EXP_BATCH: usize = 64;
+    const VECTORS: usize = EXP_BATCH / 8;
+
+    #[target_feature(enable = "avx512f,avx2")]
+    pub unsafe fn exp_f32_batch(c: &mut [f32]) {
+        debug_assert_eq!(c.len(), EXP_BATCH);
+        let x: [__m512d; VECTORS] = std::array::from_fn(|v| _mm512_cvtps_pd(_mm256_loadu_ps(c.as_ptr().add(8 * v))));
+        match exp_f64x8s(x) {
+            // `cvtpd_ps` rounds to nearest even, as `as f32` does.
+            Some(e) => {
+                e.iter().enumerate().for_each(|(v, &e)| _mm256_storeu_ps(c.as_mut_ptr().add(8 * v), _mm512_cvtpd_ps(e)))
+            }
+            None => c.chunks_exact_mut(8).for_each(|c| super::avx2::exp_f32x8(c)),
+        }
+    }
+
+    /// `exp_f64` of `EXP_BATCH` values.
+    #[target_feature(enable = "avx512f,avx2")]
+    pub unsafe fn exp_f64_batch(c: &mut [f64]) {
+        debug_assert_eq!(c.len(), EXP_BATCH);
+        let x: [__m512d; VECTORS] = std::array::from_fn(|v| _mm512_loadu_pd(c.as_ptr().add(8 * v)));
+        match exp_f64x8s(x) {
+            Some(e) => e.iter().enumerate().for_each(|(v, &e)| _mm512_storeu_pd(c.as_mut_ptr().add(8 * v), e)),
+            None => c.iter_mut().for_each(|v| *v = super::exp_f64(*v)),
+        }
+    }
+
+    /// `exp_f64` of each lane of `N` vectors, or None when a lane leaves the common path.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2")]
+    pub(super) unsafe fn exp_f64x8s<const N: usize>(x: [__m512d; N]) -> Option<[__m512d; N]> {
+        let sign = _mm512_set1_epi64(i64::MIN);
+        let abs = |v: __m512d| _mm512_castsi512_pd(_mm512_andnot_si512(sign, _mm512_castpd_si512(v)));
+        let limit = _mm512_set1_pd(690.0);
+        if x.iter().any(|&x| _mm512_cmp_pd_mask::<_CMP_LE_OQ>(abs(x), limit) != 0xff) {
+            return None;
+        }
+        let k = x.map(|x| {
+            let t = _mm512_mul_pd(x, _mm512_set1_pd(super::INV_LN2));
+            // f64::round: trunc, then one step away from zero when the (exact) fraction is ≥ 1/2.
+            let whole = _mm512_roundscale_pd::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(t);
+            let half_or_more = _mm512_cmp_pd_mask::<_CMP_GE_OQ>(abs(_mm512_sub_pd(t, whole)), _mm512_set1_pd(0.5));
+            let away = _mm512_or_si512(
+                _mm512_castpd_si512(_mm512_set1_pd(1.0)),
+                _mm512_and_si512(_mm512_castpd_si512(t), sign),
+            );
+            _mm512_add_pd(whole, _mm512_maskz_mov_pd(half_or_more, _mm512_castsi512_pd(away)))
+        });
+        let r: [__m512d; N] = std::array::from_fn(|v| {
+            _mm512_sub_pd(
+                _mm512_sub_pd(x[v], _mm512_mul_pd(k[v], _mm512_set1_pd(super::LN2_HI))),
+                _mm512_mul_pd(k[v], _mm512_set1_pd(super::LN2_LO)),
+            )
+        });
+        let mut p = [_mm512_set1_pd(1.0 / 6_227_020_800.0); N];
+        for d in super::EXP_TAYLOR {
+            for v in 0..N {
+                p[v] = _mm512_add_pd(_mm512_mul_pd(p[v], r[v]), _mm512_set1_pd(1.0 / d));
+            }
+        }
+        // 2^k for |k| <= 1000, as the AVX2 tier builds it.
+        Some(std::array::from_fn(|v| {
+            let biased = _mm512_add_pd(k[v], _mm512_set1_pd(4_503_599_627_370_496.0 + 1023.0));
+            _mm512_mul_pd(p[v], _mm512_castsi512_pd(_mm512_slli_epi64::<52>(_mm512_castpd_si512(biased))))
+        }))
     }
 }
 
@@ -275,17 +456,47 @@ mod tests {
             s ^= s << 17;
             xs.push(((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 240.0);
         }
-        // Every offset, so each special value meets each lane and the scalar tail.
-        for off in 0..8 {
-            let mut got = xs[off..].to_vec();
-            exp_f32_in_place(&mut got);
-            for (&x, g) in xs[off..].iter().zip(&got) {
-                assert_eq!(g.to_bits(), exp_f32(x).to_bits(), "exp({x:e})");
+        // On every tier, at every offset, so each special value meets each lane of a batch, of
+        // a vector of eight and the scalar tail.
+        for isa in Isa::available() {
+            for off in 0..64 {
+                let mut got = xs[off..].to_vec();
+                exp_f32_in_place_on(isa, &mut got);
+                for (&x, g) in xs[off..].iter().zip(&got) {
+                    assert_eq!(g.to_bits(), exp_f32(x).to_bits(), "exp({x:e}) on {}", isa.name());
+                }
             }
         }
     }
 
-    #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
+    #[test]
+    fn exp_f64_in_place_is_exp_f64_bit_for_bit() {
+        let mut xs: Vec<f64> = vec![0.0, -0.0, 690.0, -690.0, 690.5, -700.0, 709.0, 710.0, -745.0, -746.0, -1e-300];
+        xs.extend([f64::MAX, f64::MIN, f64::INFINITY, f64::NEG_INFINITY, f64::NAN, f64::MIN_POSITIVE]);
+        for k in -990i64..990 {
+            // x / ln 2 lands on k + 1/2 exactly for some f64 x near there (round goes away from 0).
+            let x0 = (k as f64 + 0.5) * std::f64::consts::LN_2;
+            xs.extend((-3i64..=3).map(|d| f64::from_bits((x0.to_bits() as i64 + d) as u64)));
+        }
+        let mut s = 0x2545F4914F6CDD1Du64;
+        for _ in 0..20_000 {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            xs.push(((s >> 11) as f64 / (1u64 << 53) as f64 - 0.9) * 60.0);
+        }
+        for isa in Isa::available() {
+            for off in 0..64 {
+                let mut got = xs[off..].to_vec();
+                exp_f64_in_place_on(isa, &mut got);
+                for (&x, g) in xs[off..].iter().zip(&got) {
+                    assert_eq!(g.to_bits(), exp_f64(x).to_bits(), "exp({x:e}) on {}", isa.name());
+                }
+            }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
     #[test]
     fn exp_f64x4_is_exp_f64_at_exact_halfway_points() {
         use std::arch::x86_64::*;
@@ -302,11 +513,40 @@ mod tests {
             }
         }
         assert!(halfway.len() > 100, "found only {} halfway points", halfway.len());
+        assert!(Isa::best() >= Isa::Avx2, "every x86-64-v3 host runs AVX2; this one does not");
+        // Through a batch's eight vectors as well as through one, and through the AVX-512
+        // tier's where the host has it.
+        if Isa::best() == Isa::Avx512 {
+            for xs in halfway.chunks_exact(64) {
+                let mut got = [0f64; 64];
+                // SAFETY: the host runs AVX-512 F.
+                unsafe {
+                    let x: [__m512d; 8] = std::array::from_fn(|v| _mm512_loadu_pd(xs[8 * v..].as_ptr()));
+                    let e = avx512::exp_f64x8s(x).expect("inside the vector range");
+                    e.iter().enumerate().for_each(|(v, &e)| _mm512_storeu_pd(got[8 * v..].as_mut_ptr(), e));
+                }
+                for (g, &x) in got.iter().zip(xs) {
+                    assert_eq!(g.to_bits(), exp_f64(x).to_bits(), "exp({x:e}) on avx512");
+                }
+            }
+        }
+        for xs in halfway.chunks_exact(EXP_BATCH) {
+            let mut got = [0f64; EXP_BATCH];
+            // SAFETY: AVX2 is enabled at compile time.
+            unsafe {
+                let x: [__m256d; EXP_BATCH / 4] = std::array::from_fn(|v| _mm256_loadu_pd(xs[4 * v..].as_ptr()));
+                let e = avx2::exp_f64x4s(x).expect("inside the vector range");
+                e.iter().enumerate().for_each(|(v, &e)| _mm256_storeu_pd(got[4 * v..].as_mut_ptr(), e));
+            }
+            for (g, &x) in got.iter().zip(xs) {
+                assert_eq!(g.to_bits(), exp_f64(x).to_bits(), "exp({x:e}) in a batch on avx2");
+            }
+        }
         for xs in halfway.chunks_exact(4) {
             let mut got = [0f64; 4];
             // SAFETY: AVX2 is enabled at compile time.
             unsafe {
-                let v = avx2::exp_f64x4(_mm256_loadu_pd(xs.as_ptr())).expect("inside the vector range");
+                let [v] = avx2::exp_f64x4s([_mm256_loadu_pd(xs.as_ptr())]).expect("inside the vector range");
                 _mm256_storeu_pd(got.as_mut_ptr(), v);
             }
             for (g, &x) in got.iter().zip(xs) {

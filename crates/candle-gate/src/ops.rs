@@ -110,15 +110,24 @@ pub fn rope_tables(inv_freq: &[f32], pos: usize, cos: &mut [f32], sin: &mut [f32
 /// `u = √(2/π)·(x + 0.044715·x³)`, computed as `x / (1 + exp(−2u))` (the same function; `exp`
 /// is our own, so the bits do not depend on the host's libm).
 pub fn gelu_tanh_mul(up: &mut [f32], gate: &[f32]) {
-    assert_eq!(up.len(), gate.len(), "gelu_tanh_mul: different lengths");
     const SQRT_2_OVER_PI: f32 = 0.797_884_6;
-    for (u, g) in up.chunks_mut(8).zip(gate.chunks(8)) {
-        let mut e = [0f32; 8];
+    gated(up, gate, |x| -2.0 * (SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)), |x, e| x / (1.0 + e));
+}
+
+/// `up[i] *= act(gate[i], exp(arg(gate[i])))`, through [`crate::detmath::exp_f32_in_place`]
+/// a few of its batches at a time: the same bits as element by element, with the batches'
+/// `exp` chains in flight together.
+#[inline(always)]
+fn gated(up: &mut [f32], gate: &[f32], arg: impl Fn(f32) -> f32, act: impl Fn(f32, f32) -> f32) {
+    assert_eq!(up.len(), gate.len(), "gated activation: different lengths");
+    const CHUNK: usize = 4 * crate::detmath::EXP_BATCH;
+    for (u, g) in up.chunks_mut(CHUNK).zip(gate.chunks(CHUNK)) {
+        let mut e = [0f32; CHUNK];
         let e = &mut e[..g.len()];
-        e.iter_mut().zip(g).for_each(|(e, &x)| *e = -2.0 * (SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)));
+        e.iter_mut().zip(g).for_each(|(e, &x)| *e = arg(x));
         crate::detmath::exp_f32_in_place(e);
         for ((u, &x), &e) in u.iter_mut().zip(g).zip(e.iter()) {
-            *u *= x / (1.0 + e);
+            *u *= act(x, e);
         }
     }
 }
@@ -128,19 +137,9 @@ pub fn silu(x: f32) -> f32 {
     x / (1.0 + crate::detmath::exp_f32(-x))
 }
 
-/// `up[i] *= silu(gate[i])`, eight at a time through [`crate::detmath::exp_f32_in_place`]:
-/// the same bits as [`silu`] element by element.
+/// `up[i] *= silu(gate[i])`: the same bits as [`silu`] element by element.
 pub fn silu_mul(up: &mut [f32], gate: &[f32]) {
-    assert_eq!(up.len(), gate.len(), "silu_mul: different lengths");
-    for (u, g) in up.chunks_mut(8).zip(gate.chunks(8)) {
-        let mut e = [0f32; 8];
-        let e = &mut e[..g.len()];
-        e.iter_mut().zip(g).for_each(|(e, &g)| *e = -g);
-        crate::detmath::exp_f32_in_place(e);
-        for ((u, &g), &e) in u.iter_mut().zip(g).zip(e.iter()) {
-            *u *= g / (1.0 + e);
-        }
-    }
+    gated(up, gate, |x| -x, |x, e| x / (1.0 + e));
 }
 
 /// Greedy choice with its margin: (argmax, top1 − top2). Ties go to the lower id.
@@ -185,16 +184,45 @@ mod tests {
         }
     }
 
+    /// Gate values of every size the activations meet, a few past `exp`'s vector range.
+    fn gates(next: &mut impl FnMut() -> f32, len: usize) -> Vec<f32> {
+        (0..len)
+            .map(|i| match i % 97 {
+                5 => 200.0 * next(),
+                40 => 1800.0 * next(),
+                _ => 16.0 * next(),
+            })
+            .collect()
+    }
+
+    /// Every length around the batch sizes of `exp_f32_in_place` and of the activations' chunks.
+    const LENGTHS: [usize; 14] = [0, 1, 7, 8, 9, 17, 31, 32, 33, 127, 128, 129, 161, 1536];
+
     #[test]
     fn silu_mul_is_silu_element_by_element() {
         let mut next = noise(0x13198A2E03707344);
-        for len in [0, 1, 7, 8, 9, 17, 1536] {
-            let gate: Vec<f32> = (0..len).map(|i| if i % 97 == 5 { 200.0 * next() } else { 16.0 * next() }).collect();
+        for len in LENGTHS {
+            let gate = gates(&mut next, len);
             let up: Vec<f32> = (0..len).map(|_| next()).collect();
             let mut got = up.clone();
             silu_mul(&mut got, &gate);
             for i in 0..len {
                 assert_eq!(got[i].to_bits(), (up[i] * silu(gate[i])).to_bits(), "len {len} at {i}");
+            }
+        }
+    }
+
+    #[test]
+    fn gelu_tanh_mul_is_its_formula_element_by_element() {
+        let gelu = |x: f32| x / (1.0 + crate::detmath::exp_f32(-2.0 * (0.797_884_6 * (x + 0.044715 * x * x * x))));
+        let mut next = noise(0xA4093822299F31D0);
+        for len in LENGTHS {
+            let gate = gates(&mut next, len);
+            let up: Vec<f32> = (0..len).map(|_| next()).collect();
+            let mut got = up.clone();
+            gelu_tanh_mul(&mut got, &gate);
+            for i in 0..len {
+                assert_eq!(got[i].to_bits(), (up[i] * gelu(gate[i])).to_bits(), "len {len} at {i}");
             }
         }
     }

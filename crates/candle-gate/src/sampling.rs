@@ -17,7 +17,7 @@
 //! then the race. `temperature == 0` is greedy: the argmax of the penalized logits, bit for bit
 //! the engine's greedy path when there are no penalties.
 
-use crate::detmath::{exp_f64, ln_f64};
+use crate::detmath::{exp_f64_in_place, ln_f64};
 use crate::error::{Error, Result};
 use crate::ops::argmax_margin;
 
@@ -337,7 +337,8 @@ fn filter(p: &SamplingParams, logits: &[f32]) -> Filtered {
     let v = logits.len();
     let t = p.temperature as f64;
     let l_max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let w: Vec<f64> = logits.iter().map(|&l| exp_f64((l as f64 - l_max) / t)).collect();
+    let mut w: Vec<f64> = logits.iter().map(|&l| (l as f64 - l_max) / t).collect();
+    exp_f64_in_place(&mut w);
     let mut cut = vec![Cut::In; v];
     let mut f = Filtered { cut: Vec::new(), w, top_k_edge: None, top_p_order: None, min_p_edge: None, l_max };
 
@@ -501,7 +502,9 @@ fn sample(p: &SamplingParams, key: DrawKey, logits: &[f32]) -> Decision {
 /// `top` most likely tokens' in decreasing order (ties by lower id).
 pub fn logprobs(logits: &[f32], chosen: u32, top: usize) -> (f32, Vec<(u32, f32)>) {
     let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let lse = m + ln_f64(logits.iter().map(|&l| exp_f64(l as f64 - m)).sum::<f64>());
+    let mut e: Vec<f64> = logits.iter().map(|&l| l as f64 - m).collect();
+    exp_f64_in_place(&mut e);
+    let lse = m + ln_f64(e.iter().sum::<f64>());
     let lp = |j: u32| (logits[j as usize] as f64 - lse) as f32;
     let mut alts = Vec::new();
     if top > 0 {
