@@ -151,13 +151,16 @@ mod avx2 {
     #[target_feature(enable = "avx2")]
     pub unsafe fn exp_f32_batch(c: &mut [f32]) {
         debug_assert_eq!(c.len(), super::EXP_BATCH);
-        let x: [__m256d; VECTORS] = std::array::from_fn(|v| _mm256_cvtps_pd(_mm_loadu_ps(c.as_ptr().add(4 * v))));
-        match exp_f64x4s(x) {
+        let mut x = [_mm256_setzero_pd(); VECTORS];
+        for v in 0..VECTORS {
+            x[v] = _mm256_cvtps_pd(_mm_loadu_ps(c.as_ptr().add(4 * v)));
+        }
+        let Some(e) = exp_f64x4s(x) else {
+            return c.chunks_exact_mut(8).for_each(|c| exp_f32x8(c));
+        };
+        for v in 0..VECTORS {
             // `cvtpd_ps` rounds to nearest even, as `as f32` does.
-            Some(e) => {
-                e.iter().enumerate().for_each(|(v, &e)| _mm_storeu_ps(c.as_mut_ptr().add(4 * v), _mm256_cvtpd_ps(e)))
-            }
-            None => c.chunks_exact_mut(8).for_each(|c| exp_f32x8(c)),
+            _mm_storeu_ps(c.as_mut_ptr().add(4 * v), _mm256_cvtpd_ps(e[v]));
         }
     }
 
@@ -165,10 +168,15 @@ mod avx2 {
     #[target_feature(enable = "avx2")]
     pub unsafe fn exp_f64_batch(c: &mut [f64]) {
         debug_assert_eq!(c.len(), super::EXP_BATCH);
-        let x: [__m256d; VECTORS] = std::array::from_fn(|v| _mm256_loadu_pd(c.as_ptr().add(4 * v)));
-        match exp_f64x4s(x) {
-            Some(e) => e.iter().enumerate().for_each(|(v, &e)| _mm256_storeu_pd(c.as_mut_ptr().add(4 * v), e)),
-            None => c.iter_mut().for_each(|v| *v = super::exp_f64(*v)),
+        let mut x = [_mm256_setzero_pd(); VECTORS];
+        for v in 0..VECTORS {
+            x[v] = _mm256_loadu_pd(c.as_ptr().add(4 * v));
+        }
+        let Some(e) = exp_f64x4s(x) else {
+            return c.iter_mut().for_each(|v| *v = super::exp_f64(*v));
+        };
+        for v in 0..VECTORS {
+            _mm256_storeu_pd(c.as_mut_ptr().add(4 * v), e[v]);
         }
     }
 
@@ -185,32 +193,34 @@ mod avx2 {
     }
 
     /// `exp_f64` of each lane of `N` vectors, or None when a lane leaves the common path.
-    #[inline]
-    #[target_feature(enable = "avx2")]
+    /// (Loops, not closures: a closure does not inherit the target features, and its
+    /// intrinsics would not inline.)
+    #[inline(always)]
     pub(super) unsafe fn exp_f64x4s<const N: usize>(x: [__m256d; N]) -> Option<[__m256d; N]> {
         let sign = _mm256_set1_pd(-0.0);
         let limit = _mm256_set1_pd(690.0);
-        let in_range = x.iter().fold(_mm256_castsi256_pd(_mm256_set1_epi64x(-1)), |all, &x| {
-            _mm256_and_pd(all, _mm256_cmp_pd::<_CMP_LE_OQ>(_mm256_andnot_pd(sign, x), limit))
-        });
+        let mut in_range = _mm256_castsi256_pd(_mm256_set1_epi64x(-1));
+        for v in 0..N {
+            in_range = _mm256_and_pd(in_range, _mm256_cmp_pd::<_CMP_LE_OQ>(_mm256_andnot_pd(sign, x[v]), limit));
+        }
         if _mm256_movemask_pd(in_range) != 0b1111 {
             return None;
         }
-        let k = x.map(|x| {
-            let t = _mm256_mul_pd(x, _mm256_set1_pd(super::INV_LN2));
+        let mut k = [_mm256_setzero_pd(); N];
+        let mut r = [_mm256_setzero_pd(); N];
+        for v in 0..N {
+            let t = _mm256_mul_pd(x[v], _mm256_set1_pd(super::INV_LN2));
             // f64::round: trunc, then one step away from zero when the (exact) fraction is ≥ 1/2.
             let whole = _mm256_round_pd::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(t);
             let frac = _mm256_andnot_pd(sign, _mm256_sub_pd(t, whole));
             let half_or_more = _mm256_cmp_pd::<_CMP_GE_OQ>(frac, _mm256_set1_pd(0.5));
             let step = _mm256_and_pd(half_or_more, _mm256_or_pd(_mm256_set1_pd(1.0), _mm256_and_pd(t, sign)));
-            _mm256_add_pd(whole, step)
-        });
-        let r: [__m256d; N] = std::array::from_fn(|v| {
-            _mm256_sub_pd(
+            k[v] = _mm256_add_pd(whole, step);
+            r[v] = _mm256_sub_pd(
                 _mm256_sub_pd(x[v], _mm256_mul_pd(k[v], _mm256_set1_pd(super::LN2_HI))),
                 _mm256_mul_pd(k[v], _mm256_set1_pd(super::LN2_LO)),
-            )
-        });
+            );
+        }
         let mut p = [_mm256_set1_pd(1.0 / 6_227_020_800.0); N];
         for d in super::EXP_TAYLOR {
             for v in 0..N {
@@ -219,10 +229,11 @@ mod avx2 {
         }
         // 2^k for |k| <= 1000: k + 1023 (exact) in the low mantissa bits of 2^52 + (k + 1023),
         // shifted up into the exponent field.
-        Some(std::array::from_fn(|v| {
+        for v in 0..N {
             let biased = _mm256_add_pd(k[v], _mm256_set1_pd(4_503_599_627_370_496.0 + 1023.0));
-            _mm256_mul_pd(p[v], _mm256_castsi256_pd(_mm256_slli_epi64::<52>(_mm256_castpd_si256(biased))))
-        }))
+            p[v] = _mm256_mul_pd(p[v], _mm256_castsi256_pd(_mm256_slli_epi64::<52>(_mm256_castpd_si256(biased))));
+        }
+        Some(p)
     }
 }
 
@@ -240,13 +251,16 @@ mod avx512 {
     #[target_feature(enable = "avx512f,avx2")]
     pub unsafe fn exp_f32_batch(c: &mut [f32]) {
         debug_assert_eq!(c.len(), EXP_BATCH);
-        let x: [__m512d; VECTORS] = std::array::from_fn(|v| _mm512_cvtps_pd(_mm256_loadu_ps(c.as_ptr().add(8 * v))));
-        match exp_f64x8s(x) {
+        let mut x = [_mm512_setzero_pd(); VECTORS];
+        for v in 0..VECTORS {
+            x[v] = _mm512_cvtps_pd(_mm256_loadu_ps(c.as_ptr().add(8 * v)));
+        }
+        let Some(e) = exp_f64x8s(x) else {
+            return c.chunks_exact_mut(8).for_each(|c| super::avx2::exp_f32x8(c));
+        };
+        for v in 0..VECTORS {
             // `cvtpd_ps` rounds to nearest even, as `as f32` does.
-            Some(e) => {
-                e.iter().enumerate().for_each(|(v, &e)| _mm256_storeu_ps(c.as_mut_ptr().add(8 * v), _mm512_cvtpd_ps(e)))
-            }
-            None => c.chunks_exact_mut(8).for_each(|c| super::avx2::exp_f32x8(c)),
+            _mm256_storeu_ps(c.as_mut_ptr().add(8 * v), _mm512_cvtpd_ps(e[v]));
         }
     }
 
@@ -254,40 +268,48 @@ mod avx512 {
     #[target_feature(enable = "avx512f,avx2")]
     pub unsafe fn exp_f64_batch(c: &mut [f64]) {
         debug_assert_eq!(c.len(), EXP_BATCH);
-        let x: [__m512d; VECTORS] = std::array::from_fn(|v| _mm512_loadu_pd(c.as_ptr().add(8 * v)));
-        match exp_f64x8s(x) {
-            Some(e) => e.iter().enumerate().for_each(|(v, &e)| _mm512_storeu_pd(c.as_mut_ptr().add(8 * v), e)),
-            None => c.iter_mut().for_each(|v| *v = super::exp_f64(*v)),
+        let mut x = [_mm512_setzero_pd(); VECTORS];
+        for v in 0..VECTORS {
+            x[v] = _mm512_loadu_pd(c.as_ptr().add(8 * v));
+        }
+        let Some(e) = exp_f64x8s(x) else {
+            return c.iter_mut().for_each(|v| *v = super::exp_f64(*v));
+        };
+        for v in 0..VECTORS {
+            _mm512_storeu_pd(c.as_mut_ptr().add(8 * v), e[v]);
         }
     }
 
-    /// `exp_f64` of each lane of `N` vectors, or None when a lane leaves the common path.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx2")]
+    /// `exp_f64` of each lane of `N` vectors, or None when a lane leaves the common path
+    /// (loops, not closures, as in the AVX2 tier).
+    #[inline(always)]
     pub(super) unsafe fn exp_f64x8s<const N: usize>(x: [__m512d; N]) -> Option<[__m512d; N]> {
         let sign = _mm512_set1_epi64(i64::MIN);
-        let abs = |v: __m512d| _mm512_castsi512_pd(_mm512_andnot_si512(sign, _mm512_castpd_si512(v)));
         let limit = _mm512_set1_pd(690.0);
-        if x.iter().any(|&x| _mm512_cmp_pd_mask::<_CMP_LE_OQ>(abs(x), limit) != 0xff) {
-            return None;
+        for v in 0..N {
+            let abs = _mm512_castsi512_pd(_mm512_andnot_si512(sign, _mm512_castpd_si512(x[v])));
+            if _mm512_cmp_pd_mask::<_CMP_LE_OQ>(abs, limit) != 0xff {
+                return None;
+            }
         }
-        let k = x.map(|x| {
-            let t = _mm512_mul_pd(x, _mm512_set1_pd(super::INV_LN2));
+        let mut k = [_mm512_setzero_pd(); N];
+        let mut r = [_mm512_setzero_pd(); N];
+        for v in 0..N {
+            let t = _mm512_mul_pd(x[v], _mm512_set1_pd(super::INV_LN2));
             // f64::round: trunc, then one step away from zero when the (exact) fraction is ≥ 1/2.
             let whole = _mm512_roundscale_pd::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(t);
-            let half_or_more = _mm512_cmp_pd_mask::<_CMP_GE_OQ>(abs(_mm512_sub_pd(t, whole)), _mm512_set1_pd(0.5));
+            let frac = _mm512_castsi512_pd(_mm512_andnot_si512(sign, _mm512_castpd_si512(_mm512_sub_pd(t, whole))));
+            let half_or_more = _mm512_cmp_pd_mask::<_CMP_GE_OQ>(frac, _mm512_set1_pd(0.5));
             let away = _mm512_or_si512(
                 _mm512_castpd_si512(_mm512_set1_pd(1.0)),
                 _mm512_and_si512(_mm512_castpd_si512(t), sign),
             );
-            _mm512_add_pd(whole, _mm512_maskz_mov_pd(half_or_more, _mm512_castsi512_pd(away)))
-        });
-        let r: [__m512d; N] = std::array::from_fn(|v| {
-            _mm512_sub_pd(
+            k[v] = _mm512_add_pd(whole, _mm512_maskz_mov_pd(half_or_more, _mm512_castsi512_pd(away)));
+            r[v] = _mm512_sub_pd(
                 _mm512_sub_pd(x[v], _mm512_mul_pd(k[v], _mm512_set1_pd(super::LN2_HI))),
                 _mm512_mul_pd(k[v], _mm512_set1_pd(super::LN2_LO)),
-            )
-        });
+            );
+        }
         let mut p = [_mm512_set1_pd(1.0 / 6_227_020_800.0); N];
         for d in super::EXP_TAYLOR {
             for v in 0..N {
@@ -295,10 +317,11 @@ mod avx512 {
             }
         }
         // 2^k for |k| <= 1000, as the AVX2 tier builds it.
-        Some(std::array::from_fn(|v| {
+        for v in 0..N {
             let biased = _mm512_add_pd(k[v], _mm512_set1_pd(4_503_599_627_370_496.0 + 1023.0));
-            _mm512_mul_pd(p[v], _mm512_castsi512_pd(_mm512_slli_epi64::<52>(_mm512_castpd_si512(biased))))
-        }))
+            p[v] = _mm512_mul_pd(p[v], _mm512_castsi512_pd(_mm512_slli_epi64::<52>(_mm512_castpd_si512(biased))));
+        }
+        Some(p)
     }
 }
 
