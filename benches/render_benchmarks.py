@@ -790,13 +790,46 @@ def t_ab_sixteen_packed(res, doc):
     return ab_orders_table(res, doc, files, swapped, "7ab3551", "c8cc3ef", "chat prompts")
 
 
-def t_ab_sixteen_packed_context(res, doc):
-    name = "ab-sixteen-packed-qwen15-context4096-zen4.json"
-    d = res(name)
-    rows = [[model_name(d["model"]), context_label(d["context"]), str(d["rounds"]), arrow(p["before"], p["after"]),
-             arrow(r["before"], r["after"])] for p, r in zip(d["prefill_rows"], d["rows"])]
+def ab_context_table(res, doc, names, old: str, new: str) -> list[str]:
+    """`ab_builds.py --context N --json` files: prefill and decode at one stream, `old` → `new`."""
+    rows = []
+    for name in names:
+        d = res(name)
+        rows += [[model_name(d["model"]), context_label(d["context"]), str(d["rounds"]), arrow(p["before"], p["after"]),
+                  arrow(r["before"], r["after"])] for p, r in zip(d["prefill_rows"], d["rows"])]
     return table(["model", "prompt", "rounds", "prefill, 1 stream", "decode, 1 stream"], rows) + [
-        "", "tok/s, 7ab3551 → c8cc3ef (ratio), best of alternating rounds. " + res.source([name], doc)]
+        "", f"tok/s, {old} → {new} (ratio), best of alternating rounds. " + res.source(names, doc)]
+
+
+def t_ab_sixteen_packed_context(res, doc):
+    return ab_context_table(res, doc, ["ab-sixteen-packed-qwen15-context4096-zen4.json"], "7ab3551", "c8cc3ef")
+
+
+def ab_ops_table(res, doc, name: str, tier: str = "") -> list[str]:
+    """An `ab_ops.py --json` file: each elementwise step's ns per element, before → after."""
+    d = res(name)
+    rows = [[r["step"], f"{r['ns_before']:.2f} → {r['ns_after']:.2f} ({ratio(r['ns_before'], r['ns_after'])})"
+             if r["ns_before"] is not None else f"{r['ns_after']:.2f} (no before)"] for r in d["results"]]
+    return table(["step", "ns per element"], rows) + [
+        "", f"`cargo bench --bench ops` through `benches/ab_ops.py`{tier}, {d['before']} → {d['commit']} (speedup), "
+            f"best of {d['rounds']} alternating rounds. " + res.source([name], doc)]
+
+
+def t_ab_ops_exp_batches(res, doc):
+    return ab_ops_table(res, doc, "ab-ops-exp-batches-zen4.json", " (AVX-512 tier)")
+
+
+def t_ab_ops_exp_batches_avx2(res, doc):
+    return ab_ops_table(res, doc, "ab-ops-exp-batches-avx2-zen4.json", " capped at AVX2 (`CANDLE_GATE_ISA=avx2`)")
+
+
+def t_ab_exp_batches(res, doc):
+    return ab_table(res, doc, [(None, None, f"ab-exp-batches-{m}-zen4.json") for m in ("smollm2", "gemma", "qwen05", "qwen15")])
+
+
+def t_ab_exp_batches_context(res, doc):
+    return ab_context_table(res, doc, [f"ab-exp-batches-{m}-1024-zen4.json" for m in ("qwen05", "gemma")],
+                            "921c73b", "12c0a1f")
 
 
 def kernels_ab_table(res, doc, name: str, tier: str = "") -> list[str]:
@@ -1246,6 +1279,10 @@ TABLES = {
     "ab-kernels-canonical-in-order": t_ab_kernels_canonical_in_order,
     "ab-kernels-canonical-in-order-avx2": t_ab_kernels_canonical_in_order_avx2,
     "ab-canonical-in-order": t_ab_canonical_in_order,
+    "ab-ops-exp-batches": t_ab_ops_exp_batches,
+    "ab-ops-exp-batches-avx2": t_ab_ops_exp_batches_avx2,
+    "ab-exp-batches": t_ab_exp_batches,
+    "ab-exp-batches-context": t_ab_exp_batches_context,
     "canonical-scalar": t_canonical_scalar,
     "ab-session-start-xeon": t_ab_session_start_xeon,
     "peers": t_peers,
