@@ -266,7 +266,9 @@ pub fn matmul(w: &[BlockQ8_0], xq: &[BlockQ8_0], m: usize, k: usize, n: usize, o
         let yd: Vec<f32> = xq.iter().map(|y| y.d.to_f32()).collect();
         let row = |r: usize| (&xq[r * kb..(r + 1) * kb], &yd[r * kb..(r + 1) * kb]);
         // AVX-512's activations, built once: row pairs (2p, 2p + 1), or at one row the row alone
-        // in 256 bits (`ones`).
+        // in 256 bits (`ones`). An odd last row pairs with itself: a row's lane in a pair gives
+        // the bits it gives alone, and the pair kernel at 2P rows reads the column once where the
+        // odd row would read it again through a loop of its own (7 rows took 1.7x as long as 8).
         let pairs: Vec<Vec<avx512::Rows2>> = if !wide || m == 1 {
             Vec::new()
         } else {
@@ -275,7 +277,7 @@ pub fn matmul(w: &[BlockQ8_0], xq: &[BlockQ8_0], m: usize, k: usize, n: usize, o
                 // SAFETY: AVX-512 F/BW and VNNI are part of the tier (`wide`).
                 (0..kb).map(|b| unsafe { avx512::Rows2::of(&yl[b], dl[b], &yh[b], dh[b]) }).collect()
             };
-            (0..m / 2).map(|p| pair(2 * p, 2 * p + 1)).collect()
+            (0..m.div_ceil(2)).map(|p| pair(2 * p, (2 * p + 1).min(m - 1))).collect()
         };
         let ones: Vec<avx512::Row1> = if wide && m == 1 {
             // SAFETY: AVX-512 VL and VNNI are part of the tier (`wide`).
@@ -304,13 +306,20 @@ pub fn matmul(w: &[BlockQ8_0], xq: &[BlockQ8_0], m: usize, k: usize, n: usize, o
                 let wc = col(c);
                 let mut r0 = 0;
                 while r0 < m {
-                    // SAFETY: the tier's features detected (`isa`); `pairs` holds rows 0..m & !1.
+                    // SAFETY: the tier's features detected (`isa`); with AVX-512, `pairs` holds every row.
                     let mut buf = [0f32; GROUP_OUT];
                     let got: &[f32] = unsafe {
-                        if wide && m - r0 >= 2 * ROW_GROUP {
+                        let left = pairs.len().saturating_sub(r0 / 2);
+                        if wide && left >= ROW_GROUP {
                             let rows: [&[avx512::Rows2]; ROW_GROUP] = std::array::from_fn(|i| &pairs[r0 / 2 + i][..]);
                             fill(&mut buf, avx512::column::<ROW_GROUP>(wc, rows).as_flattened())
-                        } else if wide && m - r0 >= 2 {
+                        } else if wide && left == 3 {
+                            let rows: [&[avx512::Rows2]; 3] = std::array::from_fn(|i| &pairs[r0 / 2 + i][..]);
+                            fill(&mut buf, avx512::column::<3>(wc, rows).as_flattened())
+                        } else if wide && left == 2 {
+                            let rows: [&[avx512::Rows2]; 2] = std::array::from_fn(|i| &pairs[r0 / 2 + i][..]);
+                            fill(&mut buf, avx512::column::<2>(wc, rows).as_flattened())
+                        } else if wide && left == 1 {
                             fill(&mut buf, avx512::column::<1>(wc, [&pairs[r0 / 2][..]]).as_flattened())
                         } else if m - r0 >= AVX2_ROWS {
                             let rs: [usize; AVX2_ROWS] = std::array::from_fn(|i| r0 + i);
@@ -323,6 +332,8 @@ pub fn matmul(w: &[BlockQ8_0], xq: &[BlockQ8_0], m: usize, k: usize, n: usize, o
                             fill(&mut buf, &avx2::column::<1>(wc, [y], [d]))
                         }
                     };
+                    // (Less an odd last row's twin.)
+                    let got = &got[..got.len().min(m - r0)];
                     for (i, &v) in got.iter().enumerate() {
                         // SAFETY: each (row, c) belongs to this task alone.
                         unsafe { *p.0.add((r0 + i) * n + c) = v };
