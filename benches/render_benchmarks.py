@@ -827,6 +827,14 @@ def t_ab_exp_batches(res, doc):
     return ab_table(res, doc, [(None, None, f"ab-exp-batches-{m}-zen4.json") for m in ("smollm2", "gemma", "qwen05", "qwen15")])
 
 
+def t_ab_kernels_q8_0_odd_rows(res, doc):
+    return kernels_ab_table(res, doc, "ab-kernels-q8_0-odd-rows-qwen05-zen4.json", " (AVX-512 tier)")
+
+
+def t_ab_q8_0_odd_rows(res, doc):
+    return ab_table(res, doc, [(None, None, f"ab-q8_0-odd-rows-{m}-zen4.json") for m in ("gemma", "qwen05", "smollm2")])
+
+
 def t_ab_exp_batches_context(res, doc):
     return ab_context_table(res, doc, [f"ab-exp-batches-{m}-1024-zen4.json" for m in ("qwen05", "gemma")],
                             "921c73b", "12c0a1f")
@@ -1283,6 +1291,8 @@ TABLES = {
     "ab-ops-exp-batches-avx2": t_ab_ops_exp_batches_avx2,
     "ab-exp-batches": t_ab_exp_batches,
     "ab-exp-batches-context": t_ab_exp_batches_context,
+    "ab-kernels-q8_0-odd-rows": t_ab_kernels_q8_0_odd_rows,
+    "ab-q8_0-odd-rows": t_ab_q8_0_odd_rows,
     "canonical-scalar": t_canonical_scalar,
     "ab-session-start-xeon": t_ab_session_start_xeon,
     "peers": t_peers,
