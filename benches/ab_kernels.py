@@ -32,13 +32,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 Key = Tuple[str, int, int, int]
 
 
-def this_tree_bench() -> str:
-    """Builds this tree's `kernels` bench (if needed) and returns its executable."""
-    r = subprocess.run(["cargo", "bench", "-p", "candle-gate", "--bench", "kernels", "--no-run"],
+def this_tree_bench(name: str = "kernels") -> str:
+    """Builds this tree's `name` bench (if needed) and returns its executable."""
+    r = subprocess.run(["cargo", "bench", "-p", "candle-gate", "--bench", name, "--no-run"],
                        cwd=ROOT, capture_output=True, text=True, check=True)
-    m = re.search(r"Executable .*\((.*kernels-[0-9a-f]+)\)", r.stderr)
+    m = re.search(rf"Executable .*\((.*{name}-[0-9a-f]+)\)", r.stderr)
     if not m:
-        sys.exit(f"no `kernels` executable in cargo's output:\n{r.stderr}")
+        sys.exit(f"no `{name}` executable in cargo's output:\n{r.stderr}")
     return os.path.join(ROOT, m.group(1))
 
 

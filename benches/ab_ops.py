@@ -13,25 +13,12 @@ listed without a ratio. Nothing is asserted: the ratios are the host's, at the t
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 from typing import Dict
 
 import provenance
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def this_tree_bench() -> str:
-    """Builds this tree's `ops` bench (if needed) and returns its executable."""
-    r = subprocess.run(["cargo", "bench", "-p", "candle-gate", "--bench", "ops", "--no-run"],
-                       cwd=ROOT, capture_output=True, text=True, check=True)
-    m = re.search(r"Executable .*\((.*ops-[0-9a-f]+)\)", r.stderr)
-    if not m:
-        sys.exit(f"no `ops` executable in cargo's output:\n{r.stderr}")
-    return os.path.join(ROOT, m.group(1))
-
+from ab_kernels import this_tree_bench
 
 def run(binary: str) -> Dict[str, float]:
     """ns per element of each step, from one run (the bench prints `step  ns` lines)."""
@@ -56,7 +43,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="also write the table here, with where and when it ran")
     ap.add_argument("--before-label", default=None, help="what the --before build is (a commit), recorded in --json")
     a = ap.parse_args(argv)
-    after = a.after or this_tree_bench()
+    after = a.after or this_tree_bench("ops")
     best: Dict[str, Dict[str, float]] = {"before": {}, "after": {}}
     for rnd in range(a.rounds):
         for side, binary in (("before", a.before), ("after", after)):

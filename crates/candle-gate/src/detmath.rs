@@ -69,26 +69,18 @@ pub fn exp_f32_in_place(xs: &mut [f32]) {
 pub fn exp_f32_in_place_on(isa: Isa, xs: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     let xs = {
-        let isa = isa.min(Isa::best());
-        let xs = if isa == Isa::Avx512 {
-            let mut batches = xs.chunks_exact_mut(avx512::EXP_BATCH);
-            // SAFETY: the host runs AVX-512 F (`Isa::best`); each `c` holds a batch.
-            batches.by_ref().for_each(|c| unsafe { avx512::exp_f32_batch(c) });
-            batches.into_remainder()
-        } else {
-            xs
-        };
-        if isa >= Isa::Avx2 {
-            let mut batches = xs.chunks_exact_mut(EXP_BATCH);
-            // SAFETY: the host runs AVX2; each `c` holds EXP_BATCH floats.
-            batches.by_ref().for_each(|c| unsafe { avx2::exp_f32_batch(c) });
-            let mut chunks = batches.into_remainder().chunks_exact_mut(8);
-            // SAFETY: as above; each `c` holds eight floats.
-            chunks.by_ref().for_each(|c| unsafe { avx2::exp_f32x8(c) });
-            chunks.into_remainder()
-        } else {
-            xs
+        let (isa, mut xs) = (isa.min(Isa::best()), xs);
+        if isa == Isa::Avx512 {
+            // SAFETY: the host runs AVX-512 F (`Isa::best`); each batch is whole.
+            xs = in_batches(xs, avx512::EXP_BATCH, |c| unsafe { avx512::exp_f32_batch(c) });
         }
+        if isa >= Isa::Avx2 {
+            // SAFETY: the host runs AVX2; each batch is whole.
+            xs = in_batches(xs, EXP_BATCH, |c| unsafe { avx2::exp_f32_batch(c) });
+            // SAFETY: as above, eight floats a call.
+            xs = in_batches(xs, 8, |c| unsafe { avx2::exp_f32x8(c) });
+        }
+        xs
     };
     #[cfg(not(target_arch = "x86_64"))]
     let _ = isa;
@@ -107,29 +99,30 @@ pub fn exp_f64_in_place(xs: &mut [f64]) {
 pub fn exp_f64_in_place_on(isa: Isa, xs: &mut [f64]) {
     #[cfg(target_arch = "x86_64")]
     let xs = {
-        let isa = isa.min(Isa::best());
-        let xs = if isa == Isa::Avx512 {
-            let mut batches = xs.chunks_exact_mut(avx512::EXP_BATCH);
-            // SAFETY: the host runs AVX-512 F; each `c` holds a batch.
-            batches.by_ref().for_each(|c| unsafe { avx512::exp_f64_batch(c) });
-            batches.into_remainder()
-        } else {
-            xs
-        };
-        if isa >= Isa::Avx2 {
-            let mut batches = xs.chunks_exact_mut(EXP_BATCH);
-            // SAFETY: the host runs AVX2; each `c` holds EXP_BATCH values.
-            batches.by_ref().for_each(|c| unsafe { avx2::exp_f64_batch(c) });
-            batches.into_remainder()
-        } else {
-            xs
+        let (isa, mut xs) = (isa.min(Isa::best()), xs);
+        if isa == Isa::Avx512 {
+            // SAFETY: the host runs AVX-512 F; each batch is whole.
+            xs = in_batches(xs, avx512::EXP_BATCH, |c| unsafe { avx512::exp_f64_batch(c) });
         }
+        if isa >= Isa::Avx2 {
+            // SAFETY: the host runs AVX2; each batch is whole.
+            xs = in_batches(xs, EXP_BATCH, |c| unsafe { avx2::exp_f64_batch(c) });
+        }
+        xs
     };
     #[cfg(not(target_arch = "x86_64"))]
     let _ = isa;
     for x in xs {
         *x = exp_f64(*x);
     }
+}
+
+/// `batch` over each whole run of `size` values; the rest (fewer than `size`) comes back.
+#[cfg(target_arch = "x86_64")]
+fn in_batches<T>(xs: &mut [T], size: usize, batch: impl FnMut(&mut [T])) -> &mut [T] {
+    let mut batches = xs.chunks_exact_mut(size);
+    batches.by_ref().for_each(batch);
+    batches.into_remainder()
 }
 
 /// Floats per pass of the vector `exp`: eight vectors of four f64. One chain's multiply-add

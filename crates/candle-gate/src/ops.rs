@@ -199,30 +199,22 @@ mod tests {
     const LENGTHS: [usize; 14] = [0, 1, 7, 8, 9, 17, 31, 32, 33, 127, 128, 129, 161, 1536];
 
     #[test]
-    fn silu_mul_is_silu_element_by_element() {
-        let mut next = noise(0x13198A2E03707344);
-        for len in LENGTHS {
-            let gate = gates(&mut next, len);
-            let up: Vec<f32> = (0..len).map(|_| next()).collect();
-            let mut got = up.clone();
-            silu_mul(&mut got, &gate);
-            for i in 0..len {
-                assert_eq!(got[i].to_bits(), (up[i] * silu(gate[i])).to_bits(), "len {len} at {i}");
-            }
+    fn gated_activations_are_their_formulas_element_by_element() {
+        fn gelu(x: f32) -> f32 {
+            x / (1.0 + crate::detmath::exp_f32(-2.0 * (0.797_884_6 * (x + 0.044715 * x * x * x))))
         }
-    }
-
-    #[test]
-    fn gelu_tanh_mul_is_its_formula_element_by_element() {
-        let gelu = |x: f32| x / (1.0 + crate::detmath::exp_f32(-2.0 * (0.797_884_6 * (x + 0.044715 * x * x * x))));
-        let mut next = noise(0xA4093822299F31D0);
-        for len in LENGTHS {
-            let gate = gates(&mut next, len);
-            let up: Vec<f32> = (0..len).map(|_| next()).collect();
-            let mut got = up.clone();
-            gelu_tanh_mul(&mut got, &gate);
-            for i in 0..len {
-                assert_eq!(got[i].to_bits(), (up[i] * gelu(gate[i])).to_bits(), "len {len} at {i}");
+        type Activation = (&'static str, fn(&mut [f32], &[f32]), fn(f32) -> f32);
+        let activations: [Activation; 2] = [("silu", silu_mul, silu), ("gelu_tanh", gelu_tanh_mul, gelu)];
+        let mut next = noise(0x13198A2E03707344);
+        for (name, mul, one) in activations {
+            for len in LENGTHS {
+                let gate = gates(&mut next, len);
+                let up: Vec<f32> = (0..len).map(|_| next()).collect();
+                let mut got = up.clone();
+                mul(&mut got, &gate);
+                for i in 0..len {
+                    assert_eq!(got[i].to_bits(), (up[i] * one(gate[i])).to_bits(), "{name}: len {len} at {i}");
+                }
             }
         }
     }
