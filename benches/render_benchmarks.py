@@ -35,6 +35,7 @@ import re
 import statistics
 import sys
 import unicodedata
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -610,14 +611,6 @@ def modes_table(res, doc, name: str) -> list[str]:
     return table(MODES_HEADER, modes_rows(res, name)) + ["", "tok/s, `canonical` vs `invariant` (ratio). " + res.source([name], doc)]
 
 
-def t_canonical_zen4(res, doc):
-    return modes_table(res, doc, "modes-canonical-vs-invariant-zen4-c9cf0ec.json")
-
-
-def t_canonical_zen4_in_order(res, doc):
-    return modes_table(res, doc, "modes-canonical-vs-invariant-zen4-f3f18bf.json")
-
-
 def t_canonical_quantize(res, doc):
     return modes_table(res, doc, "modes-canonical-vs-invariant-xeon-spr-quantize.json")
 
@@ -705,23 +698,6 @@ def peers_canonical_table(res, doc, name: str) -> list[str]:
                                            f"read ({d['read_bandwidth_gbs']:.1f} GB/s). " + res.source([name], doc)]
 
 
-def t_peers_canonical(res, doc):
-    return peers_canonical_table(res, doc, "vs-peers-qwen15-chat-canonical-xeon-spr.json")
-
-
-def t_peers_canonical_zen4(res, doc):
-    return peers_canonical_table(res, doc, "vs-peers-qwen15-chat-canonical-zen4.json")
-
-
-def t_canonical_zen4_unzeroed(res, doc):
-    return modes_table(res, doc, "modes-canonical-vs-invariant-zen4-c880b4f.json")
-
-
-def t_ab_canonical_unzeroed(res, doc):
-    return ab_table(res, doc, [(None, None, f"ab-canonical-lanes-unzeroed-{m}-zen4.json")
-                               for m in ("qwen15", "qwen05", "gemma", "smollm2")])
-
-
 # ---------------------------------------------------------------- ab_builds.py tables
 
 
@@ -730,6 +706,11 @@ def ab_cell(d: dict, concurrency: int) -> str:
         if r["concurrency"] == concurrency:
             return arrow(r["before"], r["after"])
     return ""
+
+
+def ab_files(pattern: str, *models: str) -> list:
+    """`ab_table` entries: one file a model, `pattern` with `{}` for the model."""
+    return [(None, None, pattern.format(m)) for m in models]
 
 
 def ab_table(res, doc, entries):
@@ -790,8 +771,10 @@ def t_ab_sixteen_packed(res, doc):
     return ab_orders_table(res, doc, files, swapped, "7ab3551", "c8cc3ef", "chat prompts")
 
 
-def ab_context_table(res, doc, names, old: str, new: str) -> list[str]:
-    """`ab_builds.py --context N --json` files: prefill and decode at one stream, `old` → `new`."""
+def ab_context_table(res, doc, names, old: str = "", new: str = "") -> list[str]:
+    """`ab_builds.py --context N --json` files: prefill and decode at one stream, `old` → `new`
+    (by default the builds the first file records)."""
+    old, new = old or res(names[0])["before_build"], new or res(names[0])["commit"]
     rows = []
     for name in names:
         d = res(name)
@@ -813,31 +796,6 @@ def ab_ops_table(res, doc, name: str, tier: str = "") -> list[str]:
     return table(["step", "ns per element"], rows) + [
         "", f"`cargo bench --bench ops` through `benches/ab_ops.py`{tier}, {d['before']} → {d['commit']} (speedup), "
             f"best of {d['rounds']} alternating rounds. " + res.source([name], doc)]
-
-
-def t_ab_ops_exp_batches(res, doc):
-    return ab_ops_table(res, doc, "ab-ops-exp-batches-zen4.json", " (AVX-512 tier)")
-
-
-def t_ab_ops_exp_batches_avx2(res, doc):
-    return ab_ops_table(res, doc, "ab-ops-exp-batches-avx2-zen4.json", " capped at AVX2 (`CANDLE_GATE_ISA=avx2`)")
-
-
-def t_ab_exp_batches(res, doc):
-    return ab_table(res, doc, [(None, None, f"ab-exp-batches-{m}-zen4.json") for m in ("smollm2", "gemma", "qwen05", "qwen15")])
-
-
-def t_ab_kernels_q8_0_odd_rows(res, doc):
-    return kernels_ab_table(res, doc, "ab-kernels-q8_0-odd-rows-qwen05-zen4.json", " (AVX-512 tier)")
-
-
-def t_ab_q8_0_odd_rows(res, doc):
-    return ab_table(res, doc, [(None, None, f"ab-q8_0-odd-rows-{m}-zen4.json") for m in ("gemma", "qwen05", "smollm2")])
-
-
-def t_ab_exp_batches_context(res, doc):
-    return ab_context_table(res, doc, [f"ab-exp-batches-{m}-1024-zen4.json" for m in ("qwen05", "gemma")],
-                            "921c73b", "12c0a1f")
 
 
 def kernels_ab_table(res, doc, name: str, tier: str = "") -> list[str]:
@@ -862,20 +820,6 @@ def t_ab_kernels_sixteen_packed(res, doc):
 
 def t_ab_kernels_q6k_four_rows(res, doc):
     return kernels_ab_table(res, doc, "ab-q6k-four-rows-kernels-qwen15-zen4.json")
-
-
-def t_ab_kernels_canonical_in_order(res, doc):
-    return kernels_ab_table(res, doc, "ab-kernels-canonical-in-order-qwen15-zen4.json", " (AVX-512 tier)")
-
-
-def t_ab_kernels_canonical_in_order_avx2(res, doc):
-    return kernels_ab_table(res, doc, "ab-kernels-canonical-in-order-avx2-qwen15-zen4.json",
-                            " capped at AVX2 (`CANDLE_GATE_ISA=avx2`)")
-
-
-def t_ab_canonical_in_order(res, doc):
-    return ab_table(res, doc, [(None, None, f"ab-canonical-in-order-{m}-zen4.json")
-                               for m in ("qwen15", "qwen05", "gemma", "smollm2")])
 
 
 def t_ab_draft_kquant(res, doc):
@@ -1279,24 +1223,25 @@ TABLES = {
     "packed-q4_1-vs-llama-cpp": t_packed_q4_1_vs_llama_cpp,
     "gemma-vs-llama-cpp": t_gemma_vs_llama_cpp,
     "canonical-quantize": t_canonical_quantize,
-    "canonical-zen4": t_canonical_zen4,
-    "canonical-zen4-in-order": t_canonical_zen4_in_order,
-    "canonical-zen4-unzeroed": t_canonical_zen4_unzeroed,
-    "ab-canonical-unzeroed": t_ab_canonical_unzeroed,
-    "peers-canonical-zen4": t_peers_canonical_zen4,
-    "ab-kernels-canonical-in-order": t_ab_kernels_canonical_in_order,
-    "ab-kernels-canonical-in-order-avx2": t_ab_kernels_canonical_in_order_avx2,
-    "ab-canonical-in-order": t_ab_canonical_in_order,
-    "ab-ops-exp-batches": t_ab_ops_exp_batches,
-    "ab-ops-exp-batches-avx2": t_ab_ops_exp_batches_avx2,
-    "ab-exp-batches": t_ab_exp_batches,
-    "ab-exp-batches-context": t_ab_exp_batches_context,
-    "ab-kernels-q8_0-odd-rows": t_ab_kernels_q8_0_odd_rows,
-    "ab-q8_0-odd-rows": t_ab_q8_0_odd_rows,
+    "canonical-zen4": partial(modes_table, name="modes-canonical-vs-invariant-zen4-c9cf0ec.json"),
+    "canonical-zen4-in-order": partial(modes_table, name="modes-canonical-vs-invariant-zen4-f3f18bf.json"),
+    "canonical-zen4-unzeroed": partial(modes_table, name="modes-canonical-vs-invariant-zen4-c880b4f.json"),
+    "ab-canonical-unzeroed": partial(ab_table, entries=ab_files("ab-canonical-lanes-unzeroed-{}-zen4.json", "qwen15", "qwen05", "gemma", "smollm2")),
+    "peers-canonical-zen4": partial(peers_canonical_table, name="vs-peers-qwen15-chat-canonical-zen4.json"),
+    "ab-kernels-canonical-in-order": partial(kernels_ab_table, name="ab-kernels-canonical-in-order-qwen15-zen4.json", tier=" (AVX-512 tier)"),
+    "ab-kernels-canonical-in-order-avx2": partial(kernels_ab_table, name="ab-kernels-canonical-in-order-avx2-qwen15-zen4.json",
+                                                  tier=" capped at AVX2 (`CANDLE_GATE_ISA=avx2`)"),
+    "ab-canonical-in-order": partial(ab_table, entries=ab_files("ab-canonical-in-order-{}-zen4.json", "qwen15", "qwen05", "gemma", "smollm2")),
+    "ab-ops-exp-batches": partial(ab_ops_table, name="ab-ops-exp-batches-zen4.json", tier=" (AVX-512 tier)"),
+    "ab-ops-exp-batches-avx2": partial(ab_ops_table, name="ab-ops-exp-batches-avx2-zen4.json", tier=" capped at AVX2 (`CANDLE_GATE_ISA=avx2`)"),
+    "ab-exp-batches": partial(ab_table, entries=ab_files("ab-exp-batches-{}-zen4.json", "smollm2", "gemma", "qwen05", "qwen15")),
+    "ab-exp-batches-context": partial(ab_context_table, names=[f"ab-exp-batches-{m}-1024-zen4.json" for m in ("qwen05", "gemma")]),
+    "ab-kernels-q8_0-odd-rows": partial(kernels_ab_table, name="ab-kernels-q8_0-odd-rows-qwen05-zen4.json", tier=" (AVX-512 tier)"),
+    "ab-q8_0-odd-rows": partial(ab_table, entries=ab_files("ab-q8_0-odd-rows-{}-zen4.json", "gemma", "qwen05", "smollm2")),
     "canonical-scalar": t_canonical_scalar,
     "ab-session-start-xeon": t_ab_session_start_xeon,
     "peers": t_peers,
-    "peers-canonical": t_peers_canonical,
+    "peers-canonical": partial(peers_canonical_table, name="vs-peers-qwen15-chat-canonical-xeon-spr.json"),
     "ab-no-prefetch": t_ab_no_prefetch,
     "ab-q8_0-scales": t_ab_q8_0_scales,
     "ab-issue31": t_ab_issue31,

@@ -55,9 +55,9 @@ pub fn exp_f32(x: f32) -> f32 {
     exp_f64(x as f64) as f32
 }
 
-/// `exp_f32` of every element, in place, bit for bit: softmax over a cached sequence and SiLU
-/// over a layer's hidden width call it thousands of times a token, and one scalar `exp_f64` is a
-/// chain of fourteen dependent multiply-adds. The vector paths take a batch of floats at a time,
+/// `exp_f32` of every element, in place, bit for bit: SiLU and GELU over a layer's hidden width
+/// call it thousands of times a token, and one scalar `exp_f64` is a chain of fourteen dependent
+/// multiply-adds. The vector paths take a batch of floats at a time,
 /// so that several such chains are in flight at once.
 pub fn exp_f32_in_place(xs: &mut [f32]) {
     exp_f32_in_place_on(crate::kernels::isa(), xs)
@@ -132,8 +132,8 @@ pub const EXP_BATCH: usize = 32;
 
 /// `exp_f64`'s arithmetic four lanes at a time: the same multiplies and adds in the same order
 /// (no FMA), the same round-half-away-from-zero `k`, the same `p * 2^k`; lanes that would leave
-/// its common path (NaN, |x| > 690, where `k` passes ±1000) send their eight floats back to the
-/// scalar.
+/// its common path (NaN, |x| > 690, where `k` passes ±1000) send their batch back to the
+/// scalar (an f32 batch eight floats at a time, through `exp_f32x8`).
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;
