@@ -476,10 +476,12 @@ impl Decoder {
         let (h, kv, qd, ffn, vocab) = (cfg.hidden, cfg.kv_dim(), cfg.q_dim(), cfg.ffn, cfg.vocab);
         let gemma = cfg.arch == Arch::Gemma3;
         let mut weight_bytes = 0usize;
+        // Every matmul weight side by side in huge pages: most are too small to hold one alone.
+        let arena = crate::huge_pages::WeightArena::new();
         let mut lin = |f: &mut GgufFile, name: &str, dims: &[usize]| -> Result<QMatMul> {
             let t = f.tensor_shaped(name, dims)?;
             weight_bytes += t.storage_size_in_bytes();
-            QMatMul::laid_out(Arc::new(t), layout, policy.clone())
+            QMatMul::laid_out_in(Arc::new(t), layout, policy.clone(), Some(&arena))
         };
         let mut layers = Vec::with_capacity(cfg.n_layer);
         for i in 0..cfg.n_layer {
@@ -522,7 +524,7 @@ impl Decoder {
             (Some(embed), lin(f, "output.weight", &[vocab, h])?)
         } else {
             weight_bytes += embed.storage_size_in_bytes();
-            (None, QMatMul::laid_out(embed, layout, policy.clone())?)
+            (None, QMatMul::laid_out_in(embed, layout, policy.clone(), Some(&arena))?)
         };
         Ok(Decoder { cfg, embed, layers, out_norm, lm_head, weight_bytes, scratch: ScratchPool::default() })
     }

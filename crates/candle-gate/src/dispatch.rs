@@ -302,10 +302,22 @@ impl QMatMul {
     /// `canonical` layout, on a host with AVX2 or wider, Q8_0 is packed too
     /// (`kernels::cpu_canonical`). `CANDLE_GATE_PACK=0` keeps the GGUF layout.
     pub fn laid_out(weight: Arc<QTensor>, layout: WeightLayout, policy: Arc<Policy>) -> Result<Self> {
-        let pack = layout.packs_here()
-            && Arc::strong_count(&weight) == 1
-            && std::env::var("CANDLE_GATE_PACK").map_or(true, |v| v != "0");
-        Self::with_packing(weight, layout, policy, pack)
+        Self::laid_out_in(weight, layout, policy, None)
+    }
+
+    /// [`QMatMul::laid_out`], the weight (packed or not) then copied into `arena` where one is
+    /// given and nobody else holds it: a model's loader places all its weights side by side in
+    /// huge pages ([`crate::huge_pages::WeightArena`]), where each alone would mostly have
+    /// stayed on 4 KB pages.
+    pub fn laid_out_in(
+        weight: Arc<QTensor>,
+        layout: WeightLayout,
+        policy: Arc<Policy>,
+        arena: Option<&crate::huge_pages::WeightArena>,
+    ) -> Result<Self> {
+        let only_holder = Arc::strong_count(&weight) == 1;
+        let pack = layout.packs_here() && only_holder && std::env::var("CANDLE_GATE_PACK").map_or(true, |v| v != "0");
+        Self::build(weight, layout, policy, pack, arena.filter(|_| only_holder))
     }
 
     /// [`QMatMul::laid_out`] with the packing chosen: `pack` repacks the weight for `layout`
@@ -313,6 +325,16 @@ impl QMatMul {
     /// whoever else holds it and whatever the host (the kernel tiers without AVX-512 unpack a
     /// copy on each call: the differential tests use that).
     pub fn with_packing(weight: Arc<QTensor>, layout: WeightLayout, policy: Arc<Policy>, pack: bool) -> Result<Self> {
+        Self::build(weight, layout, policy, pack, None)
+    }
+
+    fn build(
+        weight: Arc<QTensor>,
+        layout: WeightLayout,
+        policy: Arc<Policy>,
+        pack: bool,
+        arena: Option<&crate::huge_pages::WeightArena>,
+    ) -> Result<Self> {
         if weight.rank() != 2 {
             return Err(Error::BadInput(format!("a matmul weight must be rank 2, got shape {:?}", weight.shape())));
         }
@@ -322,8 +344,10 @@ impl QMatMul {
             (true, WeightLayout::Invariant) => kernels::cpu::pack(&weight)?.map(Arc::new),
         };
         let is_packed = packed.is_some();
-        let weight = packed.unwrap_or(weight);
-        if weight.device().is_cpu() {
+        let mut weight = packed.unwrap_or(weight);
+        if let Some(placed) = arena.map(|a| a.place(&weight)).transpose()?.flatten() {
+            weight = Arc::new(placed);
+        } else if weight.device().is_cpu() {
             if let Ok(std::borrow::Cow::Borrowed(bytes)) = weight.data() {
                 crate::huge_pages::advise(bytes, true);
             }
