@@ -21,8 +21,9 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Module, Tensor};
 use candle_gate::dispatch::Kernel;
 use candle_gate::gguf::GgufFile;
+use candle_gate::huge_pages::WeightArena;
 use candle_gate::kernels::{isa, set_isa, Isa};
-use candle_gate::{registry, Mode, Policy, QMatMul};
+use candle_gate::{registry, Mode, Policy, QMatMul, WeightLayout};
 use rayon::prelude::*;
 
 fn arg(args: &[String], name: &str) -> Option<String> {
@@ -45,6 +46,19 @@ fn time(mut f: impl FnMut()) -> f64 {
         .collect();
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     v[reps / 2]
+}
+
+/// The weights `names` as a model's loader lays them out for `policy`'s mode: side by side in
+/// huge pages (`huge_pages::WeightArena`), what the cold columns stream.
+fn in_arena(f: &mut GgufFile, names: &[String], policy: &std::sync::Arc<Policy>) -> Vec<QMatMul> {
+    let (arena, layout) = (WeightArena::new(), WeightLayout::for_mode(policy.mode));
+    names
+        .iter()
+        .map(|nm| {
+            QMatMul::laid_out_in(std::sync::Arc::new(f.tensor(nm).unwrap()), layout, policy.clone(), Some(&arena))
+                .unwrap()
+        })
+        .collect()
 }
 
 /// Candle's single-row dot product (`GgmlType::vec_dot`, what its GEMV runs when it does not
@@ -142,17 +156,13 @@ fn run() {
     let canonical_policy = std::sync::Arc::new(Policy::new(Mode::Canonical));
     for ((dtype, n, k), names) in kinds {
         let (name, count) = (names[0].clone(), names.len());
-        let layers: Vec<QMatMul> =
-            names.iter().map(|nm| QMatMul::from_qtensor(f.tensor(nm).unwrap()).unwrap()).collect();
+        let layers = in_arena(&mut f, &names, &std::sync::Arc::new(Policy::default()));
         let t = f.tensor(&name).unwrap();
         let bytes = t.storage_size_in_bytes() as f64;
         let ours = QMatMul::from_qtensor(t).unwrap();
         let candle = candle_core::quantized::QMatMul::from_qtensor(f.tensor(&name).unwrap()).unwrap();
         let canon = QMatMul::new(std::sync::Arc::new(f.tensor(&name).unwrap()), canonical_policy.clone()).unwrap();
-        let canon_layers: Vec<QMatMul> = names
-            .iter()
-            .map(|nm| QMatMul::new(std::sync::Arc::new(f.tensor(nm).unwrap()), canonical_policy.clone()).unwrap())
-            .collect();
+        let canon_layers = in_arena(&mut f, &names, &canonical_policy);
         for &m in &rows {
             let x: Vec<f32> = (0..m * k).map(|i| ((i * 7919 % 1000) as f32 / 500.0) - 1.0).collect();
             let xt = Tensor::from_slice(&x, (m, k), &Device::Cpu).unwrap();
