@@ -425,8 +425,12 @@ pub(crate) mod avx512 {
         let m4 = _mm512_set1_epi8(0x0F);
         let mut acc = [_mm512_setzero_ps(); R];
         for b in 0..kb {
-            // A group is one run of bytes read in order, which the hardware prefetcher follows.
+            // A group is one run of bytes read in order, which the hardware prefetcher follows,
+            // but not far enough ahead once a tile's rows take longer than its read.
             let tile = base.add(b * tile_bytes);
+            if R >= super::super::PREFETCH_ROWS {
+                super::super::prefetch_tile_ahead(tile, tile_bytes);
+            }
             // Loops, not `array::from_fn` or `map`, which LLVM may leave out of line (see
             // `row_16cols`).
             let (mut lo, mut hi) = ([_mm512_setzero_si512(); 4], [_mm512_setzero_si512(); 4]);
