@@ -409,6 +409,8 @@ pub(crate) mod avx512 {
     /// plain vector loads of the tile, unpacked once for all `R` rows; each row's
     /// bytes 4t..4t + 4 are broadcast to every lane, one `dpbusd` per four weights of sixteen
     /// columns, so no lane ever needs summing across. `out` row r starts at `out + r * n`.
+    /// `from_memory`: the group is not yet in the caches (the first pass over it), so from
+    /// [`super::super::PREFETCH_ROWS`] rows its tiles are asked for ahead.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c")]
     pub unsafe fn sixteen_packed<W: super::Packed, const R: usize>(
         group: &[W],
@@ -417,9 +419,11 @@ pub(crate) mod avx512 {
         ysum: &[i32],
         out: *mut f32,
         n: usize,
+        from_memory: bool,
     ) {
         assert!(group.len() >= super::PACK_COLS * kb && ys.len() >= R * kb);
         assert!(W::OFFSET == 0 || ysum.len() >= R * kb);
+        let prefetch = from_memory && R >= super::super::PREFETCH_ROWS;
         let tile_bytes = super::PACK_COLS * std::mem::size_of::<W>();
         let base = group.as_ptr() as *const u8;
         let m4 = _mm512_set1_epi8(0x0F);
@@ -428,7 +432,7 @@ pub(crate) mod avx512 {
             // A group is one run of bytes read in order, which the hardware prefetcher follows,
             // but not far enough ahead once a tile's rows take longer than its read.
             let tile = base.add(b * tile_bytes);
-            if R >= super::super::PREFETCH_ROWS {
+            if prefetch {
                 super::super::prefetch_tile_ahead(tile, tile_bytes);
             }
             // Loops, not `array::from_fn` or `map`, which LLVM may leave out of line (see
@@ -959,15 +963,17 @@ fn matmul_packed<W: Packed>(w: &[W], xq: &[W::Y], m: usize, k: usize, n: usize, 
                 // sixteen columns of `out` are written by this task alone.
                 unsafe {
                     let o = p.0.add(r0 * n + g * PACK_COLS);
+                    // Only the first pass reads the group from memory; the others find it cached.
+                    let first = r0 == 0;
                     match m - r0 {
-                        1 => avx512::sixteen_packed::<W, 1>(group, kb, ys, sums, o, n),
-                        2 => avx512::sixteen_packed::<W, 2>(group, kb, ys, sums, o, n),
-                        3 => avx512::sixteen_packed::<W, 3>(group, kb, ys, sums, o, n),
-                        4 => avx512::sixteen_packed::<W, 4>(group, kb, ys, sums, o, n),
-                        5 => avx512::sixteen_packed::<W, 5>(group, kb, ys, sums, o, n),
-                        6 => avx512::sixteen_packed::<W, 6>(group, kb, ys, sums, o, n),
-                        7 => avx512::sixteen_packed::<W, 7>(group, kb, ys, sums, o, n),
-                        _ => avx512::sixteen_packed::<W, PACKED_ROWS>(group, kb, ys, sums, o, n),
+                        1 => avx512::sixteen_packed::<W, 1>(group, kb, ys, sums, o, n, first),
+                        2 => avx512::sixteen_packed::<W, 2>(group, kb, ys, sums, o, n, first),
+                        3 => avx512::sixteen_packed::<W, 3>(group, kb, ys, sums, o, n, first),
+                        4 => avx512::sixteen_packed::<W, 4>(group, kb, ys, sums, o, n, first),
+                        5 => avx512::sixteen_packed::<W, 5>(group, kb, ys, sums, o, n, first),
+                        6 => avx512::sixteen_packed::<W, 6>(group, kb, ys, sums, o, n, first),
+                        7 => avx512::sixteen_packed::<W, 7>(group, kb, ys, sums, o, n, first),
+                        _ => avx512::sixteen_packed::<W, PACKED_ROWS>(group, kb, ys, sums, o, n, first),
                     }
                 }
             }

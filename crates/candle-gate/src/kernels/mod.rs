@@ -181,7 +181,8 @@ pub(crate) fn prefetch_at<T>(block: &T, distance: usize) {
 }
 
 /// From how many rows a packed sixteen-column kernel asks for the tile [`PREFETCH_AHEAD`]
-/// bytes ahead of the one it reads ([`prefetch_tile_ahead`]). With the weights in huge pages
+/// bytes ahead of the one it reads ([`prefetch_tile_ahead`]), on its first pass over a group
+/// (a prefill's later passes find the group cached). With the weights in huge pages
 /// (`huge_pages::WeightArena`), at eight rows the hardware prefetcher alone left a tile's
 /// compute and its read from memory one after the other: Qwen2.5 0.5B's 4864 × 896 Q5_0 took
 /// 0.13 ms from the cache and 0.17-0.24 from memory, 0.14-0.16 with the prefetch (the

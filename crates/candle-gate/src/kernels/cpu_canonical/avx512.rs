@@ -230,7 +230,8 @@ unsafe fn group<const R: usize>(layout: Layout, group: *const u8, blocks: usize,
     let mut acc: Lanes<R> = [[MaybeUninit::uninit(); LANES]; R];
     // Q6_K's tile is read in the order the hardware prefetcher follows, and read slower with
     // a software prefetch (`kernels::PREFETCH_ROWS`).
-    let prefetch = R >= crate::kernels::PREFETCH_ROWS && layout.dtype != GgmlDType::Q6K;
+    // Only a group's first pass reads it from memory; the others find it cached.
+    let prefetch = R >= crate::kernels::PREFETCH_ROWS && layout.dtype != GgmlDType::Q6K && pass.first == 0;
     for b in 0..blocks {
         let tile = group.add(b * layout.tile_bytes());
         if prefetch {
