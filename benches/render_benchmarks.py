@@ -771,17 +771,21 @@ def t_ab_sixteen_packed(res, doc):
     return ab_orders_table(res, doc, files, swapped, "7ab3551", "c8cc3ef", "chat prompts")
 
 
-def ab_context_table(res, doc, names, old: str = "", new: str = "") -> list[str]:
+def ab_context_table(res, doc, names, old: str = "", new: str = "", swapped=()) -> list[str]:
     """`ab_builds.py --context N --json` files: prefill and decode at one stream, `old` → `new`
-    (by default the builds the first file records)."""
+    (by default the builds the first file records). In the `swapped` files the newer build ran
+    first in each round (`ab_orders_table`); with any, a column says which ran first."""
     old, new = old or res(names[0])["before_build"], new or res(names[0])["commit"]
     rows = []
-    for name in names:
+    for name in list(names) + list(swapped):
         d = res(name)
-        rows += [[model_name(d["model"]), context_label(d["context"]), str(d["rounds"]), arrow(p["before"], p["after"]),
-                  arrow(r["before"], r["after"])] for p, r in zip(d["prefill_rows"], d["rows"])]
-    return table(["model", "prompt", "rounds", "prefill, 1 stream", "decode, 1 stream"], rows) + [
-        "", f"tok/s, {old} → {new} (ratio), best of alternating rounds. " + res.source(names, doc)]
+        turn = (lambda r: (r["after"], r["before"])) if name in swapped else (lambda r: (r["before"], r["after"]))
+        order = [f"{new if name in swapped else old} first"] if swapped else []
+        rows += [[model_name(d["model"]), context_label(d["context"])] + order + [str(d["rounds"]), arrow(*turn(p)),
+                  arrow(*turn(r))] for p, r in zip(d["prefill_rows"], d["rows"])]
+    header = ["model", "prompt"] + (["each round"] if swapped else []) + ["rounds", "prefill, 1 stream", "decode, 1 stream"]
+    return table(header, rows) + [
+        "", f"tok/s, {old} → {new} (ratio), best of alternating rounds. " + res.source(list(names) + list(swapped), doc)]
 
 
 def t_ab_sixteen_packed_context(res, doc):
@@ -796,6 +800,18 @@ def ab_ops_table(res, doc, name: str, tier: str = "") -> list[str]:
     return table(["step", "ns per element"], rows) + [
         "", f"`cargo bench --bench ops` through `benches/ab_ops.py`{tier}, {d['before']} → {d['commit']} (speedup), "
             f"best of {d['rounds']} alternating rounds. " + res.source([name], doc)]
+
+
+def resident_memory_table(res, doc, old: str, new: str) -> list[str]:
+    """Two `resident_memory.py --json` files: each model's resident memory and the part of it in
+    huge pages, build `old` → build `new`."""
+    a, b = res(old), res(new)
+    mb = lambda x: f"{x / 1e6:,.0f}"
+    rows = [[model_name(x["model"]), mb(x["file_bytes"]), f"{mb(x['rss_bytes'])} → {mb(y['rss_bytes'])}",
+             f"{mb(x['huge_page_bytes'])} → {mb(y['huge_page_bytes'])}"]
+            for x, y in zip(a["results"], b["results"])]
+    return table(["model", "file, MB", "resident, MB", "of it in huge pages, MB"], rows) + [
+        "", f"`benches/resident_memory.py`, build {a['build']} → {b['build']}. " + res.source([old, new], doc)]
 
 
 def kernels_ab_table(res, doc, name: str, tier: str = "") -> list[str]:
@@ -1238,6 +1254,20 @@ TABLES = {
     "ab-exp-batches-context": partial(ab_context_table, names=[f"ab-exp-batches-{m}-1024-zen4.json" for m in ("qwen05", "gemma")]),
     "ab-kernels-q8_0-odd-rows": partial(kernels_ab_table, name="ab-kernels-q8_0-odd-rows-qwen05-zen4.json", tier=" (AVX-512 tier)"),
     "ab-q8_0-odd-rows": partial(ab_table, entries=ab_files("ab-q8_0-odd-rows-{}-zen4.json", "gemma", "qwen05", "smollm2")),
+    "resident-memory-arena": partial(resident_memory_table, old="resident-memory-883fbfb-zen4.json",
+                                     new="resident-memory-d2d9f91-zen4.json"),
+    "ab-weight-arena": partial(ab_orders_table, files=[f"ab-weight-arena-{m}-zen4.json" for m in ("smollm2", "qwen05", "gemma", "qwen15")],
+                               swapped=["ab-weight-arena-qwen15-reversed-zen4.json"], old="883fbfb", new="4fe02b1",
+                               prompts="chat prompts"),
+    "ab-arena-prefetch": partial(ab_orders_table, files=[f"ab-arena-prefetch-{m}-zen4.json" for m in ("smollm2", "qwen05", "gemma", "qwen15")],
+                                 swapped=[f"ab-arena-prefetch-{m}-reversed-zen4.json" for m in ("smollm2", "qwen15")],
+                                 old="883fbfb", new="fd11dc9", prompts="chat prompts, `invariant` mode"),
+    "ab-arena-prefetch-canonical": partial(ab_orders_table, swapped=[], old="883fbfb", new="fd11dc9",
+                                           files=[f"ab-arena-prefetch-canonical-{m}-zen4.json" for m in ("smollm2", "qwen05", "gemma", "qwen15")],
+                                           prompts="chat prompts, `canonical` mode"),
+    "ab-arena-prefetch-context": partial(ab_context_table, names=[f"ab-arena-prefetch-{m}-1024-zen4.json" for m in ("qwen05", "smollm2")],
+                                         swapped=["ab-arena-prefetch-smollm2-1024-reversed-zen4.json"]),
+    "canonical-zen4-arena-prefetch": partial(modes_table, name="modes-canonical-vs-invariant-zen4-fd11dc9.json"),
     "canonical-scalar": t_canonical_scalar,
     "ab-session-start-xeon": t_ab_session_start_xeon,
     "peers": t_peers,
