@@ -6,7 +6,9 @@
 //! speed: the bytes are the same. (The KV pool is not advised: its slabs hold each region of
 //! every block together, so a pool's first block would touch one 2 MB page per region, up to
 //! hundreds of MB, and a decode step's attention read no faster with huge pages.)
-//! `CANDLE_GATE_HUGE_PAGES=0` turns it off.
+//! [`advise`] covers the whole 2 MB pages inside one allocation; a model's loader places all its
+//! weights side by side in a [`WeightArena`] instead, so that small ones get huge pages too.
+//! `CANDLE_GATE_HUGE_PAGES=0` turns both off.
 
 #[cfg(target_os = "linux")]
 mod arena;

@@ -184,11 +184,11 @@ pub(crate) fn prefetch_at<T>(block: &T, distance: usize) {
 /// bytes ahead of the one it reads ([`prefetch_tile_ahead`]), on its first pass over a group
 /// (a prefill's later passes find the group cached). With the weights in huge pages
 /// (`huge_pages::WeightArena`), at eight rows the hardware prefetcher alone left a tile's
-/// compute and its read from memory one after the other: Qwen2.5 0.5B's 4864 × 896 Q5_0 took
-/// 0.13 ms from the cache and 0.17-0.24 from memory, 0.14-0.16 with the prefetch (the
-/// `canonical` kernel's Q8_0 output matrix 1.2-1.7x, its Q4_K 1.3x); at two and three rows it
-/// read slower with it. Not for the Q4_K and Q6_K tiles of `invariant`, nor `canonical`'s Q6_K:
-/// those read from memory 0.7-0.9x as fast with it, the prefetcher following their order.
+/// compute and its read from memory one after the other (docs/BENCHMARKS.md, "Weights in one
+/// huge-page arena": Qwen2.5 0.5B's 4864 × 896 Q5_0 read from memory 1.18x as fast with it in
+/// `invariant`, 1.68x in `canonical`); at two and three rows `canonical` decoded slower with it.
+/// Not for `invariant`'s Q4_K and Q6_K tiles nor `canonical`'s Q6_K: they read from memory
+/// slower with it, the hardware prefetcher following their order.
 pub(crate) const PREFETCH_ROWS: usize = 4;
 
 /// Asks for the `bytes` of a tile that lie [`PREFETCH_AHEAD`] bytes after `tile`.
