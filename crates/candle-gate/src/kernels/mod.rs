@@ -180,26 +180,30 @@ pub(crate) fn prefetch_at<T>(block: &T, distance: usize) {
     }
 }
 
-/// From how many rows a packed sixteen-column kernel asks for the tile [`PREFETCH_AHEAD`]
+/// From how many rows a packed sixteen-column kernel asks for the tile [`TILE_PREFETCH_AHEAD`]
 /// bytes ahead of the one it reads ([`prefetch_tile_ahead`]), on its first pass over a group
 /// (a prefill's later passes find the group cached). With the weights in huge pages
 /// (`huge_pages::WeightArena`), at eight rows the hardware prefetcher alone left a tile's
-/// compute and its read from memory one after the other (docs/BENCHMARKS.md, "Weights in one
-/// huge-page arena": Qwen2.5 0.5B's 4864 × 896 Q5_0 read from memory 1.18x as fast with it in
-/// `invariant`, 1.68x in `canonical`); at two and three rows `canonical` decoded slower with it.
-/// Not for `invariant`'s Q4_K and Q6_K tiles nor `canonical`'s Q6_K: they read from memory
-/// slower with it, the hardware prefetcher following their order.
+/// compute and its read from memory one after the other; at two and three rows `canonical`
+/// decoded slower with a prefetch (docs/BENCHMARKS.md, "Weights in one huge-page arena").
 pub(crate) const PREFETCH_ROWS: usize = 4;
 
-/// Asks for the `bytes` of a tile that lie [`PREFETCH_AHEAD`] bytes after `tile`.
+/// How far ahead of the tile it reads a multi-row kernel asks for memory, into L2. Asked for
+/// 4 KiB ahead into L1, `invariant`'s Q4_K and `canonical`'s Q6_K tiles read from memory slower
+/// than with no prefetch; 16 KiB ahead into L2, every packed layout read faster (eight-stream
+/// decode: Qwen 1.5B 1.3x in `invariant`, 1.4x in `canonical`). L2 holds the eight-row
+/// pass's lines where L1's few miss buffers and 48 KiB do not.
+pub(crate) const TILE_PREFETCH_AHEAD: usize = 16 << 10;
+
+/// Asks for the `bytes` of a tile that lie [`TILE_PREFETCH_AHEAD`] bytes after `tile`, into L2.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(crate) fn prefetch_tile_ahead(tile: *const u8, bytes: usize) {
-    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-    let p = tile.wrapping_add(PREFETCH_AHEAD);
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+    let p = tile.wrapping_add(TILE_PREFETCH_AHEAD);
     for off in (0..bytes).step_by(64) {
         // SAFETY: a prefetch never faults, whatever the address (SSE is in the x86-64 baseline).
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off) as *const i8) };
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(off) as *const i8) };
     }
 }
 

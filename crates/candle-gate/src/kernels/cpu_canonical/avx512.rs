@@ -228,10 +228,8 @@ unsafe fn q8_0<const R: usize>(tile: *const u8, u: usize, pass: &Pass, acc: &mut
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn group<const R: usize>(layout: Layout, group: *const u8, blocks: usize, pass: &Pass, out: &mut [[f32; 16]]) {
     let mut acc: Lanes<R> = [[MaybeUninit::uninit(); LANES]; R];
-    // Q6_K's tile is read in the order the hardware prefetcher follows, and read slower with
-    // a software prefetch (`kernels::PREFETCH_ROWS`).
     // Only a group's first pass reads it from memory; the others find it cached.
-    let prefetch = R >= crate::kernels::PREFETCH_ROWS && layout.dtype != GgmlDType::Q6K && pass.first == 0;
+    let prefetch = R >= crate::kernels::PREFETCH_ROWS && pass.first == 0;
     for b in 0..blocks {
         let tile = group.add(b * layout.tile_bytes());
         if prefetch {
