@@ -191,8 +191,8 @@ pub(crate) const PREFETCH_ROWS: usize = 4;
 /// How far ahead of the tile it reads a multi-row kernel asks for memory, into L2. Asked for
 /// 4 KiB ahead into L1, `invariant`'s Q4_K and `canonical`'s Q6_K tiles read from memory slower
 /// than with no prefetch; 16 KiB ahead into L2, every packed layout read faster (eight-stream
-/// decode: Qwen 1.5B 1.3x in `invariant`, 1.4x in `canonical`). L2 holds the eight-row
-/// pass's lines where L1's few miss buffers and 48 KiB do not.
+/// decode of Qwen 1.5B 1.23-1.37x in either mode, docs/BENCHMARKS.md). L2 holds the lines
+/// ahead where L1, which also holds the pass's rows and sums, has little room.
 pub(crate) const TILE_PREFETCH_AHEAD: usize = 16 << 10;
 
 /// Asks for the `bytes` of a tile that lie [`TILE_PREFETCH_AHEAD`] bytes after `tile`, into L2.
