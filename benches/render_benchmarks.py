@@ -771,21 +771,17 @@ def t_ab_sixteen_packed(res, doc):
     return ab_orders_table(res, doc, files, swapped, "7ab3551", "c8cc3ef", "chat prompts")
 
 
-def ab_context_table(res, doc, names, old: str = "", new: str = "", swapped=()) -> list[str]:
+def ab_context_table(res, doc, names, old: str = "", new: str = "") -> list[str]:
     """`ab_builds.py --context N --json` files: prefill and decode at one stream, `old` → `new`
-    (by default the builds the first file records). In the `swapped` files the newer build ran
-    first in each round (`ab_orders_table`); with any, a column says which ran first."""
+    (by default the builds the first file records)."""
     old, new = old or res(names[0])["before_build"], new or res(names[0])["commit"]
     rows = []
-    for name in list(names) + list(swapped):
+    for name in names:
         d = res(name)
-        turn = (lambda r: (r["after"], r["before"])) if name in swapped else (lambda r: (r["before"], r["after"]))
-        order = [f"{new if name in swapped else old} first"] if swapped else []
-        rows += [[model_name(d["model"]), context_label(d["context"])] + order + [str(d["rounds"]), arrow(*turn(p)),
-                  arrow(*turn(r))] for p, r in zip(d["prefill_rows"], d["rows"])]
-    header = ["model", "prompt"] + (["each round"] if swapped else []) + ["rounds", "prefill, 1 stream", "decode, 1 stream"]
-    return table(header, rows) + [
-        "", f"tok/s, {old} → {new} (ratio), best of alternating rounds. " + res.source(list(names) + list(swapped), doc)]
+        rows += [[model_name(d["model"]), context_label(d["context"]), str(d["rounds"]), arrow(p["before"], p["after"]),
+                  arrow(r["before"], r["after"])] for p, r in zip(d["prefill_rows"], d["rows"])]
+    return table(["model", "prompt", "rounds", "prefill, 1 stream", "decode, 1 stream"], rows) + [
+        "", f"tok/s, {old} → {new} (ratio), best of alternating rounds. " + res.source(names, doc)]
 
 
 def t_ab_sixteen_packed_context(res, doc):

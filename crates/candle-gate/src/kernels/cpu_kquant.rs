@@ -846,7 +846,7 @@ mod avx512 {
         // A group is one run of bytes, read in order: the hardware prefetcher follows it
         // (software prefetches 2-8 tiles ahead changed nothing measurable at one row), but not
         // far enough ahead once a tile's rows take longer than its read.
-        let prefetch = first_pass && rows >= crate::kernels::PREFETCH_ROWS;
+        let prefetch = crate::kernels::prefetches_tiles(rows, first_pass);
         let segments = |b: usize, s: usize| {
             if prefetch && s == 0 {
                 crate::kernels::prefetch_tile_ahead(base.add(b * TILE), TILE);

@@ -423,7 +423,7 @@ pub(crate) mod avx512 {
     ) {
         assert!(group.len() >= super::PACK_COLS * kb && ys.len() >= R * kb);
         assert!(W::OFFSET == 0 || ysum.len() >= R * kb);
-        let prefetch = from_memory && R >= super::super::PREFETCH_ROWS;
+        let prefetch = super::super::prefetches_tiles(R, from_memory);
         let tile_bytes = super::PACK_COLS * std::mem::size_of::<W>();
         let base = group.as_ptr() as *const u8;
         let m4 = _mm512_set1_epi8(0x0F);

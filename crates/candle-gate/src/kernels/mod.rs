@@ -172,11 +172,19 @@ pub(crate) fn prefetch_ahead<T>(block: &T) {
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(crate) fn prefetch_at<T>(block: &T, distance: usize) {
-    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-    let p = (block as *const T as *const i8).wrapping_add(distance);
-    for off in (0..std::mem::size_of::<T>()).step_by(64) {
+    prefetch_lines::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+        (block as *const T as *const u8).wrapping_add(distance),
+        std::mem::size_of::<T>(),
+    )
+}
+
+/// Asks for the cache lines of the `bytes` at `p`, into the cache level `HINT` names.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch_lines<const HINT: i32>(p: *const u8, bytes: usize) {
+    for off in (0..bytes).step_by(64) {
         // SAFETY: a prefetch never faults, whatever the address (SSE is in the x86-64 baseline).
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off)) };
+        unsafe { std::arch::x86_64::_mm_prefetch::<HINT>(p.wrapping_add(off) as *const i8) };
     }
 }
 
@@ -186,6 +194,7 @@ pub(crate) fn prefetch_at<T>(block: &T, distance: usize) {
 /// (`huge_pages::WeightArena`), at eight rows the hardware prefetcher alone left a tile's
 /// compute and its read from memory one after the other; at two and three rows `canonical`
 /// decoded slower with a prefetch (docs/BENCHMARKS.md, "Weights in one huge-page arena").
+#[cfg(target_arch = "x86_64")]
 pub(crate) const PREFETCH_ROWS: usize = 4;
 
 /// How far ahead of the tile it reads a multi-row kernel asks for memory, into L2. Asked for
@@ -193,18 +202,22 @@ pub(crate) const PREFETCH_ROWS: usize = 4;
 /// than with no prefetch; 16 KiB ahead into L2, every packed layout read faster (eight-stream
 /// decode of Qwen 1.5B 1.23-1.37x in either mode, docs/BENCHMARKS.md). L2 holds the lines
 /// ahead where L1, which also holds the pass's rows and sums, has little room.
+#[cfg(target_arch = "x86_64")]
 pub(crate) const TILE_PREFETCH_AHEAD: usize = 16 << 10;
 
 /// Asks for the `bytes` of a tile that lie [`TILE_PREFETCH_AHEAD`] bytes after `tile`, into L2.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(crate) fn prefetch_tile_ahead(tile: *const u8, bytes: usize) {
-    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
-    let p = tile.wrapping_add(TILE_PREFETCH_AHEAD);
-    for off in (0..bytes).step_by(64) {
-        // SAFETY: a prefetch never faults, whatever the address (SSE is in the x86-64 baseline).
-        unsafe { _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(off) as *const i8) };
-    }
+    prefetch_lines::<{ std::arch::x86_64::_MM_HINT_T1 }>(tile.wrapping_add(TILE_PREFETCH_AHEAD), bytes)
+}
+
+/// Whether a pass of `rows` rows over a packed group asks for its tiles ahead
+/// ([`PREFETCH_ROWS`]): from that many rows, and only on the group's first pass.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) fn prefetches_tiles(rows: usize, first_pass: bool) -> bool {
+    first_pass && rows >= PREFETCH_ROWS
 }
 
 /// Output pointer shared by workers that write disjoint elements of one output buffer.

@@ -229,7 +229,7 @@ unsafe fn q8_0<const R: usize>(tile: *const u8, u: usize, pass: &Pass, acc: &mut
 unsafe fn group<const R: usize>(layout: Layout, group: *const u8, blocks: usize, pass: &Pass, out: &mut [[f32; 16]]) {
     let mut acc: Lanes<R> = [[MaybeUninit::uninit(); LANES]; R];
     // Only a group's first pass reads it from memory; the others find it cached.
-    let prefetch = R >= crate::kernels::PREFETCH_ROWS && pass.first == 0;
+    let prefetch = crate::kernels::prefetches_tiles(R, pass.first == 0);
     for b in 0..blocks {
         let tile = group.add(b * layout.tile_bytes());
         if prefetch {
