@@ -1072,9 +1072,7 @@ mod avx512 {
         ys: &[super::Q8K],
         rows: usize,
         out: &mut [[f32; 16]],
-        // No prefetch (`kernels::PREFETCH_ROWS`): eight-stream Qwen 1.5B decode did not move
-        // with one (99.8 against 103.5 tok/s, best of four rounds each).
-        _first_pass: bool,
+        first_pass: bool,
     ) {
         assert!(group.len() >= 16 * kb);
         const TILE: usize = 16 * std::mem::size_of::<super::Q6K>();
@@ -1083,9 +1081,17 @@ mod avx512 {
             let p = base.add(b * TILE + 64 * first);
             std::array::from_fn(|t| _mm512_loadu_si512(p.add(64 * t) as *const _))
         };
+        // Past the register kernel's rows only: at four rows Qwen 1.5B's Q6_K matrices read
+        // slower with the prefetch, at eight faster (docs/BENCHMARKS.md, "Q6_K's tile prefetch").
+        let prefetch = rows > Q6K_REGISTER_ROWS && crate::kernels::prefetches_tiles(rows, first_pass);
         // Each tile is read from its start to its end ([`q6k_slot`]): the scales, the
         // sixteen halves' segments as the kernel takes them, then `d`.
-        let scales = |b: usize| vectors(b, q6k_slot(std::mem::offset_of!(super::Q6K, scales) / 4));
+        let scales = |b: usize| {
+            if prefetch {
+                crate::kernels::prefetch_tile_ahead(base.add(b * TILE), TILE);
+            }
+            vectors(b, q6k_slot(std::mem::offset_of!(super::Q6K, scales) / 4))
+        };
         let segment = |b: usize, byte: usize| vectors(b, q6k_slot(byte / 4));
         let d = |b: usize| {
             _mm512_cvtph_ps(_mm256_loadu_si256(base.add(b * TILE + 64 * super::Q6K_WORDS) as *const __m256i))
@@ -1108,9 +1114,9 @@ mod avx512 {
         G: Fn(usize, usize) -> [__m512i; 4],
         D: Fn(usize) -> __m512,
     {
-        /// Picks the kernel for `rows`: up to four rows keep every sum in registers (Q4_K's
-        /// kernel only up to two: at three and four rows its register form ran slower on some
-        /// shapes).
+        /// Picks the kernel for `rows`: up to [`Q6K_REGISTER_ROWS`] rows keep every sum in
+        /// registers (Q4_K's kernel only up to two: at three and four rows its register form ran
+        /// slower on some shapes).
         #[inline(always)]
         unsafe fn run(self, kb: usize, ys: &[super::Q8K], rows: usize, out: &mut [[f32; 16]]) {
             match rows {
@@ -1254,6 +1260,8 @@ mod avx512 {
         _mm512_add_ps(acc, _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(y.d), xd), _mm512_cvtepi32_ps(isum)))
     }
 
+    /// Up to how many rows the Q6_K kernel keeps every sum in registers ([`Q6kTiles::few`]).
+    const Q6K_REGISTER_ROWS: usize = 4;
     const Q6K_QL: usize = std::mem::offset_of!(super::Q6K, ql);
     const Q6K_QH: usize = std::mem::offset_of!(super::Q6K, qh);
 }
