@@ -723,8 +723,11 @@ def ab_table(res, doc, entries):
         rows.append([label or model_name(d["model"]), prompts or context_label(d.get("context")),
                      str(d["rounds"])] + [ab_cell(d, c) for c in conc])
     header = ["model", "prompts", "rounds"] + [f"{c} stream{'s' if c > 1 else ''}" for c in conc]
-    note = "Decode tok/s, before → after (ratio), best of alternating rounds. "
-    return table(header, grouped(rows)) + ["", note + res.source([f for _, _, f in entries], doc)]
+    note = "Decode tok/s, before → after (ratio), best of alternating rounds"
+    # ab_builds.py's --order (2026-12-06 on): a file that records it says who ran first.
+    if all(res(f).get("order") == "alternate" for _, _, f in entries):
+        note += ", each build first in every other round"
+    return table(header, grouped(rows)) + ["", note + ". " + res.source([f for _, _, f in entries], doc)]
 
 
 def t_ab_session_start_xeon(res, doc):
@@ -1267,6 +1270,8 @@ TABLES = {
                                            prompts="chat prompts, `canonical` mode"),
     "ab-arena-prefetch-context": partial(ab_context_table, names=[f"ab-arena-prefetch-{m}-1024-zen4.json" for m in ("qwen05", "qwen15")]),
     "canonical-zen4-arena-prefetch": partial(modes_table, name="modes-canonical-vs-invariant-zen4-c9216c4.json"),
+    "ab-kernels-q6k-prefetch": partial(kernels_ab_table, name="ab-kernels-q6k-prefetch-qwen15-zen4.json", tier=" (AVX-512 tier)"),
+    "ab-q6k-prefetch": partial(ab_table, entries=ab_files("ab-q6k-prefetch-{}-zen4.json", "qwen15", "synth8b")),
     "canonical-scalar": t_canonical_scalar,
     "ab-session-start-xeon": t_ab_session_start_xeon,
     "peers": t_peers,
