@@ -428,7 +428,7 @@ HEADLINE_SUSPECT = {("smollm2-135m-instruct-q4_1", "ik_llama_cpp", "prefill_tok_
 
 
 # The README's one headline table: one commit, one host, one date.
-HEADLINE = ("headline-chat-zen4-c9cf0ec.json", "headline-4096-zen4-c9cf0ec.json")
+HEADLINE = ("headline-chat-zen4-eb7d734.json", "headline-4096-zen4-eb7d734.json")
 
 
 def headline_table(res, doc, chat: str, long: str) -> list[str]:
