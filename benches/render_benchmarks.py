@@ -640,21 +640,24 @@ def t_peers(res, doc):
     return table(header, out) + ["", "tok/s, `invariant` mode. " + res.source(files, doc)]
 
 
-def peers_qwen15_table(res, doc, chat: str, ctx: str) -> list[str]:
-    """Qwen 1.5B, one stream, at chat length, 1k and 4k, against both peers (issue 50's goals)."""
+def peers_qwen15_table(res, doc, chat: str, ctx: str, long: str = "", long_context: int = 4095) -> list[str]:
+    """Qwen 1.5B, one stream, at chat length, 1k and 4k, against both peers (issue 50's goals):
+    1k from `ctx`, 4k from `long` (default `ctx`) at `long_context` tokens."""
     model, peers = "qwen2.5-coder-1.5b-instruct-q4_k_m", ("llama_cpp", "ik_llama_cpp")
+    long = long or ctx
     rows = []
-    for name, context in ((chat, None), (ctx, 1023), (ctx, 4095)):
+    for name, context in ((chat, None), (ctx, 1023), (long, long_context)):
         r = vs_row(res(name), model, 1, context)
         rows.append([context_label(context), peer_cell(r, "prefill_tok_s", g3, peers),
                      peer_cell(r, "decode_tok_s", g3, peers), pct(r["bandwidth_share"])])
     eight = vs_row(res(chat), model, 8, None)
     rows.append(["chat, 8 streams", "", peer_cell(eight, "decode_tok_s", g3, peers), ""])
     header = ["prompt", "prefill", "decode", "decode's share of the read bandwidth"]
-    bw = ", ".join(f"{res(f)['read_bandwidth_gbs']:.1f} GB/s" for f in (chat, ctx))
+    files = list(dict.fromkeys((chat, ctx, long)))
+    bw = ", ".join(f"{res(f)['read_bandwidth_gbs']:.1f} GB/s" for f in files)
     return table(header, rows) + ["", "Qwen2.5-Coder-1.5B Q4_K_M, tok/s: candle-gate (`invariant`) vs llama.cpp "
                                   f"(ratio) vs ik_llama.cpp (ratio), one stream unless said. Best read bandwidth {bw}. "
-                                  + res.source([chat, ctx], doc)]
+                                  + res.source(files, doc)]
 
 
 def t_peers_qwen15_zen4(res, doc):
@@ -666,9 +669,8 @@ def t_peers_qwen15_zen4_sixteen_packed(res, doc):
                               "vs-peers-qwen15-context-zen4-sixteen-packed.json")
 
 
-def t_peers_synth8b_zen4(res, doc):
+def peers_synth8b_table(res, doc, name: str) -> list[str]:
     """The 8B-shaped file against both peers: issue 50's parity and 8-stream goals."""
-    name = "vs-peers-synth8b-chat-zen4-sixteen-packed.json"
     d, peers = res(name), ("llama_cpp", "ik_llama_cpp")
     one, eight = vs_row(d, d["rows"][0]["model"], 1), vs_row(d, d["rows"][0]["model"], 8)
     rows = [["prefill, 1 stream", peer_cell(one, "prefill_tok_s", g3, peers)],
@@ -1282,7 +1284,11 @@ TABLES = {
     "ab-issue51": t_ab_issue51,
     "peers-qwen15-zen4": t_peers_qwen15_zen4,
     "peers-qwen15-zen4-sixteen-packed": t_peers_qwen15_zen4_sixteen_packed,
-    "peers-synth8b-zen4": t_peers_synth8b_zen4,
+    "peers-synth8b-zen4": partial(peers_synth8b_table, name="vs-peers-synth8b-chat-zen4-sixteen-packed.json"),
+    "peers-synth8b-zen4-e75fecd": partial(peers_synth8b_table, name="vs-peers-synth8b-chat-zen4-e75fecd.json"),
+    "peers-qwen15-zen4-headline": partial(peers_qwen15_table, chat="headline-chat-zen4-eb7d734.json",
+                                         ctx="vs-peers-qwen15-1023-zen4-e75fecd.json",
+                                         long="headline-4096-zen4-eb7d734.json", long_context=4096),
     "ab-sixteen-packed": t_ab_sixteen_packed,
     "ab-sixteen-packed-context": t_ab_sixteen_packed_context,
     "ab-kernels-sixteen-packed": t_ab_kernels_sixteen_packed,
