@@ -1272,6 +1272,7 @@ TABLES = {
                                            prompts="chat prompts, `canonical` mode"),
     "ab-arena-prefetch-context": partial(ab_context_table, names=[f"ab-arena-prefetch-{m}-1024-zen4.json" for m in ("qwen05", "qwen15")]),
     "canonical-zen4-arena-prefetch": partial(modes_table, name="modes-canonical-vs-invariant-zen4-c9216c4.json"),
+    "canonical-zen4-70ec7c6": partial(modes_table, name="modes-canonical-vs-invariant-zen4-70ec7c6.json"),
     "ab-kernels-q6k-prefetch": partial(kernels_ab_table, name="ab-kernels-q6k-prefetch-qwen15-zen4.json", tier=" (AVX-512 tier)"),
     "ab-q6k-prefetch": partial(ab_table, entries=ab_files("ab-q6k-prefetch-{}-zen4.json", "qwen15", "synth8b")),
     "canonical-scalar": t_canonical_scalar,
