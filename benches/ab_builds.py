@@ -13,8 +13,8 @@ rests on.
 `--after` defaults to the package this interpreter imports (the work tree's, when installed
 editable). Each run is a fresh process, so the two builds never share one. On these shared
 hosts the build that runs second in a round tends to be favoured, so by default the rounds
-alternate which build goes first (`--order alternate`; give an even `--rounds`); `--order
-before-first` runs `--before` first in every round, as this script did until 2026-12-06.
+alternate which build goes first (`--order alternate`, `ab_rounds.py`; give an even `--rounds`);
+`--order before-first` runs `--before` first in every round, as this script did until 2026-12-06.
 
 With `--context N` each stream's prompt is instead N tokens of running text and each run is
 `benches/vs_llama_cpp.py`'s candle-gate side (the same prompts, prefill in chunks, decode tok/s
@@ -27,6 +27,7 @@ import os
 import subprocess
 import sys
 
+import ab_rounds
 import provenance
 
 
@@ -85,8 +86,7 @@ def main():
     ap.add_argument("--concurrency", default="1,8")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--order", choices=("alternate", "before-first"), default="alternate",
-                    help="which build runs first in each round: alternate rounds (default) or --before always")
+    ab_rounds.add_order_option(ap)
     ap.add_argument("--context", type=int, default=0,
                     help="prompts of this many tokens of running text (default: the short chat prompts)")
     ap.add_argument("--json", help="also write the table here")
@@ -98,15 +98,13 @@ def main():
     paths = {"before": where(args.before), "after": where(args.after)}
     sides = (("before", args.before), ("after", args.after))
     for r in range(args.rounds):
-        flip = args.order == "alternate" and r % 2 == 1
-        for side, pkg in (sides[::-1] if flip else sides):
+        for side, pkg in ab_rounds.in_turn(sides, r, args.order):
             got = run(pkg, args)
             for c, v in got.items():
                 best[side][c] = max(best[side].get(c, 0.0), v)
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     what = f", {args.context}-token prompts" if args.context else ""
-    order = "each build first in every other round" if args.order == "alternate" else "before first in each"
-    print(f"{args.model}, {args.mode}{what}, tok/s, best of {args.rounds} rounds ({order})")
+    print(f"{args.model}, {args.mode}{what}, tok/s, best of {args.rounds} rounds ({ab_rounds.described(args.order)})")
     print(f"  before: {paths['before']}\n  after:  {paths['after']}")
     print(f"{'metric':>8} {'concurrency':>12} {'before':>10} {'after':>10} {'after/before':>13}")
     tables = {"decode": [], "prefill": []}

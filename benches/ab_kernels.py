@@ -2,7 +2,9 @@
 in fresh processes, with the same arguments; the best invariant time (hot and cold) of each
 (dtype, n, k, rows) is kept per build and the ratio printed. What a kernel-level "faster than the
 previous commit" claim rests on: on a shared VM one process can run the same binary 1.3x slower
-than the next, so a single run of each build compares the host's moods, not the code.
+than the next, so a single run of each build compares the host's moods, not the code. By
+default the rounds alternate which build runs first (`--order`, `ab_rounds.py`), since the second
+of a round tends to be favoured.
 
     # the other build's bench, e.g. the previous commit's:
     git worktree add /tmp/prev HEAD~1
@@ -10,7 +12,7 @@ than the next, so a single run of each build compares the host's moods, not the 
                                                               # away if the two trees share a target
                                                               # directory (cargo names both alike)
     python benches/ab_kernels.py --before /tmp/prev/target/release/deps/kernels-HASH \\
-        [--after BIN] [--rounds 3] [--kernel canonical] [--json OUT --before-label COMMIT] -- --model qwen2.5-coder-0.5b-instruct-q4_k_m --rows 1,8 --only Q5_0
+        [--after BIN] [--rounds 4] [--order alternate] [--kernel canonical] [--json OUT --before-label COMMIT] -- --model qwen2.5-coder-0.5b-instruct-q4_k_m --rows 1,8 --only Q5_0
 
 `--after` defaults to this tree's bench (built with `cargo bench --bench kernels --no-run`).
 Benches older than `--only` ignore it and time every shape; only the shapes both printed are
@@ -26,6 +28,7 @@ import subprocess
 import sys
 from typing import Dict, Tuple
 
+import ab_rounds
 import provenance
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,7 +50,10 @@ def run(binary: str, args, kernel: str = "invariant") -> Dict[Key, Tuple[float, 
     rows), from one run. The bench prints the canonical kernel's cold rate, not its time: both
     kernels read the same bytes (a pack only permutes them), so its cold time is the invariant
     kernel's times the ratio of their rates."""
-    out = subprocess.run([binary, *args], capture_output=True, text=True, check=True).stdout
+    done = subprocess.run([binary, *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"{binary} {' '.join(args)} failed (exit {done.returncode}): {done.stderr.strip()}")
+    out = done.stdout
     rows = {}
     for line in out.splitlines():
         f = line.split()
@@ -69,7 +75,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--before", required=True, help="the other build's `kernels` bench executable")
     ap.add_argument("--after", default=None, help="this build's (default: this tree's, built if needed)")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=4)
+    ab_rounds.add_order_option(ap)
     ap.add_argument("--kernel", choices=["invariant", "canonical"], default="invariant",
                     help="which mode's kernel to compare (default: invariant)")
     ap.add_argument("--json", help="also write the table here, with where and when it ran")
@@ -80,12 +87,13 @@ def main(argv=None) -> int:
     after = a.after or this_tree_bench()
     best = {"before": {}, "after": {}}
     for rnd in range(a.rounds):
-        for side, binary in (("before", a.before), ("after", after)):
+        for side, binary in ab_rounds.in_turn((("before", a.before), ("after", after)), rnd, a.order):
             for key, (hot, cold) in run(binary, bench_args, a.kernel).items():
                 h, c = best[side].get(key, (float("inf"), float("inf")))
                 best[side][key] = (min(h, hot), min(c, cold))
         print(f"round {rnd + 1}/{a.rounds} done", file=sys.stderr, flush=True)
-    print(f"before: {a.before}\nafter:  {after}\nbest of {a.rounds} alternating rounds, {a.kernel} kernel, ms")
+    print(f"before: {a.before}\nafter:  {after}\nbest of {a.rounds} rounds ({ab_rounds.described(a.order)}), "
+          f"{a.kernel} kernel, ms")
     print(f"{'dtype':<6} {'n':>7} {'k':>6} {'rows':>4} {'hot before':>11} {'after':>8} {'ratio':>6} "
           f"{'cold before':>12} {'after':>8} {'ratio':>6}")
     table = []
@@ -99,7 +107,7 @@ def main(argv=None) -> int:
                       "cold_ms_before": cb, "cold_ms_after": ca})
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({**provenance.stamp(), "before": a.before_label or a.before, "kernel": a.kernel, "rounds": a.rounds,
+            json.dump({**provenance.stamp(), "before": a.before_label or a.before, "kernel": a.kernel, "rounds": a.rounds, "order": a.order,
                        "bench_args": bench_args, "results": table}, f, indent=1)
     return 0
 

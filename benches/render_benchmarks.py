@@ -828,7 +828,9 @@ def kernels_ab_table(res, doc, name: str, tier: str = "") -> list[str]:
     return table(header, grouped(rows)) + [
         "", f"`cargo bench --bench kernels` through `benches/ab_kernels.py`, {d.get('kernel', 'invariant')} kernel"
             f"{tier}, {d['before']} → "
-            f"{d['commit']} (speedup), best of {d['rounds']} alternating rounds. " + res.source([name], doc)]
+            f"{d['commit']} (speedup), best of {d['rounds']} alternating rounds"
+            f"{', each build first in every other round' if d.get('order') == 'alternate' else ''}. "
+            + res.source([name], doc)]
 
 
 def t_ab_kernels_sixteen_packed(res, doc):
