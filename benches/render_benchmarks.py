@@ -1277,6 +1277,7 @@ TABLES = {
     "canonical-zen4-70ec7c6": partial(modes_table, name="modes-canonical-vs-invariant-zen4-70ec7c6.json"),
     "ab-kernels-q6k-prefetch": partial(kernels_ab_table, name="ab-kernels-q6k-prefetch-qwen15-zen4.json", tier=" (AVX-512 tier)"),
     "ab-q6k-prefetch": partial(ab_table, entries=ab_files("ab-q6k-prefetch-{}-zen4.json", "qwen15", "synth8b")),
+    "ab-q6k-prefetch-context": partial(ab_context_table, names=[f"ab-q6k-prefetch-{m}-1024-zen4.json" for m in ("qwen05", "qwen15")]),
     "canonical-scalar": t_canonical_scalar,
     "ab-session-start-xeon": t_ab_session_start_xeon,
     "peers": t_peers,
