@@ -715,6 +715,12 @@ def ab_files(pattern: str, *models: str) -> list:
     return [(None, None, pattern.format(m)) for m in models]
 
 
+def order_note(ds: list) -> str:
+    """What the A/B files `ds` say of who ran first in a round (`ab_rounds.py`'s `--order`,
+    recorded from 2026-12-06): said only where every file alternated."""
+    return ", each build first in every other round" if all(d.get("order") == "alternate" for d in ds) else ""
+
+
 def ab_table(res, doc, entries):
     """entries: (label, prompts label, file). One row a file: model, prompts, rounds, and each
     concurrency any of the files measured."""
@@ -725,10 +731,7 @@ def ab_table(res, doc, entries):
         rows.append([label or model_name(d["model"]), prompts or context_label(d.get("context")),
                      str(d["rounds"])] + [ab_cell(d, c) for c in conc])
     header = ["model", "prompts", "rounds"] + [f"{c} stream{'s' if c > 1 else ''}" for c in conc]
-    note = "Decode tok/s, before → after (ratio), best of alternating rounds"
-    # ab_builds.py's --order (2026-12-06 on): a file that records it says who ran first.
-    if all(res(f).get("order") == "alternate" for _, _, f in entries):
-        note += ", each build first in every other round"
+    note = "Decode tok/s, before → after (ratio), best of alternating rounds" + order_note([res(f) for _, _, f in entries])
     return table(header, grouped(rows)) + ["", note + ". " + res.source([f for _, _, f in entries], doc)]
 
 
@@ -829,7 +832,7 @@ def kernels_ab_table(res, doc, name: str, tier: str = "") -> list[str]:
         "", f"`cargo bench --bench kernels` through `benches/ab_kernels.py`, {d.get('kernel', 'invariant')} kernel"
             f"{tier}, {d['before']} → "
             f"{d['commit']} (speedup), best of {d['rounds']} alternating rounds"
-            f"{', each build first in every other round' if d.get('order') == 'alternate' else ''}. "
+            f"{order_note([d])}. "
             + res.source([name], doc)]
 
 
