@@ -1,5 +1,6 @@
 """``candle-gate serve`` as a subprocess on loopback (tests/server, tests/probe, tests/ray, ...), and
 waiting for a state without calling a slow machine hung."""
+import os
 import re
 import signal
 import socket
@@ -7,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Dict, Optional
 
 #: How long a wait for a server's state may last before the test calls the server hung. A guard
 #: against hanging, never a claim about speed: the tests wait for states and events (a count in
@@ -36,15 +38,17 @@ def free_port() -> int:
 
 
 class Server:
-    """`candle-gate serve --port P *extra` on loopback, ready when /health says 200."""
+    """`candle-gate serve --port P *extra` on loopback, ready when /health says 200; ``env``: set
+    in the server's environment, over this process's."""
 
-    def __init__(self, *extra: str):
+    def __init__(self, *extra: str, env: Optional[Dict[str, str]] = None):
         import httpx
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         argv = ["serve", "--port", str(self.port), *extra]
         cmd = [sys.executable, "-m", "candle_gate", *argv]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, **(env or {})})
         self.log = []
         threading.Thread(target=self._read, daemon=True).start()
         deadline = time.time() + 120

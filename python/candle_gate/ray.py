@@ -283,7 +283,10 @@ def serve_replicas(settings: Settings, replicas: Optional[int], ray_address: Opt
     if ray_address:
         ray.init(address=ray_address, namespace="serve", log_to_driver=False)
     else:
-        ray.init(include_dashboard=False, namespace="serve", log_to_driver=False)
+        # "local", never None: given none, Ray joins RAY_ADDRESS's cluster or the one its temp dir
+        # last recorded (ray_current_cluster, left behind by a cluster killed before its
+        # shutdown), and would hang on one that is gone or serve on one that is not ours.
+        ray.init(address="local", include_dashboard=False, namespace="serve", log_to_driver=False)
     stop = threading.Event()
     failed = 0
     for sig in (signal.SIGTERM, signal.SIGINT):

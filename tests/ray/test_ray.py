@@ -1,5 +1,6 @@
 """Replicas on Ray Serve (``candle-gate serve --replicas 2``, ``candle_gate.ray``): a local Ray
-cluster on loopback, started and stopped by the module's fixture. Every request gets the same
+cluster on loopback, started and stopped by the module's fixture (a cluster of its own, though Ray's
+temp dir names another, gone). Every request gets the same
 completion and logprobs whichever replica serves it, and what an in-process engine gives (each
 response verified by ``candle_gate.verify``); a session sticks to its replica; the endpoint probe
 finds one completion per prompt at every load; a replica killed mid-stream cuts only its own
@@ -11,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -23,7 +25,7 @@ import candle_gate  # noqa: E402
 from candle_gate.probe import endpoint as ep  # noqa: E402
 
 from ..engine.test_gate import CHATS  # noqa: E402
-from ..live_server import HANG_S, Server, wait_until  # noqa: E402
+from ..live_server import HANG_S, Server, free_port, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.model  # loads a model, or serves one
 
@@ -42,13 +44,27 @@ class RayServer(Server):
             subprocess.run([ray_cli, "stop", "--force"], capture_output=True, timeout=120)
 
 
+def stale_ray_tmpdir() -> str:
+    """A Ray temp dir (``RAY_TMPDIR``, short: Ray's socket paths must fit in 107 bytes) whose
+    ``ray_current_cluster`` names a cluster that is gone, as a ``ray.cluster_utils.Cluster`` killed
+    before its shutdown leaves it. ``ray.init()`` with no address joins the cluster that file
+    names: ``serve --replicas`` without ``--ray-address`` must start its own instead."""
+    root = tempfile.mkdtemp(prefix="cg-ray-", dir="/tmp")
+    os.makedirs(os.path.join(root, "ray"))
+    with open(os.path.join(root, "ray", "ray_current_cluster"), "w") as f:
+        f.write(f"127.0.0.1:{free_port()}")
+    return root
+
+
 @pytest.fixture(scope="module")
 def fleet():
-    s = RayServer("--replicas", "2", "--threads", "1", "--num-cpus-per-replica", "1")
+    ray_tmpdir = stale_ray_tmpdir()
+    s = RayServer("--replicas", "2", "--threads", "1", "--num-cpus-per-replica", "1", env={"RAY_TMPDIR": ray_tmpdir})
     try:
         yield s
     finally:
         s.stop()
+        shutil.rmtree(ray_tmpdir, ignore_errors=True)
         assert "shutting down (draining the replicas)" in "".join(s.log)
 
 
