@@ -1262,6 +1262,8 @@ mod avx512 {
 
     /// Up to how many rows the Q6_K kernel keeps every sum in registers ([`Q6kTiles::few`]).
     const Q6K_REGISTER_ROWS: usize = 4;
+    // [`Q6kTiles::run`] names the register kernels one by one, `few::<1>` to `few::<4>`.
+    const _: () = assert!(Q6K_REGISTER_ROWS == 4);
     const Q6K_QL: usize = std::mem::offset_of!(super::Q6K, ql);
     const Q6K_QH: usize = std::mem::offset_of!(super::Q6K, qh);
 }
