@@ -1,5 +1,5 @@
 //! `cargo bench --bench attention [-- --contexts 1024,4096,16384 --dtype f16 --tier avx512|avx2|vector|portable|all]`: the attention
-//! kernel alone on the three models' head shapes, as a decode step runs it (one row, every
+//! kernel alone on the three models' head shapes and Llama 3.1 8B's, as a decode step runs it (one row, every
 //! layer in turn, so the K/V come from memory) and as a prefill chunk of 512 rows at the end of
 //! the context; K/V bytes read per second against the machine's read bandwidth, and the
 //! portable tier beside the vectorized one.
@@ -33,6 +33,7 @@ fn main() {
         ("SmolLM2-135M", 30, Heads::new(9, 3, 64)),
         ("Qwen2.5-0.5B", 24, Heads::new(14, 2, 64)),
         ("Qwen2.5-1.5B", 28, Heads::new(12, 2, 128)),
+        ("Llama-3.1-8B", 32, Heads::new(32, 8, 128)),
     ];
     println!(
         "{:<14} {:>7} {:<9} {:>12} {:>9} {:>10} {:>14}",

@@ -35,6 +35,26 @@ const BLOCKS_PER_SPLIT: usize = SPLIT / KV_BLOCK;
 const TILE_ROWS: usize = 16;
 /// How many blocks ahead of their use the kernel asks for a block's keys or values.
 const AHEAD: usize = 2;
+/// From this head dim up, the AVX-512 kernels ask for the region read next into L2 rather than
+/// L1. A decode step's attention at head dim 128 (Qwen 1.5B's six queries a KV head, Llama 3.1
+/// 8B's four) took 0.74–0.85x the time at 4,096 positions, 0.87–0.91x at 1,024; at head dim 64
+/// (SmolLM2, Qwen 0.5B), which carries half the multiply-adds per byte read, it moved within
+/// ±9% either way (docs/BENCHMARKS.md, "The next K/V region into L2").
+const NEXT_INTO_L2_FROM_HEAD_DIM: usize = 128;
+
+/// The region a kernel reads after the one it is on, asked for a row at a time as the kernel
+/// goes (a block is its own 4 KiB page or more, where the hardware's prefetch stops), and the
+/// cache level it is asked into. A prefetch changes no bit.
+#[derive(Clone, Copy)]
+pub(crate) struct Next {
+    pub(crate) region: *const u8,
+    pub(crate) into_l2: bool,
+}
+
+impl Next {
+    /// Nothing to ask for.
+    const NONE: Next = Next { region: std::ptr::null(), into_l2: false };
+}
 
 /// The attention tiers: the scalar definition, and AVX2 or AVX-512 lanes running the same
 /// operations (every tier gives the definition's bits).
@@ -165,7 +185,7 @@ fn group_len(left: usize) -> usize {
 /// # Safety
 /// `tier` must be a vector tier this host runs; `o` holds `ps.len() × hd` values, `v`
 /// `ps[0].len()` rows.
-unsafe fn grouped_values(ps: &[&[f32]], v: Block, hd: usize, o: *mut f32, tier: Tier, next: *const u8) {
+unsafe fn grouped_values(ps: &[&[f32]], v: Block, hd: usize, o: *mut f32, tier: Tier, next: Next) {
     #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma", target_feature = "f16c"))]
     if tier == Tier::Avx512 && hd.is_multiple_of(16) {
         match v {
@@ -314,6 +334,8 @@ struct SplitPass<'a> {
     /// Blocks are read where they lie (else one widened f32 copy at a time, which stays in L1
     /// while every query reads it).
     direct: bool,
+    /// The region read next is asked for into L2 ([`NEXT_INTO_L2_FROM_HEAD_DIM`]).
+    next_into_l2: bool,
     tier: Tier,
 }
 
@@ -332,7 +354,8 @@ impl<'a> SplitPass<'a> {
         let grouped = tier.vector() && hd.is_multiple_of(8);
         let direct = grouped && (kv.layout.dtype == KvDtype::F32 || qs.len() <= GROUP_MAX);
         let (first, nb) = (split * BLOCKS_PER_SPLIT, reach.div_ceil(KV_BLOCK));
-        Some(SplitPass { kv, kvh, hd, spans, first, b0, nb, grouped, direct, tier })
+        let next_into_l2 = hd >= NEXT_INTO_L2_FROM_HEAD_DIM;
+        Some(SplitPass { kv, kvh, hd, spans, first, b0, nb, grouped, direct, next_into_l2, tier })
     }
 
     /// Blocks ahead: the keys of the split's blocks, then its first values. Not for the blocks
@@ -362,13 +385,14 @@ impl<'a> SplitPass<'a> {
             let at = |i: usize| i * SPLIT + b * KV_BLOCK;
             if self.direct {
                 // The region after this one: the next block's keys, else the first values.
-                let next =
+                let region =
                     if b + 1 < nb { kv.region(first + b + 1, kvh, false) } else { kv.region(first + b0, kvh, true) };
+                let next = Next { region, into_l2: self.next_into_l2 };
                 scores_block(q, kv.view(first + b, kvh, false), hd, scale, &mut w.s, at, tier, next);
             } else {
                 widen_block(kv, kvh, first + b, Some(&mut w.kt), None, tier);
                 // Every query against the block while it is in L1 (a few at a time share its loads).
-                scores_block(q, Block::F32(&w.kt), hd, scale, &mut w.s, at, tier, std::ptr::null());
+                scores_block(q, Block::F32(&w.kt), hd, scale, &mut w.s, at, tier, Next::NONE);
             }
         }
     }
@@ -410,7 +434,7 @@ impl<'a> SplitPass<'a> {
                 prefetch_block(kv, kvh, first + b + AHEAD, true);
             }
             // The region after this one: the next block's values, else the next split's first keys.
-            let next = if !self.direct {
+            let region = if !self.direct {
                 std::ptr::null()
             } else if b + 1 < nb {
                 kv.region(first + b + 1, kvh, true)
@@ -419,6 +443,7 @@ impl<'a> SplitPass<'a> {
             } else {
                 std::ptr::null()
             };
+            let next = Next { region, into_l2: self.next_into_l2 };
             let v = if self.direct {
                 kv.view(first + b, kvh, true)
             } else {
@@ -441,7 +466,7 @@ impl<'a> SplitPass<'a> {
 
     /// Block `b`'s values for runs of queries with the same positions in it (a row's heads
     /// always are one), which share each value vector they read, a group at a time.
-    fn grouped_block(&self, b: usize, v: Block, mut next: *const u8, w: &Work, out: &mut Partials) {
+    fn grouped_block(&self, b: usize, v: Block, mut next: Next, w: &Work, out: &mut Partials) {
         let (hd, spans) = (self.hd, &self.spans);
         let mut i = 0;
         while i < spans.len() {
@@ -459,7 +484,7 @@ impl<'a> SplitPass<'a> {
                     let os = out.o[j * hd..(j + len) * hd].as_mut_ptr();
                     // SAFETY: the vector tier was checked (`grouped`); `os` holds len × hd values.
                     unsafe { grouped_values(&ps[..len], v, hd, os, self.tier, next) };
-                    (j, next) = (j + len, std::ptr::null());
+                    (j, next) = (j + len, Next::NONE);
                 }
             }
             i += run;
@@ -485,7 +510,7 @@ fn prefetch_block(kv: &LayerKv, kvh: usize, b: usize, values: bool) {
 
 /// `s[t] = (Σ_d q[d]·kt[d][t]) · scale` for the block's 32 positions, for each query, into
 /// `out[at(i)..at(i) + 32]`. `next`: the region read after this one, for the AVX-512 tier to
-/// ask for as it goes (null: none).
+/// ask for as it goes.
 #[allow(clippy::too_many_arguments)]
 fn scores_block(
     qs: &[&[f32]],
@@ -495,7 +520,7 @@ fn scores_block(
     out: &mut [f32],
     at: impl Fn(usize) -> usize,
     tier: Tier,
-    next: *const u8,
+    next: Next,
 ) {
     #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma", target_feature = "f16c"))]
     if tier == Tier::Avx512 && hd.is_multiple_of(16) {

@@ -9,7 +9,7 @@
 
 use std::arch::x86_64::*;
 
-use super::KV_BLOCK;
+use super::{Next, KV_BLOCK};
 
 /// Stored values, sixteen at a time as f32 (widening f16 is exact).
 pub trait Src: Copy {
@@ -28,14 +28,21 @@ impl Src for u16 {
     }
 }
 
-/// Asks for the `bytes` at `offset` in `region`, a row of the region read next (null: none;
-/// checked before the offset is added, so that nothing is asked of a page that is not there).
+/// Asks for the `bytes` at `offset` in `region`, a row of the region read next, into L2 (`L2`)
+/// or L1 (null: none; checked before the offset is added, so that nothing is asked of a page
+/// that is not there). The level is a const parameter: a branch on it in the kernels' innermost
+/// loops cost Qwen 0.5B's attention more than the hint was worth.
 #[inline(always)]
-unsafe fn prefetch_row(region: *const u8, offset: usize, bytes: usize) {
+unsafe fn prefetch_row<const L2: bool>(region: *const u8, offset: usize, bytes: usize) {
     if !region.is_null() {
         let p = region.wrapping_add(offset);
         for off in (0..bytes).step_by(64) {
-            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off) as *const i8);
+            let line = p.wrapping_add(off) as *const i8;
+            if L2 {
+                _mm_prefetch::<_MM_HINT_T1>(line);
+            } else {
+                _mm_prefetch::<_MM_HINT_T0>(line);
+            }
         }
     }
 }
@@ -45,7 +52,7 @@ unsafe fn prefetch_row(region: *const u8, offset: usize, bytes: usize) {
 /// its own 4 KiB page or more, where the hardware's prefetch stops, and a row a step keeps
 /// few enough requests in flight that the block's own loads are not held up behind them.
 #[inline(always)]
-unsafe fn scores_group<T: Src, const NQ: usize>(
+unsafe fn scores_group<T: Src, const NQ: usize, const L2: bool>(
     qs: &[&[f32]],
     kt: *const T,
     hd: usize,
@@ -60,7 +67,7 @@ unsafe fn scores_group<T: Src, const NQ: usize>(
     let row_bytes = KV_BLOCK * std::mem::size_of::<T>();
     for d in 0..hd {
         let row = kt.add(d * KV_BLOCK);
-        prefetch_row(next, d * row_bytes, row_bytes);
+        prefetch_row::<L2>(next, d * row_bytes, row_bytes);
         let (k0, k1) = (T::load16(row), T::load16(row.add(16)));
         for j in 0..NQ {
             let qb = _mm512_set1_ps(*q[j].add(d));
@@ -77,9 +84,26 @@ unsafe fn scores_group<T: Src, const NQ: usize>(
 }
 
 /// [`super::avx2::scores_block`] in sixteen lanes, a group of up to eight queries at a time.
-/// `next`: the region read after this one, asked for as the first group goes (null: none).
+/// `next`: the region read after this one, asked for as the first group goes.
 #[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
 pub unsafe fn scores_block<T: Src>(
+    qs: &[&[f32]],
+    kt: *const T,
+    hd: usize,
+    scale: f32,
+    out: &mut [f32],
+    at: impl Fn(usize) -> usize,
+    next: Next,
+) {
+    if next.into_l2 {
+        scores_groups::<T, true>(qs, kt, hd, scale, out, at, next.region)
+    } else {
+        scores_groups::<T, false>(qs, kt, hd, scale, out, at, next.region)
+    }
+}
+
+#[inline(always)]
+unsafe fn scores_groups<T: Src, const L2: bool>(
     qs: &[&[f32]],
     kt: *const T,
     hd: usize,
@@ -95,24 +119,24 @@ pub unsafe fn scores_block<T: Src>(
         let (g, at_j) = (&qs[j..j + n], |i: usize| at(j + i));
         let next = if j == 0 { next } else { std::ptr::null() };
         match n {
-            1 => scores_group::<T, 1>(g, kt, hd, scale, out, &at_j, next),
-            2 => scores_group::<T, 2>(g, kt, hd, scale, out, &at_j, next),
-            3 => scores_group::<T, 3>(g, kt, hd, scale, out, &at_j, next),
-            4 => scores_group::<T, 4>(g, kt, hd, scale, out, &at_j, next),
-            5 => scores_group::<T, 5>(g, kt, hd, scale, out, &at_j, next),
-            6 => scores_group::<T, 6>(g, kt, hd, scale, out, &at_j, next),
-            7 => scores_group::<T, 7>(g, kt, hd, scale, out, &at_j, next),
-            _ => scores_group::<T, 8>(g, kt, hd, scale, out, &at_j, next),
+            1 => scores_group::<T, 1, L2>(g, kt, hd, scale, out, &at_j, next),
+            2 => scores_group::<T, 2, L2>(g, kt, hd, scale, out, &at_j, next),
+            3 => scores_group::<T, 3, L2>(g, kt, hd, scale, out, &at_j, next),
+            4 => scores_group::<T, 4, L2>(g, kt, hd, scale, out, &at_j, next),
+            5 => scores_group::<T, 5, L2>(g, kt, hd, scale, out, &at_j, next),
+            6 => scores_group::<T, 6, L2>(g, kt, hd, scale, out, &at_j, next),
+            7 => scores_group::<T, 7, L2>(g, kt, hd, scale, out, &at_j, next),
+            _ => scores_group::<T, 8, L2>(g, kt, hd, scale, out, &at_j, next),
         }
         j += n;
     }
 }
 
 /// `o_i[d0..d0 + 16W] += Σ_t p_i[t] · v[t][d0..]` for `NQ` queries, the value vectors read
-/// once for every query's chains; each step over `t` asks for row `t` of `next` (null: none),
+/// once for every query's chains; each step over `t` asks for row `t` of `next`,
 /// as [`scores_group`] does.
 #[inline(always)]
-unsafe fn grouped_pass<T: Src, const NQ: usize, const W: usize>(
+unsafe fn grouped_pass<T: Src, const NQ: usize, const W: usize, const L2: bool>(
     ps: &[&[f32]],
     v: *const T,
     hd: usize,
@@ -131,7 +155,7 @@ unsafe fn grouped_pass<T: Src, const NQ: usize, const W: usize>(
     }
     let mut row = v.add(d0);
     for t in 0..n {
-        prefetch_row(next, t * row_bytes, row_bytes);
+        prefetch_row::<L2>(next, t * row_bytes, row_bytes);
         let mut vv = [_mm512_setzero_ps(); W];
         for (c, x) in vv.iter_mut().enumerate() {
             *x = T::load16(row.add(16 * c));
@@ -155,7 +179,7 @@ unsafe fn grouped_pass<T: Src, const NQ: usize, const W: usize>(
 /// queries, else 32, else 16 (the widest whose accumulators fit the 32 registers).
 /// `next` is asked for during the first pass only.
 #[inline(always)]
-unsafe fn grouped_passes<T: Src, const NQ: usize>(
+unsafe fn grouped_passes<T: Src, const NQ: usize, const L2: bool>(
     ps: &[&[f32]],
     v: *const T,
     hd: usize,
@@ -165,34 +189,43 @@ unsafe fn grouped_passes<T: Src, const NQ: usize>(
     let mut d0 = 0;
     if NQ <= 3 {
         while d0 + 64 <= hd {
-            grouped_pass::<T, NQ, 4>(ps, v, hd, d0, o, next);
+            grouped_pass::<T, NQ, 4, L2>(ps, v, hd, d0, o, next);
             (d0, next) = (d0 + 64, std::ptr::null());
         }
     }
     while d0 + 32 <= hd {
-        grouped_pass::<T, NQ, 2>(ps, v, hd, d0, o, next);
+        grouped_pass::<T, NQ, 2, L2>(ps, v, hd, d0, o, next);
         (d0, next) = (d0 + 32, std::ptr::null());
     }
     while d0 < hd {
-        grouped_pass::<T, NQ, 1>(ps, v, hd, d0, o, next);
+        grouped_pass::<T, NQ, 1, L2>(ps, v, hd, d0, o, next);
         (d0, next) = (d0 + 16, std::ptr::null());
     }
 }
 
 /// [`super::avx2::grouped_values`] in sixteen lanes; `hd` a multiple of 16. `next`: the
-/// region read after this one (null: none).
+/// region read after this one.
 #[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
-pub unsafe fn grouped_values<T: Src>(ps: &[&[f32]], v: *const T, hd: usize, o: *mut f32, next: *const u8) {
+pub unsafe fn grouped_values<T: Src>(ps: &[&[f32]], v: *const T, hd: usize, o: *mut f32, next: Next) {
     debug_assert!(hd.is_multiple_of(16) && ps.iter().all(|p| p.len() == ps[0].len()));
+    if next.into_l2 {
+        grouped_sizes::<T, true>(ps, v, hd, o, next.region)
+    } else {
+        grouped_sizes::<T, false>(ps, v, hd, o, next.region)
+    }
+}
+
+#[inline(always)]
+unsafe fn grouped_sizes<T: Src, const L2: bool>(ps: &[&[f32]], v: *const T, hd: usize, o: *mut f32, next: *const u8) {
     match ps.len() {
-        1 => grouped_passes::<T, 1>(ps, v, hd, o, next),
-        2 => grouped_passes::<T, 2>(ps, v, hd, o, next),
-        3 => grouped_passes::<T, 3>(ps, v, hd, o, next),
-        4 => grouped_passes::<T, 4>(ps, v, hd, o, next),
-        5 => grouped_passes::<T, 5>(ps, v, hd, o, next),
-        6 => grouped_passes::<T, 6>(ps, v, hd, o, next),
-        7 => grouped_passes::<T, 7>(ps, v, hd, o, next),
-        8 => grouped_passes::<T, 8>(ps, v, hd, o, next),
+        1 => grouped_passes::<T, 1, L2>(ps, v, hd, o, next),
+        2 => grouped_passes::<T, 2, L2>(ps, v, hd, o, next),
+        3 => grouped_passes::<T, 3, L2>(ps, v, hd, o, next),
+        4 => grouped_passes::<T, 4, L2>(ps, v, hd, o, next),
+        5 => grouped_passes::<T, 5, L2>(ps, v, hd, o, next),
+        6 => grouped_passes::<T, 6, L2>(ps, v, hd, o, next),
+        7 => grouped_passes::<T, 7, L2>(ps, v, hd, o, next),
+        8 => grouped_passes::<T, 8, L2>(ps, v, hd, o, next),
         n => unreachable!("a group of {n} queries"),
     }
 }
