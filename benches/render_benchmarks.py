@@ -836,6 +836,20 @@ def kernels_ab_table(res, doc, name: str, tier: str = "") -> list[str]:
             + res.source([name], doc)]
 
 
+def attention_ab_table(res, doc, name: str) -> list[str]:
+    """An `ab_attention.py --json` file: each (model shape, context), a decode step's attention and
+    a 512-row prefill chunk's, before → after, medians of the rounds."""
+    d = res(name)
+    rows = [[r["model"], f"{r['context']:,}", r["tier"],
+             f"{r['decode_ms_before']:.3f} → {r['decode_ms_after']:.3f} ({ratio(r['decode_ms_before'], r['decode_ms_after'])})",
+             f"{r['prefill_ms_before']:.1f} → {r['prefill_ms_after']:.1f} ({ratio(r['prefill_ms_before'], r['prefill_ms_after'])})"]
+            for r in d["results"]]
+    header = ["heads of", "context", "tier", "decode step, ms", "prefill 512 rows, ms"]
+    return table(header, grouped(rows)) + [
+        "", f"`cargo bench --bench attention` through `benches/ab_attention.py`, {d['before']} → {d['commit']} "
+            f"(speedup), median of {d['rounds']} alternating rounds{order_note([d])}. " + res.source([name], doc)]
+
+
 def t_ab_kernels_sixteen_packed(res, doc):
     return kernels_ab_table(res, doc, "ab-sixteen-packed-kernels-qwen15-zen4.json")
 
@@ -1281,6 +1295,8 @@ TABLES = {
     "ab-kernels-q6k-prefetch": partial(kernels_ab_table, name="ab-kernels-q6k-prefetch-qwen15-zen4.json", tier=" (AVX-512 tier)"),
     "ab-q6k-prefetch": partial(ab_table, entries=ab_files("ab-q6k-prefetch-{}-zen4.json", "qwen15", "synth8b")),
     "ab-q6k-prefetch-context": partial(ab_context_table, names=[f"ab-q6k-prefetch-{m}-1024-zen4.json" for m in ("qwen05", "qwen15")]),
+    "ab-attention-next-l2": partial(attention_ab_table, name="ab-attention-next-l2-zen4.json"),
+    "ab-attention-next-l2-context": partial(ab_context_table, names=["ab-attention-next-l2-qwen15-4096-zen4.json"]),
     "canonical-scalar": t_canonical_scalar,
     "ab-session-start-xeon": t_ab_session_start_xeon,
     "peers": t_peers,

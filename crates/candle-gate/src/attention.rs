@@ -36,10 +36,10 @@ const TILE_ROWS: usize = 16;
 /// How many blocks ahead of their use the kernel asks for a block's keys or values.
 const AHEAD: usize = 2;
 /// From this head dim up, the AVX-512 kernels ask for the region read next into L2 rather than
-/// L1. A decode step's attention at head dim 128 (Qwen 1.5B's six queries a KV head, Llama 3.1
-/// 8B's four) took 0.74–0.85x the time at 4,096 positions, 0.87–0.91x at 1,024; at head dim 64
-/// (SmolLM2, Qwen 0.5B), which carries half the multiply-adds per byte read, it moved within
-/// ±9% either way (docs/BENCHMARKS.md, "The next K/V region into L2").
+/// L1, so that its reads overlap the arithmetic. A decode step's attention at head dim 128 (Qwen
+/// 1.5B's six queries a KV head, Llama 3.1 8B's four) ran 1.13–1.15x as fast at 4,096 positions;
+/// at head dim 64 (SmolLM2, Qwen 0.5B), half the multiply-adds per byte read, it moved only
+/// within the noise (docs/BENCHMARKS.md, "The next K/V region into L2").
 const NEXT_INTO_L2_FROM_HEAD_DIM: usize = 128;
 
 /// The region a kernel reads after the one it is on, asked for a row at a time as the kernel
