@@ -669,6 +669,25 @@ def t_peers_qwen15_zen4_sixteen_packed(res, doc):
                               "vs-peers-qwen15-context-zen4-sixteen-packed.json")
 
 
+def peers_long_table(res, doc, name: str) -> list[str]:
+    """One stream at a long prompt against both peers: each single-stream row of one file, with
+    decode's share of the bandwidth limit, overall and round by round."""
+    d, peers = res(name), ("llama_cpp", "ik_llama_cpp")
+    rows = []
+    for r in d["rows"]:
+        if r["streams"] != 1:
+            continue
+        rounds = r.get("bandwidth_share_paired") or []
+        rows.append([model_name(r["model"]), context_label(r.get("context")), peer_cell(r, "prefill_tok_s", g3, peers),
+                     peer_cell(r, "decode_tok_s", g3, peers),
+                     pct(r["bandwidth_share"]) + (f" ({', '.join(pct(x) for x in rounds)} paired)" if rounds else "")])
+    header = ["model", "prompt", "prefill", "decode, 1 stream", "decode at % of the limit (weights + K/V)"]
+    return table(header, rows) + ["", f"tok/s: candle-gate (`invariant`) vs llama.cpp (ratio) vs ik_llama.cpp "
+                                  f"(ratio), best of the rounds. Best read bandwidth "
+                                  f"{d['read_bandwidth_gbs']:.1f} GB/s; paired: against the reading just before each "
+                                  f"round. " + res.source([name], doc)]
+
+
 def peers_synth8b_table(res, doc, name: str) -> list[str]:
     """The 8B-shaped file against both peers: issue 50's parity and 8-stream goals."""
     d, peers = res(name), ("llama_cpp", "ik_llama_cpp")
@@ -1297,6 +1316,7 @@ TABLES = {
     "ab-q6k-prefetch-context": partial(ab_context_table, names=[f"ab-q6k-prefetch-{m}-1024-zen4.json" for m in ("qwen05", "qwen15")]),
     "ab-attention-next-l2": partial(attention_ab_table, name="ab-attention-next-l2-zen4.json"),
     "ab-attention-next-l2-context": partial(ab_context_table, names=["ab-attention-next-l2-qwen15-4096-zen4.json"]),
+    "peers-qwen15-4096-149167d": partial(peers_long_table, name="vs-peers-qwen15-4096-zen4-149167d.json"),
     "canonical-scalar": t_canonical_scalar,
     "ab-session-start-xeon": t_ab_session_start_xeon,
     "peers": t_peers,
