@@ -334,8 +334,6 @@ struct SplitPass<'a> {
     /// Blocks are read where they lie (else one widened f32 copy at a time, which stays in L1
     /// while every query reads it).
     direct: bool,
-    /// The region read next is asked for into L2 ([`NEXT_INTO_L2_FROM_HEAD_DIM`]).
-    next_into_l2: bool,
     tier: Tier,
 }
 
@@ -354,8 +352,7 @@ impl<'a> SplitPass<'a> {
         let grouped = tier.vector() && hd.is_multiple_of(8);
         let direct = grouped && (kv.layout.dtype == KvDtype::F32 || qs.len() <= GROUP_MAX);
         let (first, nb) = (split * BLOCKS_PER_SPLIT, reach.div_ceil(KV_BLOCK));
-        let next_into_l2 = hd >= NEXT_INTO_L2_FROM_HEAD_DIM;
-        Some(SplitPass { kv, kvh, hd, spans, first, b0, nb, grouped, direct, next_into_l2, tier })
+        Some(SplitPass { kv, kvh, hd, spans, first, b0, nb, grouped, direct, tier })
     }
 
     /// Blocks ahead: the keys of the split's blocks, then its first values. Not for the blocks
@@ -364,6 +361,12 @@ impl<'a> SplitPass<'a> {
     /// hardware's prefetch alone (docs/BENCHMARKS.md "Decode reads without software prefetch").
     fn prefetches(&self) -> bool {
         !self.direct
+    }
+
+    /// `region`, read after the block being computed, asked for into the level this head dim
+    /// wants ([`NEXT_INTO_L2_FROM_HEAD_DIM`]).
+    fn next(&self, region: *const u8) -> Next {
+        Next { region, into_l2: self.hd >= NEXT_INTO_L2_FROM_HEAD_DIM }
     }
 
     /// Every query's scores against the split's keys, into `w.s`.
@@ -387,7 +390,7 @@ impl<'a> SplitPass<'a> {
                 // The region after this one: the next block's keys, else the first values.
                 let region =
                     if b + 1 < nb { kv.region(first + b + 1, kvh, false) } else { kv.region(first + b0, kvh, true) };
-                let next = Next { region, into_l2: self.next_into_l2 };
+                let next = self.next(region);
                 scores_block(q, kv.view(first + b, kvh, false), hd, scale, &mut w.s, at, tier, next);
             } else {
                 widen_block(kv, kvh, first + b, Some(&mut w.kt), None, tier);
@@ -443,7 +446,7 @@ impl<'a> SplitPass<'a> {
             } else {
                 std::ptr::null()
             };
-            let next = Next { region, into_l2: self.next_into_l2 };
+            let next = self.next(region);
             let v = if self.direct {
                 kv.view(first + b, kvh, true)
             } else {
