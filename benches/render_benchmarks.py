@@ -408,17 +408,27 @@ def t_long_context_zen4(res, doc):
                                            + res.source(files + ["vs-llama-cpp-context1024-8streams-zen4.json"], doc)]
 
 
+def share_cell(row) -> str:
+    """Decode's share of the read bandwidth: over the run's best reading, then (where the file
+    has them) over the reading just before each round, the lowest and highest."""
+    paired = row.get("bandwidth_share_paired") or []
+    if not paired:
+        return pct(row["bandwidth_share"])
+    low, high = pct(min(paired)), pct(max(paired))
+    return f"{pct(row['bandwidth_share'])} ({low if low == high else f'{low}–{high}'} paired)"
+
+
 def headline_rows(res: Results, chat: str, long: str, peers, suspect):
     c, l = res(chat), res(long)
     rows = []
     for model in dict.fromkeys(r["model"] for r in c["rows"]):
         one, eight = vs_row(c, model, 1), vs_row(c, model, 8)
         rows.append([model_name(model), "chat", peer_cell(one, "prefill_tok_s", g3, peers, suspect),
-                     peer_cell(one, "decode_tok_s", g3, peers, suspect), pct(one["bandwidth_share"]),
+                     peer_cell(one, "decode_tok_s", g3, peers, suspect), share_cell(one),
                      peer_cell(eight, "decode_tok_s", g3, peers, suspect)])
         lr = vs_row(l, model, 1, 4096)
         rows.append([model_name(model), "4,096", peer_cell(lr, "prefill_tok_s", g3, peers, suspect),
-                     peer_cell(lr, "decode_tok_s", g3, peers, suspect), pct(lr["bandwidth_share"]), ""])
+                     peer_cell(lr, "decode_tok_s", g3, peers, suspect), share_cell(lr), ""])
     return grouped(rows)
 
 
@@ -428,7 +438,7 @@ HEADLINE_SUSPECT = {("smollm2-135m-instruct-q4_1", "ik_llama_cpp", "prefill_tok_
 
 
 # The README's one headline table: one commit, one host, one date.
-HEADLINE = ("headline-chat-zen4-eb7d734.json", "headline-4096-zen4-eb7d734.json")
+HEADLINE = ("headline-chat-zen4-8bd30fc.json", "headline-4096-zen4-8bd30fc.json")
 
 
 def headline_table(res, doc, chat: str, long: str) -> list[str]:
@@ -445,6 +455,7 @@ def headline_table(res, doc, chat: str, long: str) -> list[str]:
         f"prefill computes wrong logits, so it gets no ratio. The share: candle-gate's best single-stream decode "
         f"(weights and K/V read per token) over the best read bandwidth of its run, {c['read_bandwidth_gbs']:.1f} GB/s (chat) "
         f"and {l['read_bandwidth_gbs']:.1f} GB/s (4,096), which moves by a third within an hour on these hosts; "
+        f"paired: each round's decode over the bandwidth read just before it; "
         f"{c['threads']} threads each; ik-llama-cpp-python "
         f"{c['ik_llama_cpp_version']}. " + res.source([chat, long], doc),
     ]
@@ -1317,6 +1328,7 @@ TABLES = {
     "ab-attention-next-l2": partial(attention_ab_table, name="ab-attention-next-l2-zen4.json"),
     "ab-attention-next-l2-context": partial(ab_context_table, names=["ab-attention-next-l2-qwen15-4096-zen4.json"]),
     "peers-qwen15-4096-149167d": partial(peers_long_table, name="vs-peers-qwen15-4096-zen4-149167d.json"),
+    "peers-synth8b-8bd30fc": partial(peers_long_table, name="vs-peers-synth8b-chat-zen4-8bd30fc.json"),
     "canonical-scalar": t_canonical_scalar,
     "ab-session-start-xeon": t_ab_session_start_xeon,
     "peers": t_peers,
