@@ -699,6 +699,26 @@ def peers_long_table(res, doc, name: str) -> list[str]:
                                   f"round. " + res.source([name], doc)]
 
 
+def peers_rows_table(res, doc, names: list[str]) -> list[str]:
+    """Every row of some `vs_llama_cpp.py` files against both peers, one stream or many: prefill
+    where a row has it, decode, and one stream's share of the bandwidth, overall and paired."""
+    peers, rows, bw = ("llama_cpp", "ik_llama_cpp"), [], []
+    for name in names:
+        d = res(name)
+        bw.append(f"{d['read_bandwidth_gbs']:.1f} GB/s")
+        for r in d["rows"]:
+            prefill = peer_cell(r, "prefill_tok_s", g3, peers) if "prefill_tok_s" in r["candle_gate"] else ""
+            rounds = r.get("bandwidth_share_paired") or []
+            share = (pct(r["bandwidth_share"]) + (f" ({', '.join(pct(x) for x in rounds)} paired)" if rounds else "")
+                     if "bandwidth_share" in r else "")
+            rows.append([model_name(r["model"]), context_label(r.get("context")), str(r["streams"]), prefill,
+                         peer_cell(r, "decode_tok_s", g3, peers), share])
+    header = ["model", "prompt", "streams", "prefill", "decode", "decode at % of the limit (weights + K/V)"]
+    return table(header, rows) + ["", "tok/s: candle-gate (`invariant`) vs llama.cpp (ratio) vs ik_llama.cpp (ratio), "
+                                  f"best of the rounds. Best read bandwidth {', '.join(bw)}; paired: against the "
+                                  "reading just before each round. " + res.source(names, doc)]
+
+
 def peers_synth8b_table(res, doc, name: str) -> list[str]:
     """The 8B-shaped file against both peers: issue 50's parity and 8-stream goals."""
     d, peers = res(name), ("llama_cpp", "ik_llama_cpp")
@@ -1329,6 +1349,8 @@ TABLES = {
     "ab-attention-next-l2-context": partial(ab_context_table, names=["ab-attention-next-l2-qwen15-4096-zen4.json"]),
     "peers-qwen15-4096-149167d": partial(peers_long_table, name="vs-peers-qwen15-4096-zen4-149167d.json"),
     "peers-synth8b-8bd30fc": partial(peers_long_table, name="vs-peers-synth8b-chat-zen4-8bd30fc.json"),
+    "peers-goals-dadf6a5": partial(peers_rows_table, names=["vs-peers-qwen15-1023-zen4-dadf6a5.json",
+                                                           "vs-peers-synth8b-8streams-zen4-dadf6a5.json"]),
     "canonical-scalar": t_canonical_scalar,
     "ab-session-start-xeon": t_ab_session_start_xeon,
     "peers": t_peers,
