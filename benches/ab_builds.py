@@ -1,7 +1,7 @@
 """Two builds of candle-gate side by side: `candle-gate bench throughput` (aggregate decode
 tok/s at each concurrency) run alternately with each build, rounds interleaved, the best and
-the median of each kept (every round is in --json), and the ratios printed. What a "no slowdown" or "faster" claim between two commits
-rests on.
+the median of each kept (every round is in --json), and the ratios printed. What a "no
+slowdown" or "faster" claim between two commits rests on.
 
     # the build to compare against, e.g. the previous commit's, as a package directory:
     git worktree add /tmp/prev HEAD~1

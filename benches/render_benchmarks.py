@@ -418,6 +418,12 @@ def share_cell(row) -> str:
     return f"{pct(row['bandwidth_share'])} ({low if low == high else f'{low}–{high}'} paired)"
 
 
+def share_rounds_cell(row) -> str:
+    """`share_cell` with every round's paired share, in the order the rounds ran."""
+    rounds = row.get("bandwidth_share_paired") or []
+    return pct(row["bandwidth_share"]) + (f" ({', '.join(pct(x) for x in rounds)} paired)" if rounds else "")
+
+
 def headline_rows(res: Results, chat: str, long: str, peers, suspect):
     c, l = res(chat), res(long)
     rows = []
@@ -688,10 +694,8 @@ def peers_long_table(res, doc, name: str) -> list[str]:
     for r in d["rows"]:
         if r["streams"] != 1:
             continue
-        rounds = r.get("bandwidth_share_paired") or []
         rows.append([model_name(r["model"]), context_label(r.get("context")), peer_cell(r, "prefill_tok_s", g3, peers),
-                     peer_cell(r, "decode_tok_s", g3, peers),
-                     pct(r["bandwidth_share"]) + (f" ({', '.join(pct(x) for x in rounds)} paired)" if rounds else "")])
+                     peer_cell(r, "decode_tok_s", g3, peers), share_rounds_cell(r)])
     header = ["model", "prompt", "prefill", "decode, 1 stream", "decode at % of the limit (weights + K/V)"]
     return table(header, rows) + ["", f"tok/s: candle-gate (`invariant`) vs llama.cpp (ratio) vs ik_llama.cpp "
                                   f"(ratio), best of the rounds. Best read bandwidth "
@@ -708,9 +712,7 @@ def peers_rows_table(res, doc, names: list[str]) -> list[str]:
         bw.append(f"{d['read_bandwidth_gbs']:.1f} GB/s")
         for r in d["rows"]:
             prefill = peer_cell(r, "prefill_tok_s", g3, peers) if "prefill_tok_s" in r["candle_gate"] else ""
-            rounds = r.get("bandwidth_share_paired") or []
-            share = (pct(r["bandwidth_share"]) + (f" ({', '.join(pct(x) for x in rounds)} paired)" if rounds else "")
-                     if "bandwidth_share" in r else "")
+            share = share_rounds_cell(r) if "bandwidth_share" in r else ""
             rows.append([model_name(r["model"]), context_label(r.get("context")), str(r["streams"]), prefill,
                          peer_cell(r, "decode_tok_s", g3, peers), share])
     header = ["model", "prompt", "streams", "prefill", "decode", "decode at % of the limit (weights + K/V)"]
