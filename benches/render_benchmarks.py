@@ -451,11 +451,13 @@ def headline_table(res, doc, chat: str, long: str) -> list[str]:
     rows = headline_rows(res, chat, long, ("llama_cpp", "ik_llama_cpp"), HEADLINE_SUSPECT)
     header = ["model", "prompt", "prefill", "decode, 1 stream", "its share of the read bandwidth", "decode, 8 streams"]
     c, l = res(chat), res(long)
-    # One commit, one host, one date: the headline's rule. Say which, above the table.
-    where = {res.where(chat)[0], res.where(long)[0]}
+    # One commit, one host: the headline's rule (a session may cross midnight UTC, so the
+    # dates may be two). Say which, above the table.
+    where = {res.where(chat)[0].rsplit(", ", 1)[0], res.where(long)[0].rsplit(", ", 1)[0]}
     if len(where) != 1:
         raise RenderError(f"the headline's files were measured at different commits or hosts: {sorted(where)}")
-    return [f"**Measured {where.pop()}.**", ""] + table(header, rows) + [
+    dates = " and ".join(sorted({res.where(n)[0].rsplit(", ", 1)[1] for n in (chat, long)}))
+    return [f"**Measured {where.pop()}, {dates}.**", ""] + table(header, rows) + [
         "",
         "tok/s: candle-gate vs llama.cpp (ratio) vs ik_llama.cpp (ratio); ‡ ik_llama.cpp's SmolLM2 "
         f"prefill computes wrong logits, so it gets no ratio. The share: candle-gate's best single-stream decode "
@@ -473,6 +475,10 @@ def t_headline(res, doc):
 
 def t_headline_xeon(res, doc):
     return headline_table(res, doc, "headline-chat-xeon-spr-4870004.json", "headline-4096-xeon-spr-4870004.json")
+
+
+def t_headline_zen3(res, doc):
+    return headline_table(res, doc, "headline-chat-zen3-85d0042.json", "headline-4096-zen3-85d0042.json")
 
 
 def t_zen4_latest(res, doc):
@@ -1294,6 +1300,10 @@ def t_crossover(res, doc):
 TABLES = {
     "headline": t_headline,
     "headline-xeon": t_headline_xeon,
+    "headline-zen3": t_headline_zen3,
+    "peers-goals-zen3-85d0042": partial(peers_rows_table, names=["vs-peers-qwen15-1023-zen3-85d0042.json",
+                                                                "vs-peers-synth8b-chat-zen3-85d0042.json",
+                                                                "vs-peers-synth8b-8streams-zen3-85d0042.json"]),
     "vs-llama-cpp-zen1": t_vs_llama_cpp_zen1,
     "vs-llama-cpp-xeon": t_vs_llama_cpp_xeon,
     "vs-llama-cpp-zen3": t_vs_llama_cpp_zen3,
