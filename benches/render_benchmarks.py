@@ -838,14 +838,15 @@ def t_ab_sixteen_packed(res, doc):
 
 
 def ab_context_table(res, doc, names, old: str = "", new: str = "") -> list[str]:
-    """`ab_builds.py --context N --json` files: prefill and decode at one stream, `old` → `new`
-    (by default the builds the first file records)."""
+    """`ab_builds.py --context N --json` files: prefill and decode at one stream (a file's rows at
+    more streams are left out), `old` → `new` (by default the builds the first file records)."""
     old, new = old or res(names[0])["before_build"], new or res(names[0])["commit"]
     rows = []
     for name in names:
         d = res(name)
         rows += [[model_name(d["model"]), context_label(d["context"]), str(d["rounds"]), arrow(p["before"], p["after"]),
-                  arrow(r["before"], r["after"])] for p, r in zip(d["prefill_rows"], d["rows"])]
+                  arrow(r["before"], r["after"])] for p, r in zip(d["prefill_rows"], d["rows"])
+                 if r.get("concurrency", 1) == 1]
     return table(["model", "prompt", "rounds", "prefill, 1 stream", "decode, 1 stream"], rows) + [
         "", f"tok/s, {old} → {new} (ratio), best of alternating rounds. " + res.source(names, doc)]
 
@@ -1357,6 +1358,10 @@ TABLES = {
     "ab-kernels-q6k-prefetch": partial(kernels_ab_table, name="ab-kernels-q6k-prefetch-qwen15-zen4.json", tier=" (AVX-512 tier)"),
     "ab-q6k-prefetch": partial(ab_table, entries=ab_files("ab-q6k-prefetch-{}-zen4.json", "qwen15", "synth8b")),
     "ab-q6k-prefetch-context": partial(ab_context_table, names=[f"ab-q6k-prefetch-{m}-1024-zen4.json" for m in ("qwen05", "qwen15")]),
+    "ab-attention-avx2-next": partial(attention_ab_table, name="ab-attention-avx2-next-zen3.json"),
+    "ab-attention-avx2-next-context": partial(ab_context_table, names=[f"ab-attention-avx2-next-{m}-1024-zen3.json"
+                                                                      for m in ("smollm2", "qwen15")],
+                                              old="85d0042", new="2473aae-dirty"),
     "ab-attention-next-l2": partial(attention_ab_table, name="ab-attention-next-l2-zen4.json"),
     "ab-attention-next-l2-context": partial(ab_context_table, names=["ab-attention-next-l2-qwen15-4096-zen4.json"]),
     "peers-qwen15-4096-149167d": partial(peers_long_table, name="vs-peers-qwen15-4096-zen4-149167d.json"),

@@ -35,7 +35,7 @@ const BLOCKS_PER_SPLIT: usize = SPLIT / KV_BLOCK;
 const TILE_ROWS: usize = 16;
 /// How many blocks ahead of their use the kernel asks for a block's keys or values.
 const AHEAD: usize = 2;
-/// From this head dim up, the AVX-512 kernels ask for the region read next into L2 rather than
+/// From this head dim up, the vector kernels ask for the region read next into L2 rather than
 /// L1, so that its reads overlap the arithmetic. A decode step's attention at head dim 128 (Qwen
 /// 1.5B's six queries a KV head, Llama 3.1 8B's four) ran 1.13–1.15x as fast at 4,096 positions;
 /// at head dim 64 (SmolLM2, Qwen 0.5B), half the multiply-adds per byte read, it moved only
@@ -54,6 +54,27 @@ pub(crate) struct Next {
 impl Next {
     /// Nothing to ask for.
     const NONE: Next = Next { region: std::ptr::null(), into_l2: false };
+}
+
+/// Asks for the `bytes` at `offset` in `region`, a row of the region read next, into L2 (`L2`)
+/// or L1 (null: none; checked before the offset is added, so that nothing is asked of a page
+/// that is not there). The level is a const parameter: a branch on it in the kernels' innermost
+/// loops cost Qwen 0.5B's attention more than the hint was worth.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn prefetch_row<const L2: bool>(region: *const u8, offset: usize, bytes: usize) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0, _MM_HINT_T1};
+    if !region.is_null() {
+        let p = region.wrapping_add(offset);
+        for off in (0..bytes).step_by(64) {
+            let line = p.wrapping_add(off) as *const i8;
+            if L2 {
+                _mm_prefetch::<_MM_HINT_T1>(line);
+            } else {
+                _mm_prefetch::<_MM_HINT_T0>(line);
+            }
+        }
+    }
 }
 
 /// The attention tiers: the scalar definition, and AVX2 or AVX-512 lanes running the same
@@ -196,8 +217,8 @@ unsafe fn grouped_values(ps: &[&[f32]], v: Block, hd: usize, o: *mut f32, tier: 
     }
     #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma", target_feature = "f16c"))]
     match v {
-        Block::F32(v) => avx2::grouped_values(ps, v.as_ptr(), hd, o),
-        Block::F16(v) => avx2::grouped_values(ps, v.as_ptr(), hd, o),
+        Block::F32(v) => avx2::grouped_values(ps, v.as_ptr(), hd, o, next),
+        Block::F16(v) => avx2::grouped_values(ps, v.as_ptr(), hd, o, next),
     }
     #[cfg(not(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma", target_feature = "f16c")))]
     {
@@ -512,8 +533,8 @@ fn prefetch_block(kv: &LayerKv, kvh: usize, b: usize, values: bool) {
 }
 
 /// `s[t] = (Σ_d q[d]·kt[d][t]) · scale` for the block's 32 positions, for each query, into
-/// `out[at(i)..at(i) + 32]`. `next`: the region read after this one, for the AVX-512 tier to
-/// ask for as it goes.
+/// `out[at(i)..at(i) + 32]`. `next`: the region read after this one, for the vector tiers to
+/// ask for as they go.
 #[allow(clippy::too_many_arguments)]
 fn scores_block(
     qs: &[&[f32]],
@@ -537,19 +558,18 @@ fn scores_block(
         }
         return;
     }
-    let _ = next;
     #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma", target_feature = "f16c"))]
     if tier.vector() {
         // SAFETY: AVX2/FMA/F16C are enabled at compile time; `kt` holds hd × 32 values, each q hd.
         unsafe {
             match kt {
-                Block::F32(kt) => avx2::scores_block(qs, kt.as_ptr(), hd, scale, out, at),
-                Block::F16(kt) => avx2::scores_block(qs, kt.as_ptr(), hd, scale, out, at),
+                Block::F32(kt) => avx2::scores_block(qs, kt.as_ptr(), hd, scale, out, at, next),
+                Block::F16(kt) => avx2::scores_block(qs, kt.as_ptr(), hd, scale, out, at, next),
             }
         }
         return;
     }
-    let _ = tier;
+    let _ = (tier, next);
     let Block::F32(kt) = kt else { unreachable!("the portable tier reads widened keys") };
     for (i, q) in qs.iter().enumerate() {
         let o = at(i);

@@ -4,7 +4,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{EXP_MIN, EXP_P, KV_BLOCK, LN2_HI, LN2_LO, LOG2E};
+use super::{prefetch_row, Next, EXP_MIN, EXP_P, KV_BLOCK, LN2_HI, LN2_LO, LOG2E};
 
 #[cfg(target_feature = "f16c")]
 pub unsafe fn widen_f16(src: &[u16], dst: &mut [f32]) {
@@ -61,9 +61,12 @@ impl Src for u16 {
 
 /// The block's scores for `NQ` queries: `P` registers of eight positions per pass from
 /// `t0`, `NQ × P` accumulators (at most twelve, so none is spilled), one fused chain per
-/// lane.
+/// lane. Each step over `d` asks for the same row of `next`, the region read after this one
+/// (null: none), as the AVX-512 tier does: a block is its own 4 KiB page or more, where the
+/// hardware's prefetch stops.
 #[inline(always)]
-unsafe fn scores_pass<T: Src, const NQ: usize, const P: usize>(
+#[allow(clippy::too_many_arguments)]
+unsafe fn scores_pass<T: Src, const NQ: usize, const P: usize, const L2: bool>(
     qs: &[&[f32]],
     kt: *const T,
     hd: usize,
@@ -71,10 +74,13 @@ unsafe fn scores_pass<T: Src, const NQ: usize, const P: usize>(
     scale: __m256,
     out: &mut [f32],
     at: &impl Fn(usize) -> usize,
+    next: *const u8,
 ) {
     let mut acc = [[_mm256_setzero_ps(); P]; NQ];
     let k = kt.add(t0);
+    let row_bytes = KV_BLOCK * std::mem::size_of::<T>();
     for d in 0..hd {
+        prefetch_row::<L2>(next, d * row_bytes, row_bytes);
         let row = k.add(d * KV_BLOCK);
         // The smaller side is held in registers while the other streams past it: NQ × P
         // accumulators + min(NQ, P) + 1 fit AVX2's sixteen.
@@ -110,23 +116,28 @@ unsafe fn scores_pass<T: Src, const NQ: usize, const P: usize>(
     }
 }
 
-/// Every pass over the block's 32 positions for one group of up to eight queries.
+/// Every pass over the block's 32 positions for one group of up to eight queries; `next` is
+/// asked for during the first pass only.
 #[inline(always)]
-unsafe fn scores_passes<T: Src, const NQ: usize, const P: usize>(
+#[allow(clippy::too_many_arguments)]
+unsafe fn scores_passes<T: Src, const NQ: usize, const P: usize, const L2: bool>(
     qs: &[&[f32]],
     kt: *const T,
     hd: usize,
     scale: __m256,
     out: &mut [f32],
     at: &impl Fn(usize) -> usize,
+    mut next: *const u8,
 ) {
     for t0 in (0..KV_BLOCK).step_by(8 * P) {
-        scores_pass::<T, NQ, P>(qs, kt, hd, t0, scale, out, at);
+        scores_pass::<T, NQ, P, L2>(qs, kt, hd, t0, scale, out, at, next);
+        next = std::ptr::null();
     }
 }
 
 /// Scores of the block's 32 positions (`kt`: `[hd][32]`) for each of `qs`, a group of
-/// queries at a time ([`super::group_len`]): each key vector is read once per group.
+/// queries at a time ([`super::group_len`]): each key vector is read once per group. `next`:
+/// the region read after this one, asked for as the first group goes.
 pub unsafe fn scores_block<T: Src>(
     qs: &[&[f32]],
     kt: *const T,
@@ -134,6 +145,24 @@ pub unsafe fn scores_block<T: Src>(
     scale: f32,
     out: &mut [f32],
     at: impl Fn(usize) -> usize,
+    next: Next,
+) {
+    if next.into_l2 {
+        scores_groups::<T, true>(qs, kt, hd, scale, out, at, next.region)
+    } else {
+        scores_groups::<T, false>(qs, kt, hd, scale, out, at, next.region)
+    }
+}
+
+#[inline(always)]
+unsafe fn scores_groups<T: Src, const L2: bool>(
+    qs: &[&[f32]],
+    kt: *const T,
+    hd: usize,
+    scale: f32,
+    out: &mut [f32],
+    at: impl Fn(usize) -> usize,
+    next: *const u8,
 ) {
     debug_assert!(qs.iter().all(|q| q.len() >= hd));
     let sc = _mm256_set1_ps(scale);
@@ -141,15 +170,16 @@ pub unsafe fn scores_block<T: Src>(
     while j < qs.len() {
         let n = super::group_len(qs.len() - j);
         let (g, at_j) = (&qs[j..j + n], |i: usize| at(j + i));
+        let next = if j == 0 { next } else { std::ptr::null() };
         match n {
-            1 => scores_passes::<T, 1, 4>(g, kt, hd, sc, out, &at_j),
-            2 => scores_passes::<T, 2, 4>(g, kt, hd, sc, out, &at_j),
-            3 => scores_passes::<T, 3, 4>(g, kt, hd, sc, out, &at_j),
-            4 => scores_passes::<T, 4, 2>(g, kt, hd, sc, out, &at_j),
-            5 => scores_passes::<T, 5, 2>(g, kt, hd, sc, out, &at_j),
-            6 => scores_passes::<T, 6, 2>(g, kt, hd, sc, out, &at_j),
-            7 => scores_passes::<T, 7, 1>(g, kt, hd, sc, out, &at_j),
-            _ => scores_passes::<T, 8, 1>(g, kt, hd, sc, out, &at_j),
+            1 => scores_passes::<T, 1, 4, L2>(g, kt, hd, sc, out, &at_j, next),
+            2 => scores_passes::<T, 2, 4, L2>(g, kt, hd, sc, out, &at_j, next),
+            3 => scores_passes::<T, 3, 4, L2>(g, kt, hd, sc, out, &at_j, next),
+            4 => scores_passes::<T, 4, 2, L2>(g, kt, hd, sc, out, &at_j, next),
+            5 => scores_passes::<T, 5, 2, L2>(g, kt, hd, sc, out, &at_j, next),
+            6 => scores_passes::<T, 6, 2, L2>(g, kt, hd, sc, out, &at_j, next),
+            7 => scores_passes::<T, 7, 1, L2>(g, kt, hd, sc, out, &at_j, next),
+            _ => scores_passes::<T, 8, 1, L2>(g, kt, hd, sc, out, &at_j, next),
         }
         j += n;
     }
@@ -174,15 +204,18 @@ pub unsafe fn softmax_in_place(s: &mut [f32]) -> (f32, f32) {
 }
 
 /// `o_i[d0..d0 + 8W] += Σ_t p_i[t] · v[t][d0..]` for `NQ` queries: each value vector read
-/// once feeds every query's chain.
+/// once feeds every query's chain; each step over `t` asks for row `t` of `next`, as
+/// [`scores_pass`] does.
 #[inline(always)]
-unsafe fn grouped_pass<T: Src, const NQ: usize, const W: usize>(
+unsafe fn grouped_pass<T: Src, const NQ: usize, const W: usize, const L2: bool>(
     ps: &[&[f32]],
     v: *const T,
     hd: usize,
     d0: usize,
     o: *mut f32,
+    next: *const u8,
 ) {
+    let row_bytes = hd * std::mem::size_of::<T>();
     let n = ps[0].len();
     let mut acc = [[_mm256_setzero_ps(); W]; NQ];
     for (i, a) in acc.iter_mut().enumerate() {
@@ -192,6 +225,7 @@ unsafe fn grouped_pass<T: Src, const NQ: usize, const W: usize>(
     }
     let mut row = v.add(d0);
     for t in 0..n {
+        prefetch_row::<L2>(next, t * row_bytes, row_bytes);
         // As in `scores_pass`: the smaller side stays in registers.
         if NQ <= W {
             let mut pb = [_mm256_setzero_ps(); NQ];
@@ -226,41 +260,58 @@ unsafe fn grouped_pass<T: Src, const NQ: usize, const W: usize>(
 }
 
 /// [`grouped_pass`] over every `d`: thirty-two at a time for up to three queries, sixteen
-/// for up to six, else eight (the widest whose accumulators fit the registers).
+/// for up to six, else eight (the widest whose accumulators fit the registers). `next` is
+/// asked for during the first pass only.
 #[inline(always)]
-unsafe fn grouped_passes<T: Src, const NQ: usize>(ps: &[&[f32]], v: *const T, hd: usize, o: *mut f32) {
+unsafe fn grouped_passes<T: Src, const NQ: usize, const L2: bool>(
+    ps: &[&[f32]],
+    v: *const T,
+    hd: usize,
+    o: *mut f32,
+    mut next: *const u8,
+) {
     let mut d0 = 0;
     if NQ <= 3 {
         while d0 + 32 <= hd {
-            grouped_pass::<T, NQ, 4>(ps, v, hd, d0, o);
-            d0 += 32;
+            grouped_pass::<T, NQ, 4, L2>(ps, v, hd, d0, o, next);
+            (d0, next) = (d0 + 32, std::ptr::null());
         }
     }
     if NQ <= 6 {
         while d0 + 16 <= hd {
-            grouped_pass::<T, NQ, 2>(ps, v, hd, d0, o);
-            d0 += 16;
+            grouped_pass::<T, NQ, 2, L2>(ps, v, hd, d0, o, next);
+            (d0, next) = (d0 + 16, std::ptr::null());
         }
     }
     while d0 < hd {
-        grouped_pass::<T, NQ, 1>(ps, v, hd, d0, o);
-        d0 += 8;
+        grouped_pass::<T, NQ, 1, L2>(ps, v, hd, d0, o, next);
+        (d0, next) = (d0 + 8, std::ptr::null());
     }
 }
 
 /// [`super::weighted_values`] for a group of up to eight queries with the same positions
-/// (`ps[i]`, all of one length), outputs one after another at `o`.
-pub unsafe fn grouped_values<T: Src>(ps: &[&[f32]], v: *const T, hd: usize, o: *mut f32) {
+/// (`ps[i]`, all of one length), outputs one after another at `o`. `next`: the region read
+/// after this one.
+pub unsafe fn grouped_values<T: Src>(ps: &[&[f32]], v: *const T, hd: usize, o: *mut f32, next: Next) {
     debug_assert!(hd.is_multiple_of(8) && ps.iter().all(|p| p.len() == ps[0].len()));
+    if next.into_l2 {
+        grouped_sizes::<T, true>(ps, v, hd, o, next.region)
+    } else {
+        grouped_sizes::<T, false>(ps, v, hd, o, next.region)
+    }
+}
+
+#[inline(always)]
+unsafe fn grouped_sizes<T: Src, const L2: bool>(ps: &[&[f32]], v: *const T, hd: usize, o: *mut f32, next: *const u8) {
     match ps.len() {
-        1 => grouped_passes::<T, 1>(ps, v, hd, o),
-        2 => grouped_passes::<T, 2>(ps, v, hd, o),
-        3 => grouped_passes::<T, 3>(ps, v, hd, o),
-        4 => grouped_passes::<T, 4>(ps, v, hd, o),
-        5 => grouped_passes::<T, 5>(ps, v, hd, o),
-        6 => grouped_passes::<T, 6>(ps, v, hd, o),
-        7 => grouped_passes::<T, 7>(ps, v, hd, o),
-        8 => grouped_passes::<T, 8>(ps, v, hd, o),
+        1 => grouped_passes::<T, 1, L2>(ps, v, hd, o, next),
+        2 => grouped_passes::<T, 2, L2>(ps, v, hd, o, next),
+        3 => grouped_passes::<T, 3, L2>(ps, v, hd, o, next),
+        4 => grouped_passes::<T, 4, L2>(ps, v, hd, o, next),
+        5 => grouped_passes::<T, 5, L2>(ps, v, hd, o, next),
+        6 => grouped_passes::<T, 6, L2>(ps, v, hd, o, next),
+        7 => grouped_passes::<T, 7, L2>(ps, v, hd, o, next),
+        8 => grouped_passes::<T, 8, L2>(ps, v, hd, o, next),
         n => unreachable!("a group of {n} queries"),
     }
 }

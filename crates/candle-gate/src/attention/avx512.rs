@@ -9,7 +9,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{Next, KV_BLOCK};
+use super::{prefetch_row, Next, KV_BLOCK};
 
 /// Stored values, sixteen at a time as f32 (widening f16 is exact).
 pub trait Src: Copy {
@@ -25,25 +25,6 @@ impl Src for u16 {
     #[inline(always)]
     unsafe fn load16(p: *const u16) -> __m512 {
         _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
-    }
-}
-
-/// Asks for the `bytes` at `offset` in `region`, a row of the region read next, into L2 (`L2`)
-/// or L1 (null: none; checked before the offset is added, so that nothing is asked of a page
-/// that is not there). The level is a const parameter: a branch on it in the kernels' innermost
-/// loops cost Qwen 0.5B's attention more than the hint was worth.
-#[inline(always)]
-unsafe fn prefetch_row<const L2: bool>(region: *const u8, offset: usize, bytes: usize) {
-    if !region.is_null() {
-        let p = region.wrapping_add(offset);
-        for off in (0..bytes).step_by(64) {
-            let line = p.wrapping_add(off) as *const i8;
-            if L2 {
-                _mm_prefetch::<_MM_HINT_T1>(line);
-            } else {
-                _mm_prefetch::<_MM_HINT_T0>(line);
-            }
-        }
     }
 }
 
