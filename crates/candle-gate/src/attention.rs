@@ -56,6 +56,20 @@ impl Next {
     const NONE: Next = Next { region: std::ptr::null(), into_l2: false };
 }
 
+/// `kernel::<.., L2>(args.., region)`: [`Next`]'s level passed on as the const `L2` the
+/// kernels take ([`prefetch_row`]), and its region as their last argument.
+#[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
+macro_rules! at_level {
+    ($next:expr, $kernel:ident::<$($t:ty),*>($($arg:expr),* $(,)?)) => {{
+        let next: super::Next = $next;
+        if next.into_l2 {
+            $kernel::<$($t,)* true>($($arg,)* next.region)
+        } else {
+            $kernel::<$($t,)* false>($($arg,)* next.region)
+        }
+    }};
+}
+
 /// Asks for the `bytes` at `offset` in `region`, a row of the region read next, into L2 (`L2`)
 /// or L1 (null: none; checked before the offset is added, so that nothing is asked of a page
 /// that is not there). The level is a const parameter: a branch on it in the kernels' innermost
@@ -197,6 +211,19 @@ fn group_len(left: usize) -> usize {
     } else {
         6
     }
+}
+
+/// The groups `n` queries go in, as `(first query, length, next)`: the region read after the
+/// block is asked for by the first group only, so that it is asked for once.
+fn query_groups(n: usize, next: Next) -> impl Iterator<Item = (usize, usize, Next)> {
+    let (mut j, mut next) = (0, next);
+    std::iter::from_fn(move || {
+        (j < n).then(|| {
+            let group = (j, group_len(n - j), next);
+            (j, next) = (j + group.1, Next::NONE);
+            group
+        })
+    })
 }
 
 /// `o_i[d] += Σ_t p_i[t] · v[t][d]` for a group of queries (`ps[i]` their weights, `o` their
@@ -497,9 +524,8 @@ impl<'a> SplitPass<'a> {
             let n = Self::positions_in(b, &spans[i]);
             let run = 1 + spans[i + 1..].iter().take_while(|sp| Self::positions_in(b, sp) == n).count();
             if n > 0 {
-                let mut j = i;
-                while j < i + run {
-                    let len = group_len(i + run - j);
+                for (j, len, next) in query_groups(run, next) {
+                    let j = i + j;
                     // On the stack: this runs once per block and group.
                     let mut ps: [&[f32]; GROUP_MAX] = [&[]; GROUP_MAX];
                     for (p, k) in ps.iter_mut().zip(j..j + len) {
@@ -508,8 +534,8 @@ impl<'a> SplitPass<'a> {
                     let os = out.o[j * hd..(j + len) * hd].as_mut_ptr();
                     // SAFETY: the vector tier was checked (`grouped`); `os` holds len × hd values.
                     unsafe { grouped_values(&ps[..len], v, hd, os, self.tier, next) };
-                    (j, next) = (j + len, Next::NONE);
                 }
+                next = Next::NONE;
             }
             i += run;
         }

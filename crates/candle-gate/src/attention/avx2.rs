@@ -136,7 +136,7 @@ unsafe fn scores_passes<T: Src, const NQ: usize, const P: usize, const L2: bool>
 }
 
 /// Scores of the block's 32 positions (`kt`: `[hd][32]`) for each of `qs`, a group of
-/// queries at a time ([`super::group_len`]): each key vector is read once per group. `next`:
+/// queries at a time ([`super::query_groups`]): each key vector is read once per group. `next`:
 /// the region read after this one, asked for as the first group goes.
 pub unsafe fn scores_block<T: Src>(
     qs: &[&[f32]],
@@ -147,41 +147,34 @@ pub unsafe fn scores_block<T: Src>(
     at: impl Fn(usize) -> usize,
     next: Next,
 ) {
-    if next.into_l2 {
-        scores_groups::<T, true>(qs, kt, hd, scale, out, at, next.region)
-    } else {
-        scores_groups::<T, false>(qs, kt, hd, scale, out, at, next.region)
+    debug_assert!(qs.iter().all(|q| q.len() >= hd));
+    let sc = _mm256_set1_ps(scale);
+    for (j, n, next) in super::query_groups(qs.len(), next) {
+        let (g, at_j) = (&qs[j..j + n], |i: usize| at(j + i));
+        at_level!(next, scores_group::<T>(g, kt, hd, sc, out, &at_j));
     }
 }
 
+/// One group's passes, as many positions a pass as its accumulators allow in sixteen registers.
 #[inline(always)]
-unsafe fn scores_groups<T: Src, const L2: bool>(
-    qs: &[&[f32]],
+unsafe fn scores_group<T: Src, const L2: bool>(
+    g: &[&[f32]],
     kt: *const T,
     hd: usize,
-    scale: f32,
+    sc: __m256,
     out: &mut [f32],
-    at: impl Fn(usize) -> usize,
+    at: &impl Fn(usize) -> usize,
     next: *const u8,
 ) {
-    debug_assert!(qs.iter().all(|q| q.len() >= hd));
-    let sc = _mm256_set1_ps(scale);
-    let mut j = 0;
-    while j < qs.len() {
-        let n = super::group_len(qs.len() - j);
-        let (g, at_j) = (&qs[j..j + n], |i: usize| at(j + i));
-        let next = if j == 0 { next } else { std::ptr::null() };
-        match n {
-            1 => scores_passes::<T, 1, 4, L2>(g, kt, hd, sc, out, &at_j, next),
-            2 => scores_passes::<T, 2, 4, L2>(g, kt, hd, sc, out, &at_j, next),
-            3 => scores_passes::<T, 3, 4, L2>(g, kt, hd, sc, out, &at_j, next),
-            4 => scores_passes::<T, 4, 2, L2>(g, kt, hd, sc, out, &at_j, next),
-            5 => scores_passes::<T, 5, 2, L2>(g, kt, hd, sc, out, &at_j, next),
-            6 => scores_passes::<T, 6, 2, L2>(g, kt, hd, sc, out, &at_j, next),
-            7 => scores_passes::<T, 7, 1, L2>(g, kt, hd, sc, out, &at_j, next),
-            _ => scores_passes::<T, 8, 1, L2>(g, kt, hd, sc, out, &at_j, next),
-        }
-        j += n;
+    match g.len() {
+        1 => scores_passes::<T, 1, 4, L2>(g, kt, hd, sc, out, at, next),
+        2 => scores_passes::<T, 2, 4, L2>(g, kt, hd, sc, out, at, next),
+        3 => scores_passes::<T, 3, 4, L2>(g, kt, hd, sc, out, at, next),
+        4 => scores_passes::<T, 4, 2, L2>(g, kt, hd, sc, out, at, next),
+        5 => scores_passes::<T, 5, 2, L2>(g, kt, hd, sc, out, at, next),
+        6 => scores_passes::<T, 6, 2, L2>(g, kt, hd, sc, out, at, next),
+        7 => scores_passes::<T, 7, 1, L2>(g, kt, hd, sc, out, at, next),
+        _ => scores_passes::<T, 8, 1, L2>(g, kt, hd, sc, out, at, next),
     }
 }
 
@@ -294,11 +287,7 @@ unsafe fn grouped_passes<T: Src, const NQ: usize, const L2: bool>(
 /// after this one.
 pub unsafe fn grouped_values<T: Src>(ps: &[&[f32]], v: *const T, hd: usize, o: *mut f32, next: Next) {
     debug_assert!(hd.is_multiple_of(8) && ps.iter().all(|p| p.len() == ps[0].len()));
-    if next.into_l2 {
-        grouped_sizes::<T, true>(ps, v, hd, o, next.region)
-    } else {
-        grouped_sizes::<T, false>(ps, v, hd, o, next.region)
-    }
+    at_level!(next, grouped_sizes::<T>(ps, v, hd, o))
 }
 
 #[inline(always)]

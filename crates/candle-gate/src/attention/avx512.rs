@@ -76,40 +76,33 @@ pub unsafe fn scores_block<T: Src>(
     at: impl Fn(usize) -> usize,
     next: Next,
 ) {
-    if next.into_l2 {
-        scores_groups::<T, true>(qs, kt, hd, scale, out, at, next.region)
-    } else {
-        scores_groups::<T, false>(qs, kt, hd, scale, out, at, next.region)
+    debug_assert!(qs.iter().all(|q| q.len() >= hd));
+    for (j, n, next) in super::query_groups(qs.len(), next) {
+        let (g, at_j) = (&qs[j..j + n], |i: usize| at(j + i));
+        at_level!(next, scores_group_of::<T>(g, kt, hd, scale, out, &at_j));
     }
 }
 
+/// One group's scores, its size a const.
 #[inline(always)]
-unsafe fn scores_groups<T: Src, const L2: bool>(
-    qs: &[&[f32]],
+unsafe fn scores_group_of<T: Src, const L2: bool>(
+    g: &[&[f32]],
     kt: *const T,
     hd: usize,
     scale: f32,
     out: &mut [f32],
-    at: impl Fn(usize) -> usize,
+    at: &impl Fn(usize) -> usize,
     next: *const u8,
 ) {
-    debug_assert!(qs.iter().all(|q| q.len() >= hd));
-    let mut j = 0;
-    while j < qs.len() {
-        let n = super::group_len(qs.len() - j);
-        let (g, at_j) = (&qs[j..j + n], |i: usize| at(j + i));
-        let next = if j == 0 { next } else { std::ptr::null() };
-        match n {
-            1 => scores_group::<T, 1, L2>(g, kt, hd, scale, out, &at_j, next),
-            2 => scores_group::<T, 2, L2>(g, kt, hd, scale, out, &at_j, next),
-            3 => scores_group::<T, 3, L2>(g, kt, hd, scale, out, &at_j, next),
-            4 => scores_group::<T, 4, L2>(g, kt, hd, scale, out, &at_j, next),
-            5 => scores_group::<T, 5, L2>(g, kt, hd, scale, out, &at_j, next),
-            6 => scores_group::<T, 6, L2>(g, kt, hd, scale, out, &at_j, next),
-            7 => scores_group::<T, 7, L2>(g, kt, hd, scale, out, &at_j, next),
-            _ => scores_group::<T, 8, L2>(g, kt, hd, scale, out, &at_j, next),
-        }
-        j += n;
+    match g.len() {
+        1 => scores_group::<T, 1, L2>(g, kt, hd, scale, out, at, next),
+        2 => scores_group::<T, 2, L2>(g, kt, hd, scale, out, at, next),
+        3 => scores_group::<T, 3, L2>(g, kt, hd, scale, out, at, next),
+        4 => scores_group::<T, 4, L2>(g, kt, hd, scale, out, at, next),
+        5 => scores_group::<T, 5, L2>(g, kt, hd, scale, out, at, next),
+        6 => scores_group::<T, 6, L2>(g, kt, hd, scale, out, at, next),
+        7 => scores_group::<T, 7, L2>(g, kt, hd, scale, out, at, next),
+        _ => scores_group::<T, 8, L2>(g, kt, hd, scale, out, at, next),
     }
 }
 
@@ -189,11 +182,7 @@ unsafe fn grouped_passes<T: Src, const NQ: usize, const L2: bool>(
 #[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
 pub unsafe fn grouped_values<T: Src>(ps: &[&[f32]], v: *const T, hd: usize, o: *mut f32, next: Next) {
     debug_assert!(hd.is_multiple_of(16) && ps.iter().all(|p| p.len() == ps[0].len()));
-    if next.into_l2 {
-        grouped_sizes::<T, true>(ps, v, hd, o, next.region)
-    } else {
-        grouped_sizes::<T, false>(ps, v, hd, o, next.region)
-    }
+    at_level!(next, grouped_sizes::<T>(ps, v, hd, o))
 }
 
 #[inline(always)]
