@@ -73,7 +73,11 @@ pub(crate) trait KBlock: Sync + 'static {
     /// eight i32 lanes each, unpacking as it goes: the one-row kernel uses each block once.
     /// SAFETY: AVX2 must be available.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn partials_with(&self, y: &Q8K) -> (std::arch::x86_64::__m256i, std::arch::x86_64::__m256i);
+    unsafe fn partials_with(
+        &self,
+        y: &Q8K,
+        controls: &avx2::ScaleControls,
+    ) -> (std::arch::x86_64::__m256i, std::arch::x86_64::__m256i);
     /// [`KBlock::partials_with`] two 32-weight chunks per 512-bit vector: other lanes, the same
     /// two exact integer totals.
     /// SAFETY: AVX-512 F/BW/VL and VNNI must be available.
@@ -176,7 +180,11 @@ impl KBlock for Q4K {
     }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn partials_with(&self, y: &Q8K) -> (std::arch::x86_64::__m256i, std::arch::x86_64::__m256i) {
+    unsafe fn partials_with(
+        &self,
+        y: &Q8K,
+        controls: &avx2::ScaleControls,
+    ) -> (std::arch::x86_64::__m256i, std::arch::x86_64::__m256i) {
         use std::arch::x86_64::*;
         let (dup, bcoef) = self.scales_mins();
         let mut acc = _mm256_setzero_si256();
@@ -184,7 +192,7 @@ impl KBlock for Q4K {
             let (lo, hi) = self.nibbles(i);
             for (c, u) in [(2 * i, lo), (2 * i + 1, hi)] {
                 let yq = _mm256_loadu_si256(y.qs.as_ptr().add(32 * c) as *const __m256i);
-                let sc = _mm256_shuffle_epi8(dup, avx2::broadcast_i16(c, c));
+                let sc = _mm256_shuffle_epi8(dup, avx2::broadcast_i16(controls, c, c));
                 acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, yq), sc));
             }
         }
@@ -314,7 +322,11 @@ impl KBlock for Q6K {
     }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn partials_with(&self, y: &Q8K) -> (std::arch::x86_64::__m256i, std::arch::x86_64::__m256i) {
+    unsafe fn partials_with(
+        &self,
+        y: &Q8K,
+        controls: &avx2::ScaleControls,
+    ) -> (std::arch::x86_64::__m256i, std::arch::x86_64::__m256i) {
         use std::arch::x86_64::*;
         let (lo, hi, bcoef) = self.scale_halves();
         let mut acc = _mm256_setzero_si256();
@@ -322,7 +334,10 @@ impl KBlock for Q6K {
             for (t, u) in self.sixes(n).into_iter().enumerate() {
                 let c = 4 * n + t;
                 let yq = _mm256_loadu_si256(y.qs.as_ptr().add(32 * c) as *const __m256i);
-                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, yq), Self::scale(lo, hi, c)));
+                acc = _mm256_add_epi32(
+                    acc,
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(u, yq), Self::scale(lo, hi, c, controls)),
+                );
             }
         }
         (acc, _mm256_madd_epi16(_mm256_loadu_si256(y.bsums.as_ptr() as *const __m256i), bcoef))
@@ -406,13 +421,14 @@ impl Q6K {
         lo: std::arch::x86_64::__m256i,
         hi: std::arch::x86_64::__m256i,
         c: usize,
+        controls: &avx2::ScaleControls,
     ) -> std::arch::x86_64::__m256i {
         use std::arch::x86_64::*;
         let (a, b) = (2 * c, 2 * c + 1);
         if c < 4 {
-            _mm256_shuffle_epi8(lo, avx2::broadcast_i16(a, b))
+            _mm256_shuffle_epi8(lo, avx2::broadcast_i16(controls, a, b))
         } else {
-            _mm256_shuffle_epi8(hi, avx2::broadcast_i16(a - 8, b - 8))
+            _mm256_shuffle_epi8(hi, avx2::broadcast_i16(controls, a - 8, b - 8))
         }
     }
 }
@@ -452,7 +468,19 @@ mod avx2 {
 
     /// `_mm256_shuffle_epi8` controls: entry `a * 8 + b` fills the low half with i16 lane `a`
     /// and the high half with i16 lane `b` of a 128-bit source repeated in both halves.
-    static BROADCAST_I16: [[u8; 32]; 64] = {
+    pub struct ScaleControls([[u8; 32]; 64]);
+
+    /// The controls, hidden from the optimizer once per one-row call ([`std::hint::black_box`]):
+    /// seeing constants, it rewrote each of Q4_K's one-instruction `vpshufb`s into a shift and a
+    /// lane-crossing broadcast, and the one-row Q4_K kernel ran 1.06-1.09x as fast without that
+    /// on a Zen 2 (docs/BENCHMARKS.md, "Q4_K's scale shuffles kept as shuffles"). Hidden once per
+    /// block instead, the loads were not hoisted and the gain was smaller; Q6_K moved within 1%.
+    #[inline(always)]
+    pub fn scale_controls() -> &'static ScaleControls {
+        std::hint::black_box(&BROADCAST_I16)
+    }
+
+    static BROADCAST_I16: ScaleControls = ScaleControls({
         let mut t = [[0u8; 32]; 64];
         let mut i = 0;
         while i < 64 {
@@ -466,11 +494,11 @@ mod avx2 {
             i += 1;
         }
         t
-    };
+    });
 
     #[inline(always)]
-    pub unsafe fn broadcast_i16(a: usize, b: usize) -> __m256i {
-        _mm256_loadu_si256(BROADCAST_I16[a * 8 + b].as_ptr() as *const __m256i)
+    pub unsafe fn broadcast_i16(controls: &ScaleControls, a: usize, b: usize) -> __m256i {
+        _mm256_loadu_si256(controls.0[a * 8 + b].as_ptr() as *const __m256i)
     }
 
     /// The sum of eight i32 lanes.
@@ -1288,9 +1316,10 @@ fn element_from<W: KBlock>(wc: &[W], y: &[Q8K], sums: impl Fn(&W, &Q8K) -> (i32,
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn element_avx2<W: KBlock>(wc: &[W], y: &[Q8K]) -> f32 {
+    let controls = avx2::scale_controls();
     element_from(wc, y, |x, yb| {
         // SAFETY: AVX2, this function's feature.
-        let (p, q) = unsafe { x.partials_with(yb) };
+        let (p, q) = unsafe { x.partials_with(yb, controls) };
         (avx2::hsum(p), avx2::hsum(q))
     })
 }
