@@ -1358,6 +1358,9 @@ TABLES = {
     "ab-kernels-q6k-prefetch": partial(kernels_ab_table, name="ab-kernels-q6k-prefetch-qwen15-zen4.json", tier=" (AVX-512 tier)"),
     "ab-q6k-prefetch": partial(ab_table, entries=ab_files("ab-q6k-prefetch-{}-zen4.json", "qwen15", "synth8b")),
     "ab-q6k-prefetch-context": partial(ab_context_table, names=[f"ab-q6k-prefetch-{m}-1024-zen4.json" for m in ("qwen05", "qwen15")]),
+    "canonical-zen2": partial(modes_table, name="modes-canonical-vs-invariant-zen2-b2c8e50.json"),
+    "ab-kernels-q4k-shuffles": partial(kernels_ab_table, name="ab-kernels-q4k-shuffles-qwen15-zen2.json"),
+    "ab-q4k-shuffles": partial(ab_table, entries=ab_files("ab-q4k-shuffles-{}-zen2.json", "qwen15", "qwen05", "gemma")),
     "ab-attention-avx2-next": partial(attention_ab_table, name="ab-attention-avx2-next-zen3.json"),
     "ab-attention-avx2-next-context": partial(ab_context_table, names=[f"ab-attention-avx2-next-{m}-1024-zen3.json"
                                                                       for m in ("smollm2", "qwen15")],
