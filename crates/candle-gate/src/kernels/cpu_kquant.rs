@@ -510,6 +510,15 @@ mod avx2 {
         _mm_cvtsi128_si32(s)
     }
 
+    /// `(hsum(p), hsum(q))` in one tree of adds (integer sums: any order gives the same).
+    #[inline(always)]
+    pub unsafe fn hsum2(p: __m256i, q: __m256i) -> (i32, i32) {
+        let t = _mm256_hadd_epi32(p, q);
+        let u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+        let v = _mm_hadd_epi32(u, u);
+        (_mm_cvtsi128_si32(v), _mm_extract_epi32(v, 1))
+    }
+
     /// [`super::step`] on eight lanes: the same IEEE operations in the same order.
     #[inline(always)]
     pub unsafe fn step8<W: KBlock>(
@@ -1320,7 +1329,14 @@ unsafe fn element_avx2<W: KBlock>(wc: &[W], y: &[Q8K]) -> f32 {
     element_from(wc, y, |x, yb| {
         // SAFETY: AVX2, this function's feature.
         let (p, q) = unsafe { x.partials_with(yb, controls) };
-        (avx2::hsum(p), avx2::hsum(q))
+        // Integer sums, so any order of the adds gives the same totals: one tree for both of
+        // Q4_K's, and Q6_K's offset taken in the lanes before its one reduction.
+        if W::HAS_MIN {
+            unsafe { avx2::hsum2(p, q) }
+        } else {
+            use std::arch::x86_64::{_mm256_mullo_epi32, _mm256_set1_epi32, _mm256_sub_epi32};
+            unsafe { (avx2::hsum(_mm256_sub_epi32(p, _mm256_mullo_epi32(q, _mm256_set1_epi32(W::OFFSET)))), 0) }
+        }
     })
 }
 
