@@ -1361,6 +1361,11 @@ TABLES = {
     "canonical-zen2": partial(modes_table, name="modes-canonical-vs-invariant-zen2-b2c8e50.json"),
     "ab-kernels-q4k-shuffles": partial(kernels_ab_table, name="ab-kernels-q4k-shuffles-qwen15-zen2.json"),
     "ab-q4k-shuffles": partial(ab_table, entries=ab_files("ab-q4k-shuffles-{}-zen2.json", "qwen15", "qwen05", "gemma")),
+    "ab-kernels-kquant-reductions": partial(kernels_ab_table, name="ab-kernels-kquant-reductions-qwen15-zen2.json"),
+    "ab-kquant-reductions": partial(ab_table, entries=ab_files("ab-kquant-reductions-{}-zen2.json", "qwen15", "qwen05",
+                                                               "gemma")),
+    "peers-goals-zen2-4706764": partial(peers_rows_table, names=[f"vs-peers-qwen15-{c}-zen2-4706764.json"
+                                                                for c in ("chat", "1023", "4096")]),
     "ab-attention-avx2-next": partial(attention_ab_table, name="ab-attention-avx2-next-zen3.json"),
     "ab-attention-avx2-next-context": partial(ab_context_table, names=[f"ab-attention-avx2-next-{m}-1024-zen3.json"
                                                                       for m in ("smollm2", "qwen15")],
