@@ -1361,6 +1361,7 @@ TABLES = {
     "canonical-zen2": partial(modes_table, name="modes-canonical-vs-invariant-zen2-b2c8e50.json"),
     "ab-kernels-q4k-shuffles": partial(kernels_ab_table, name="ab-kernels-q4k-shuffles-qwen15-zen2.json"),
     "ab-q4k-shuffles": partial(ab_table, entries=ab_files("ab-q4k-shuffles-{}-zen2.json", "qwen15", "qwen05", "gemma")),
+    "ab-attention-query-groups": partial(attention_ab_table, name="ab-attention-query-groups-zen2.json"),
     "ab-kernels-kquant-reductions": partial(kernels_ab_table, name="ab-kernels-kquant-reductions-qwen15-zen2.json"),
     "ab-kquant-reductions": partial(ab_table, entries=ab_files("ab-kquant-reductions-{}-zen2.json", "qwen15", "qwen05",
                                                                "gemma")),
