@@ -1305,39 +1305,27 @@ mod avx512 {
     const Q6K_QH: usize = std::mem::offset_of!(super::Q6K, qh);
 }
 
-/// The one-row loop of every SIMD tier: `sums(x, y)` is a block's exact (Σ sc·u·y, Σ bcoef·bsums),
-/// then the float step. Inlined into each tier's `target_feature` function.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-fn element_from<W: KBlock>(wc: &[W], y: &[Q8K], sums: impl Fn(&W, &Q8K) -> (i32, i32)) -> f32 {
-    let mut acc = 0f32;
-    for (x, yb) in wc.iter().zip(y) {
-        super::prefetch_ahead(x);
-        let (p, q) = sums(x, yb);
-        let (isum, imin) = if W::HAS_MIN { (p, q) } else { (p - W::OFFSET * q, 0) };
-        acc = step::<W>(acc, isum, imin, x.d(), x.dmin(), yb.d);
-    }
-    acc
-}
-
 /// One output element, [`element`]'s arithmetic with the integer parts in AVX2: the one-row
 /// kernel, reading the column's bytes in order.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn element_avx2<W: KBlock>(wc: &[W], y: &[Q8K]) -> f32 {
+    use std::arch::x86_64::{_mm256_mullo_epi32, _mm256_set1_epi32, _mm256_sub_epi32};
     let controls = avx2::scale_controls();
-    element_from(wc, y, |x, yb| {
-        // SAFETY: AVX2, this function's feature.
-        let (p, q) = unsafe { x.partials_with(yb, controls) };
+    let mut acc = 0f32;
+    for (x, yb) in wc.iter().zip(y) {
+        super::prefetch_ahead(x);
+        let (p, q) = x.partials_with(yb, controls);
         // Integer sums, so any order of the adds gives the same totals: one tree for both of
         // Q4_K's, and Q6_K's offset taken in the lanes before its one reduction.
-        if W::HAS_MIN {
-            unsafe { avx2::hsum2(p, q) }
+        let (isum, imin) = if W::HAS_MIN {
+            avx2::hsum2(p, q)
         } else {
-            use std::arch::x86_64::{_mm256_mullo_epi32, _mm256_set1_epi32, _mm256_sub_epi32};
-            unsafe { (avx2::hsum(_mm256_sub_epi32(p, _mm256_mullo_epi32(q, _mm256_set1_epi32(W::OFFSET)))), 0) }
-        }
-    })
+            (avx2::hsum(_mm256_sub_epi32(p, _mm256_mullo_epi32(q, _mm256_set1_epi32(W::OFFSET)))), 0)
+        };
+        acc = step::<W>(acc, isum, imin, x.d(), x.dmin(), yb.d);
+    }
+    acc
 }
 
 /// [`element_avx2`]'s arithmetic for `R` rows of one column, the integer parts two chunks per
