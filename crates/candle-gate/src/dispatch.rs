@@ -114,12 +114,17 @@ impl WeightLayout {
             WeightLayout::Invariant | WeightLayout::Gguf => Mode::DEFAULT,
         }
     }
-    /// Whether this host's kernels read the layout packed (else the weights stay as in the file).
-    fn packs_here(self) -> bool {
+    /// Whether this host's kernels read `dtype` packed in this layout (else the weights stay
+    /// as in the file).
+    fn packs_here(self, dtype: GgmlDType) -> bool {
         match self {
-            // The invariant kernels read packed weights fast with AVX-512 only; the canonical
-            // ones have an AVX2 tier too.
-            WeightLayout::Invariant => kernels::isa() == kernels::Isa::Avx512,
+            // The invariant kernels read every packed dtype fast with AVX-512, and packed Q4_K
+            // with AVX2 too; the canonical ones have an AVX2 tier for all.
+            WeightLayout::Invariant => match kernels::isa() {
+                kernels::Isa::Avx512 => true,
+                kernels::Isa::Avx2 => dtype == GgmlDType::Q4K,
+                _ => false,
+            },
             WeightLayout::Canonical => kernels::isa() >= kernels::Isa::Avx2,
             WeightLayout::Gguf => false,
         }
@@ -316,7 +321,9 @@ impl QMatMul {
         arena: Option<&crate::huge_pages::WeightArena>,
     ) -> Result<Self> {
         let only_holder = Arc::strong_count(&weight) == 1;
-        let pack = layout.packs_here() && only_holder && std::env::var("CANDLE_GATE_PACK").map_or(true, |v| v != "0");
+        let pack = layout.packs_here(weight.dtype())
+            && only_holder
+            && std::env::var("CANDLE_GATE_PACK").map_or(true, |v| v != "0");
         Self::build(weight, layout, policy, pack, arena.filter(|_| only_holder))
     }
 

@@ -594,33 +594,194 @@ mod eight {
         rows: usize,
         out: &mut [[f32; 8]],
     ) {
+        let cols: [&[Q4K]; 8] = std::array::from_fn(&col);
+        assert!(cols.iter().all(|c| c.len() >= kb));
+        let segments = |b: usize, s: usize| {
+            // Raw addresses, checked once above.
+            let at = if s == 0 {
+                block_addresses(&cols, b, kb)
+            } else {
+                std::array::from_fn(|c| cols[c].as_ptr().add(b) as *const u8)
+            };
+            transpose8x4(|c| at[c].add(16 * s))
+        };
+        q4k_tile_rows(segments, kb, ys, rows, out)
+    }
+
+    /// Bytes `16s..16s + 16` of the eight columns `8h..8h + 8` of a packed Q4_K group's tile at
+    /// `tile` ([`super::pack_q4k`]): vector t lane c is column `8h + c`'s dword t, one load each.
+    #[inline(always)]
+    unsafe fn packed_segment(tile: *const u8, s: usize, h: usize) -> [__m256i; 4] {
+        std::array::from_fn(|t| _mm256_loadu_si256(tile.add(256 * s + 64 * t + 32 * h) as *const __m256i))
+    }
+
+    /// A packed Q4_K group of sixteen columns ([`super::pack_q4k`]) for up to [`TILE_ROWS`]
+    /// rows on the AVX2 tier: one or two rows through [`q4k_packed_few`] (both eight-column
+    /// halves of a tile in one pass, every sum in registers), more through
+    /// [`q4k_tile_rows`] once per half, each segment a load where the GGUF layout takes a
+    /// transpose. The same lanes, the same arithmetic: the one-row bits.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn q4k_sixteen_packed(
+        group: &[Q4K],
+        kb: usize,
+        ys: &[Q8K],
+        rows: usize,
+        out: &mut [[f32; 16]],
+        first_pass: bool,
+    ) {
+        assert!(group.len() >= 16 * kb && ys.len() >= rows * kb && out.len() >= rows);
+        let base = group.as_ptr() as *const u8;
+        match rows {
+            1 => q4k_packed_few::<1>(base, kb, ys, out),
+            2 => q4k_packed_few::<2>(base, kb, ys, out),
+            _ => {
+                let mut got = [[0f32; 8]; TILE_ROWS];
+                for h in 0..2 {
+                    let segments = |b: usize, s: usize| {
+                        let tile = base.add(b * PACKED_TILE);
+                        if first_pass && h == 0 {
+                            ask_ahead(tile, s);
+                        }
+                        packed_segment(tile, s, h)
+                    };
+                    q4k_tile_rows(segments, kb, ys, rows, &mut got);
+                    for (o, g) in out.iter_mut().zip(&got[..rows]) {
+                        o[8 * h..8 * h + 8].copy_from_slice(g);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Asks for segment `s` of the tile [`crate::kernels::TILE_PREFETCH_AHEAD`] bytes after
+    /// `tile`, into L2. Without it a packed group read from memory at 20 GB/s on a Zen 2 where
+    /// the GGUF layout's one-row kernel, which asks 4 KiB ahead, read at 27.
+    #[inline(always)]
+    unsafe fn ask_ahead(tile: *const u8, s: usize) {
+        crate::kernels::prefetch_tile_ahead(tile.wrapping_add(256 * s), 256)
+    }
+
+    /// Bytes of one packed Q4_K tile: a super-block of sixteen columns.
+    const PACKED_TILE: usize = 16 * std::mem::size_of::<Q4K>();
+
+    /// [`q4k_tile_rows`]'s arithmetic for `R` (one or two) rows over a packed group, both
+    /// eight-column halves of each tile in one pass, so the tile's bytes are read once and in
+    /// order, and every sum stays in a register (the general kernel keeps its rows' sums on
+    /// the stack).
+    #[inline(always)]
+    unsafe fn q4k_packed_few<const R: usize>(base: *const u8, kb: usize, ys: &[Q8K], out: &mut [[f32; 16]]) {
+        let m4 = _mm256_set1_epi8(0x0F);
+        let mut acc = [[_mm256_setzero_ps(); 2]; R];
+        for b in 0..kb {
+            let tile = base.add(b * PACKED_TILE);
+            let mut isum = [[_mm256_setzero_si256(); 2]; R];
+            for i in 0..4 {
+                // Spread over the tile: asked for at once, its 36 lines ahead stalled the reads.
+                if i == 0 {
+                    ask_ahead(tile, 0);
+                }
+                ask_ahead(tile, 1 + 2 * i);
+                ask_ahead(tile, 2 + 2 * i);
+                for h in 0..2 {
+                    let [_, s0, _, s2] = packed_segment(tile, 0, h);
+                    let (lo, hi) = (packed_segment(tile, 1 + 2 * i, h), packed_segment(tile, 2 + 2 * i, h));
+                    let q = [lo[0], lo[1], lo[2], lo[3], hi[0], hi[1], hi[2], hi[3]];
+                    for half in 0..2 {
+                        let j = 2 * i + half;
+                        let sc = pair(scale(s0, s2, j));
+                        let mut a = [_mm256_setzero_si256(); R];
+                        for (t, &q) in q.iter().enumerate() {
+                            let u = if half == 0 {
+                                _mm256_and_si256(q, m4)
+                            } else {
+                                _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4)
+                            };
+                            for (r, a) in a.iter_mut().enumerate() {
+                                let y = ys.as_ptr().add(r * kb + b).cast::<u8>().add(Y_QS + 32 * j) as *const i32;
+                                *a = _mm256_add_epi16(*a, _mm256_maddubs_epi16(u, broadcast(y.add(t))));
+                            }
+                        }
+                        for (s, a) in isum.iter_mut().zip(a) {
+                            s[h] = _mm256_add_epi32(s[h], _mm256_madd_epi16(a, sc));
+                        }
+                    }
+                }
+            }
+            for h in 0..2 {
+                let [dd, _, s1, s2] = packed_segment(tile, 0, h);
+                let (xd, xdmin) = f16_halves(dd);
+                let mins: [__m256i; 8] = std::array::from_fn(|j| pair(min(s1, s2, j)));
+                for (r, (acc, isum)) in acc.iter_mut().zip(&isum).enumerate() {
+                    let y = &ys[r * kb + b];
+                    let bs = y.bsums.as_ptr() as *const i32;
+                    let mut imin = _mm256_setzero_si256();
+                    for (j, &m) in mins.iter().enumerate() {
+                        imin = _mm256_add_epi32(imin, _mm256_madd_epi16(m, broadcast(bs.add(j))));
+                    }
+                    acc[h] = step8::<Q4K>(acc[h], isum[h], imin, xd, xdmin, _mm256_set1_ps(y.d));
+                }
+            }
+        }
+        for (o, acc) in out.iter_mut().zip(&acc) {
+            _mm256_storeu_ps(o.as_mut_ptr(), acc[0]);
+            _mm256_storeu_ps(o.as_mut_ptr().add(8), acc[1]);
+        }
+    }
+
+    /// `Q4K::scale_min`'s scale of sub-block j, lane by lane, from the scale dwords q[0..4]
+    /// (`s0`) and q[8..12] (`s2`): sub-blocks 0-3 are the low six bits of q[j]; 4-7 take
+    /// q[j + 4]'s low nibble and the top two bits of q[j - 4].
+    #[inline(always)]
+    unsafe fn scale(s0: __m256i, s2: __m256i, j: usize) -> __m256i {
+        if j < 4 {
+            field(s0, 8 * j as u32, 63)
+        } else {
+            high(s2, s0, j as u32 - 4, 0)
+        }
+    }
+
+    /// `Q4K::scale_min`'s min of sub-block j, from q[4..8] (`s1`) and q[8..12] (`s2`).
+    #[inline(always)]
+    unsafe fn min(s1: __m256i, s2: __m256i, j: usize) -> __m256i {
+        if j < 4 {
+            field(s1, 8 * j as u32, 63)
+        } else {
+            high(s2, s1, j as u32 - 4, 4)
+        }
+    }
+
+    /// Sub-blocks 4-7's scale or min: a nibble of q[8..12] (`shift` 0 or 4) with the top two
+    /// bits of q[0..4] or q[4..8] (`top`) above it.
+    #[inline(always)]
+    unsafe fn high(lo: __m256i, top: __m256i, k: u32, shift: u32) -> __m256i {
+        _mm256_or_si256(field(lo, 8 * k + shift, 0x0F), _mm256_slli_epi32::<4>(field(top, 8 * k + 6, 3)))
+    }
+
+    /// Up to [`TILE_ROWS`] rows (`ys`, row r's blocks at `r * kb`) against eight Q4_K columns
+    /// whose super-block b's bytes `16s..16s + 16` are `segments(b, s)` (vector t lane c:
+    /// column c's dword t).
+    #[inline(always)]
+    unsafe fn q4k_tile_rows(
+        mut segments: impl FnMut(usize, usize) -> [__m256i; 4],
+        kb: usize,
+        ys: &[Q8K],
+        rows: usize,
+        out: &mut [[f32; 8]],
+    ) {
         debug_assert!(rows <= TILE_ROWS && out.len() >= rows);
         let m4 = _mm256_set1_epi8(0x0F);
         let mut acc = [_mm256_setzero_ps(); TILE_ROWS];
         let mut isum = [_mm256_setzero_si256(); TILE_ROWS];
-        let cols: [&[Q4K]; 8] = std::array::from_fn(&col);
-        assert!(cols.iter().all(|c| c.len() >= kb) && ys.len() >= rows * kb);
+        assert!(ys.len() >= rows * kb);
         for b in 0..kb {
-            let at = block_addresses(&cols, b, kb);
             // d and dmin, then the twelve scale bytes q[0..12] as three dwords per lane.
-            let [dd, s0, s1, s2] = transpose8x4(|c| at[c]);
+            let [dd, s0, s1, s2] = segments(b, 0);
             let (xd, xdmin) = f16_halves(dd);
-            // `Q4K::scale_min` lane by lane: sub-blocks 0-3 are the low six bits of q[j] and
-            // q[j + 4]; 4-7 take q[j + 4]'s nibbles and the top two bits of q[j - 4] or q[j].
-            let high = |lo: __m256i, top: __m256i, k: u32, shift: u32| {
-                _mm256_or_si256(field(lo, 8 * k + shift, 0x0F), _mm256_slli_epi32::<4>(field(top, 8 * k + 6, 3)))
-            };
-            let sc: [__m256i; 8] = std::array::from_fn(|j| {
-                pair(if j < 4 { field(s0, 8 * j as u32, 63) } else { high(s2, s0, j as u32 - 4, 0) })
-            });
-            let mins: [__m256i; 8] = std::array::from_fn(|j| {
-                pair(if j < 4 { field(s1, 8 * j as u32, 63) } else { high(s2, s1, j as u32 - 4, 4) })
-            });
+            let sc: [__m256i; 8] = std::array::from_fn(|j| pair(scale(s0, s2, j)));
+            let mins: [__m256i; 8] = std::array::from_fn(|j| pair(min(s1, s2, j)));
             isum[..rows].fill(_mm256_setzero_si256());
             for i in 0..4 {
-                let qs = std::mem::offset_of!(Q4K, qs) + 32 * i;
-                let lo = transpose8x4(|c| at[c].add(qs));
-                let hi = transpose8x4(|c| at[c].add(qs + 16));
+                let (lo, hi) = (segments(b, 1 + 2 * i), segments(b, 2 + 2 * i));
                 let q = [lo[0], lo[1], lo[2], lo[3], hi[0], hi[1], hi[2], hi[3]];
                 // Sub-block 2i in the low nibbles, 2i + 1 in the high.
                 for half in 0..2 {
@@ -1587,13 +1748,15 @@ pub fn unpack_q4k(packed: &[BlockQ4K], n: usize, kb: usize) -> Vec<BlockQ4K> {
 }
 
 /// [`matmul_q4k`] over weights [`pack_q4k`] packed, the same bits: the AVX-512 tier's
-/// sixteen-column kernel reads the groups directly, at every row count; the other tiers
-/// (forced, or a host without AVX-512 handed packed weights) unpack a copy and run their own.
+/// sixteen-column kernel and the AVX2 tier's two eight-column halves read the groups directly,
+/// at every row count; the portable tier unpacks a copy and runs its own.
 pub fn matmul_q4k_packed(w: &[BlockQ4K], xq: &[BlockQ8K], m: usize, k: usize, n: usize, out: &mut [f32]) {
     let kb = k / 256;
     #[cfg(target_arch = "x86_64")]
     // SAFETY: the kernel reads a packed Q4_K group of `kb` tiles; the tier is checked inside.
-    if unsafe { packed_groups::<_, Q4K>(w, xq, m, kb, n, out, avx512::q4k_sixteen_packed) } {
+    if unsafe {
+        packed_groups::<_, Q4K>(w, xq, m, kb, n, out, avx512::q4k_sixteen_packed, Some(eight::q4k_sixteen_packed))
+    } {
         return;
     }
     matmul_q4k(&unpack_q4k(w, n, kb), xq, m, k, n, out)
@@ -1605,7 +1768,7 @@ pub fn matmul_q6k_packed(w: &[BlockQ6K], xq: &[BlockQ8K], m: usize, k: usize, n:
     let kb = k / 256;
     #[cfg(target_arch = "x86_64")]
     // SAFETY: the kernel reads a packed Q6_K group of `kb` tiles; the tier is checked inside.
-    if unsafe { packed_groups::<_, Q6K>(w, xq, m, kb, n, out, avx512::q6k_sixteen_packed) } {
+    if unsafe { packed_groups::<_, Q6K>(w, xq, m, kb, n, out, avx512::q6k_sixteen_packed, None) } {
         return;
     }
     matmul_q6k(&super::cpu_canonical::unpack_q6k(w, n, kb), xq, m, k, n, out)
@@ -1616,12 +1779,13 @@ pub fn matmul_q6k_packed(w: &[BlockQ6K], xq: &[BlockQ8K], m: usize, k: usize, n:
 /// (group, kb, the pass's rows' activations, rows, out, whether the pass is the group's first).
 type GroupKernel<W> = unsafe fn(&[W], usize, &[Q8K], usize, &mut [[f32; 16]], bool);
 
-/// `kernel` over every group of [`PACK_COLS`] packed columns, [`TILE_ROWS`] rows a pass, on
-/// the AVX-512 tier; false (nothing written) on any other.
+/// A kernel over every group of [`PACK_COLS`] packed columns, [`TILE_ROWS`] rows a pass:
+/// `avx512` on the AVX-512 tier, `avx2` (where there is one) on the AVX2 tier; false (nothing
+/// written) on any other.
 ///
 /// # Safety
-/// `kernel` must read at most a group's `PACK_COLS * kb` blocks and `rows * kb` of `ys`, and
-/// need no more than AVX-512 F/BW/VL/VNNI.
+/// Each kernel must read at most a group's `PACK_COLS * kb` blocks and `rows * kb` of `ys`, and
+/// need no more than its tier (AVX-512 F/BW/VL/VNNI; AVX2, FMA, F16C).
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn packed_groups<B, W>(
@@ -1631,7 +1795,8 @@ unsafe fn packed_groups<B, W>(
     kb: usize,
     n: usize,
     out: &mut [f32],
-    kernel: GroupKernel<W>,
+    avx512: GroupKernel<W>,
+    avx2: Option<GroupKernel<W>>,
 ) -> bool
 where
     W: Sync,
@@ -1640,9 +1805,11 @@ where
     assert!(
         std::mem::size_of::<B>() == std::mem::size_of::<W>() && std::mem::align_of::<B>() >= std::mem::align_of::<W>()
     );
-    if super::isa() != super::Isa::Avx512 {
-        return false;
-    }
+    let kernel = match (super::isa(), avx2) {
+        (super::Isa::Avx512, _) => avx512,
+        (super::Isa::Avx2, Some(avx2)) => avx2,
+        _ => return false,
+    };
     // SAFETY: mirror types of the same size, alignment and layout (asserted above).
     let (w, xq) = (mirror::<_, W>(w), mirror::<_, Q8K>(xq));
     let ptr = OutPtr(out.as_mut_ptr());
@@ -1652,7 +1819,7 @@ where
         with_tile::<16>(m, |got| {
             for r0 in (0..m).step_by(TILE_ROWS) {
                 let rows = TILE_ROWS.min(m - r0);
-                // SAFETY: the AVX-512 tier was detected at run time; each (row, column) of this
+                // SAFETY: the kernel's tier was detected at run time; each (row, column) of this
                 // group's columns is written by this task alone, inside `out`.
                 unsafe {
                     kernel(group, kb, &xq[r0 * kb..], rows, got, r0 == 0);
