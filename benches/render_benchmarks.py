@@ -1364,6 +1364,9 @@ TABLES = {
     "ab-q4k-packed-avx2-context": partial(ab_context_table, names=["ab-q4k-packed-avx2-qwen15-1024-zen2.json"]),
     "peers-synth8b-zen2-196902c": partial(peers_rows_table, names=["vs-peers-synth8b-chat-zen2-196902c.json",
                                                                    "vs-peers-synth8b-8streams-zen2-196902c.json"]),
+    "peers-goals-zen2-3cde664": partial(peers_rows_table, names=[f"vs-peers-qwen15-{c}-zen2-3cde664.json"
+                                                                for c in ("chat", "1023", "4096")]
+                                        + [f"vs-peers-synth8b-{c}-zen2-3cde664.json" for c in ("chat", "8streams")]),
     "canonical-zen2": partial(modes_table, name="modes-canonical-vs-invariant-zen2-b2c8e50.json"),
     "ab-kernels-q4k-shuffles": partial(kernels_ab_table, name="ab-kernels-q4k-shuffles-qwen15-zen2.json"),
     "ab-q4k-shuffles": partial(ab_table, entries=ab_files("ab-q4k-shuffles-{}-zen2.json", "qwen15", "qwen05", "gemma")),

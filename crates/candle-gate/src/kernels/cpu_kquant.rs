@@ -688,7 +688,7 @@ mod eight {
                     let q = [lo[0], lo[1], lo[2], lo[3], hi[0], hi[1], hi[2], hi[3]];
                     for half in 0..2 {
                         let j = 2 * i + half;
-                        let sc = pair(scale(s0, s2, j));
+                        let sc = pair(scale_min(s0, s2, j, 0));
                         let mut a = [_mm256_setzero_si256(); R];
                         for (t, &q) in q.iter().enumerate() {
                             let u = if half == 0 {
@@ -710,7 +710,7 @@ mod eight {
             for h in 0..2 {
                 let [dd, _, s1, s2] = packed_segment(tile, 0, h);
                 let (xd, xdmin) = f16_halves(dd);
-                let mins: [__m256i; 8] = std::array::from_fn(|j| pair(min(s1, s2, j)));
+                let mins: [__m256i; 8] = std::array::from_fn(|j| pair(scale_min(s1, s2, j, 4)));
                 for (r, (acc, isum)) in acc.iter_mut().zip(&isum).enumerate() {
                     let y = &ys[r * kb + b];
                     let bs = y.bsums.as_ptr() as *const i32;
@@ -728,25 +728,16 @@ mod eight {
         }
     }
 
-    /// `Q4K::scale_min`'s scale of sub-block j, lane by lane, from the scale dwords q[0..4]
-    /// (`s0`) and q[8..12] (`s2`): sub-blocks 0-3 are the low six bits of q[j]; 4-7 take
-    /// q[j + 4]'s low nibble and the top two bits of q[j - 4].
+    /// `Q4K::scale_min` lane by lane for sub-block j: its scale from q[0..4] (`low`) and
+    /// q[8..12] (`s2`) with `nibble` 0, or its min from q[4..8] and q[8..12] with `nibble` 4.
+    /// Sub-blocks 0-3 are the low six bits of `low`'s byte j; 4-7 take a nibble of q[j + 4] and
+    /// the top two bits of `low`'s byte j - 4.
     #[inline(always)]
-    unsafe fn scale(s0: __m256i, s2: __m256i, j: usize) -> __m256i {
+    unsafe fn scale_min(low: __m256i, s2: __m256i, j: usize, nibble: u32) -> __m256i {
         if j < 4 {
-            field(s0, 8 * j as u32, 63)
+            field(low, 8 * j as u32, 63)
         } else {
-            high(s2, s0, j as u32 - 4, 0)
-        }
-    }
-
-    /// `Q4K::scale_min`'s min of sub-block j, from q[4..8] (`s1`) and q[8..12] (`s2`).
-    #[inline(always)]
-    unsafe fn min(s1: __m256i, s2: __m256i, j: usize) -> __m256i {
-        if j < 4 {
-            field(s1, 8 * j as u32, 63)
-        } else {
-            high(s2, s1, j as u32 - 4, 4)
+            high(s2, low, j as u32 - 4, nibble)
         }
     }
 
@@ -777,8 +768,8 @@ mod eight {
             // d and dmin, then the twelve scale bytes q[0..12] as three dwords per lane.
             let [dd, s0, s1, s2] = segments(b, 0);
             let (xd, xdmin) = f16_halves(dd);
-            let sc: [__m256i; 8] = std::array::from_fn(|j| pair(scale(s0, s2, j)));
-            let mins: [__m256i; 8] = std::array::from_fn(|j| pair(min(s1, s2, j)));
+            let sc: [__m256i; 8] = std::array::from_fn(|j| pair(scale_min(s0, s2, j, 0)));
+            let mins: [__m256i; 8] = std::array::from_fn(|j| pair(scale_min(s1, s2, j, 4)));
             isum[..rows].fill(_mm256_setzero_si256());
             for i in 0..4 {
                 let (lo, hi) = (segments(b, 1 + 2 * i), segments(b, 2 + 2 * i));
