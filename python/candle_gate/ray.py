@@ -28,7 +28,7 @@ import sys
 import threading
 import uuid
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from ray import serve
 from ray.serve.request_router import PendingRequest, RunningReplica
@@ -321,16 +321,28 @@ def serve_replicas(settings: Settings, replicas: Optional[int], ray_address: Opt
 
         threading.Thread(target=deploy, name="candle-gate-deploy", daemon=True).start()
         said: Dict[str, str] = {}
-        ready = False
+        ready = partial = False
         while not stop.is_set():
             if deployed and not ready:
-                if deployed[0] is not None:
-                    print(f"candle-gate serve: error: {deployed[0]}", file=sys.stderr, flush=True)
-                    failed = 1
-                    break
-                ready = True
-                print(f"candle-gate serve: {count} replica(s) ready at http://{settings.host}:{settings.port}/v1",
-                      flush=True)
+                if deployed[0] is None:
+                    ready = True
+                    print(f"candle-gate serve: {count} replica(s) ready at http://{settings.host}:{settings.port}/v1",
+                          flush=True)
+                else:
+                    # serve.run gives up when the application is DEPLOY_FAILED, which Ray also says of
+                    # a fleet still coming up that loses a running replica (a node gone) while
+                    # another is refused: Ray goes on replacing replicas, and the running ones
+                    # serve. Only a fleet with no replica running or starting has failed.
+                    replicas = _replica_counts()
+                    if replicas is not None and not any(replicas):
+                        print(f"candle-gate serve: error: {deployed[0]}", file=sys.stderr, flush=True)
+                        failed = 1
+                        break
+                    if replicas is not None and replicas[0] and not partial:
+                        partial = True
+                        print(f"candle-gate serve: serving on {replicas[0]} replica(s) at "
+                              f"http://{settings.host}:{settings.port}/v1 while Ray replaces the others",
+                              flush=True)
             _say_deployment_status(said)
             stop.wait(2.0)
         if not failed:
@@ -341,6 +353,20 @@ def serve_replicas(settings: Settings, replicas: Optional[int], ray_address: Opt
     finally:
         ray.shutdown()
     return failed
+
+
+def _replica_counts() -> Optional[Tuple[int, int]]:
+    """The application's replicas (running, starting or recovering), or None when the controller
+    does not answer."""
+    try:
+        app = serve.status().applications.get(APP_NAME)
+    except Exception:  # the controller is busy or going away: told next time
+        return None
+    running = starting = 0
+    for d in (app.deployments.values() if app is not None else ()):
+        running += d.replica_states.get("RUNNING", 0)
+        starting += sum(d.replica_states.get(s, 0) for s in ("STARTING", "UPDATING", "RECOVERING"))
+    return running, starting
 
 
 def _say_deployment_status(said: Dict[str, str]) -> None:
