@@ -710,15 +710,10 @@ mod eight {
             for h in 0..2 {
                 let [dd, _, s1, s2] = packed_segment(tile, 0, h);
                 let (xd, xdmin) = f16_halves(dd);
-                let mins: [__m256i; 8] = std::array::from_fn(|j| pair(scale_min(s1, s2, j, 4)));
+                let mins = min_pairs(s1, s2);
                 for (r, (acc, isum)) in acc.iter_mut().zip(&isum).enumerate() {
                     let y = &ys[r * kb + b];
-                    let bs = y.bsums.as_ptr() as *const i32;
-                    let mut imin = _mm256_setzero_si256();
-                    for (j, &m) in mins.iter().enumerate() {
-                        imin = _mm256_add_epi32(imin, _mm256_madd_epi16(m, broadcast(bs.add(j))));
-                    }
-                    acc[h] = step8::<Q4K>(acc[h], isum[h], imin, xd, xdmin, _mm256_set1_ps(y.d));
+                    acc[h] = step8::<Q4K>(acc[h], isum[h], min_term(&mins, y), xd, xdmin, _mm256_set1_ps(y.d));
                 }
             }
         }
@@ -739,6 +734,23 @@ mod eight {
         } else {
             high(s2, low, j as u32 - 4, nibble)
         }
+    }
+
+    /// The eight sub-blocks' mins (from q[4..8], `s1`, and q[8..12], `s2`), each paired for `madd`.
+    #[inline(always)]
+    unsafe fn min_pairs(s1: __m256i, s2: __m256i) -> [__m256i; 8] {
+        std::array::from_fn(|j| pair(scale_min(s1, s2, j, 4)))
+    }
+
+    /// Row `y`'s mins term, lane by lane: Σ_j mins_j · (the two `bsums` of sub-block j), exact in i32.
+    #[inline(always)]
+    unsafe fn min_term(mins: &[__m256i; 8], y: &Q8K) -> __m256i {
+        let bs = y.bsums.as_ptr() as *const i32;
+        let mut imin = _mm256_setzero_si256();
+        for (j, &m) in mins.iter().enumerate() {
+            imin = _mm256_add_epi32(imin, _mm256_madd_epi16(m, broadcast(bs.add(j))));
+        }
+        imin
     }
 
     /// Sub-blocks 4-7's scale or min: a nibble of q[8..12] (`shift` 0 or 4) with the top two
@@ -769,7 +781,7 @@ mod eight {
             let [dd, s0, s1, s2] = segments(b, 0);
             let (xd, xdmin) = f16_halves(dd);
             let sc: [__m256i; 8] = std::array::from_fn(|j| pair(scale_min(s0, s2, j, 0)));
-            let mins: [__m256i; 8] = std::array::from_fn(|j| pair(scale_min(s1, s2, j, 4)));
+            let mins = min_pairs(s1, s2);
             isum[..rows].fill(_mm256_setzero_si256());
             for i in 0..4 {
                 let (lo, hi) = (segments(b, 1 + 2 * i), segments(b, 2 + 2 * i));
@@ -796,12 +808,7 @@ mod eight {
             }
             for (r, (acc, &isum)) in acc[..rows].iter_mut().zip(&isum).enumerate() {
                 let y = &ys[r * kb + b];
-                let bs = y.bsums.as_ptr() as *const i32;
-                let mut imin = _mm256_setzero_si256();
-                for (j, &m) in mins.iter().enumerate() {
-                    imin = _mm256_add_epi32(imin, _mm256_madd_epi16(m, broadcast(bs.add(j))));
-                }
-                *acc = step8::<Q4K>(*acc, isum, imin, xd, xdmin, _mm256_set1_ps(y.d));
+                *acc = step8::<Q4K>(*acc, isum, min_term(&mins, y), xd, xdmin, _mm256_set1_ps(y.d));
             }
         }
         for (o, a) in out.iter_mut().zip(&acc[..rows]) {
