@@ -481,6 +481,10 @@ def t_headline_zen3(res, doc):
     return headline_table(res, doc, "headline-chat-zen3-85d0042.json", "headline-4096-zen3-85d0042.json")
 
 
+def t_headline_zen2(res, doc):
+    return headline_table(res, doc, "headline-chat-zen2-7fdca56.json", "headline-4096-zen2-7fdca56.json")
+
+
 def t_zen4_latest(res, doc):
     cells = [
         ("smollm2-135m-instruct-q4_1", 1024, "vs-llama-cpp-context-smollm2-zen4.json"),
@@ -1302,6 +1306,7 @@ TABLES = {
     "headline": t_headline,
     "headline-xeon": t_headline_xeon,
     "headline-zen3": t_headline_zen3,
+    "headline-zen2": t_headline_zen2,
     "peers-goals-zen3-85d0042": partial(peers_rows_table, names=["vs-peers-qwen15-1023-zen3-85d0042.json",
                                                                 "vs-peers-synth8b-chat-zen3-85d0042.json",
                                                                 "vs-peers-synth8b-8streams-zen3-85d0042.json"]),
