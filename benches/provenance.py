@@ -43,3 +43,8 @@ def cpu() -> str:
 def stamp() -> Dict[str, str]:
     return {"commit": commit(), "host": cpu(),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")}
+
+
+if __name__ == "__main__":  # for the cargo benches that write results: the stamp as JSON
+    import json
+    print(json.dumps(stamp()))
