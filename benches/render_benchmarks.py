@@ -485,6 +485,22 @@ def t_headline_zen2(res, doc):
     return headline_table(res, doc, "headline-chat-zen2-7fdca56.json", "headline-4096-zen2-7fdca56.json")
 
 
+def t_step_costs_zen2(res, doc):
+    """benches/step_costs.rs: a decode step against the same step without its matmuls."""
+    name = "step-costs-zen2-dbc91bc.json"
+    d = res(name)
+    rows = [[model_name(r["model"]), f"{r['bytes_per_token'] / 1e6:.0f}", f"{r['step_ms']:.2f}",
+             f"{r['without_matmuls_ms']:.2f} ({pct(r['without_matmuls_ms'] / r['step_ms'])})", f"{r['matmul_ms']:.2f}",
+             f"{r['matmul_read_gbs']:.1f} ({pct(r['matmul_read_gbs'] / r['read_bandwidth_gbs'])})",
+             f"{r['read_bandwidth_gbs']:.1f}"] for r in d["rows"]]
+    header = ["model", "MB read per token", "step, ms", "without its matmuls, ms (share)", "matmuls, ms",
+              "matmuls' read, GB/s (of the bandwidth)", "read bandwidth, GB/s"]
+    return table(header, rows) + [
+        "", f"One stream, `invariant` mode, the {d['tier']} tier, {d['tokens']} tokens after a short prompt, "
+        f"the best of {d['rounds']} alternating rounds of each kind; the bandwidth is a parallel sum over 1 GiB "
+        "on the same pool, read after each model's rounds. " + res.source([name], doc)]
+
+
 def t_zen4_latest(res, doc):
     cells = [
         ("smollm2-135m-instruct-q4_1", 1024, "vs-llama-cpp-context-smollm2-zen4.json"),
@@ -1307,6 +1323,7 @@ TABLES = {
     "headline-xeon": t_headline_xeon,
     "headline-zen3": t_headline_zen3,
     "headline-zen2": t_headline_zen2,
+    "step-costs-zen2": t_step_costs_zen2,
     "peers-goals-zen3-85d0042": partial(peers_rows_table, names=["vs-peers-qwen15-1023-zen3-85d0042.json",
                                                                 "vs-peers-synth8b-chat-zen3-85d0042.json",
                                                                 "vs-peers-synth8b-8streams-zen3-85d0042.json"]),
