@@ -119,10 +119,10 @@ impl WeightLayout {
     fn packs_here(self, dtype: GgmlDType) -> bool {
         match self {
             // The invariant kernels read every packed dtype fast with AVX-512, and packed Q4_K
-            // with AVX2 too; the canonical ones have an AVX2 tier for all.
+            // and Q4_1 with AVX2 too; the canonical ones have an AVX2 tier for all.
             WeightLayout::Invariant => match kernels::isa() {
                 kernels::Isa::Avx512 => true,
-                kernels::Isa::Avx2 => dtype == GgmlDType::Q4K,
+                kernels::Isa::Avx2 => matches!(dtype, GgmlDType::Q4K | GgmlDType::Q4_1),
                 _ => false,
             },
             WeightLayout::Canonical => kernels::isa() >= kernels::Isa::Avx2,
