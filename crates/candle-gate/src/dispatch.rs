@@ -118,11 +118,12 @@ impl WeightLayout {
     /// as in the file).
     fn packs_here(self, dtype: GgmlDType) -> bool {
         match self {
-            // The invariant kernels read every packed dtype fast with AVX-512, and packed Q4_K
-            // and Q4_1 with AVX2 too; the canonical ones have an AVX2 tier for all.
+            // The invariant kernels read every packed dtype fast with AVX-512, and packed Q4_K,
+            // Q4_1 and Q5_0 with AVX2 too (Q6_K's AVX2 kernel is the file layout's); the
+            // canonical ones have an AVX2 tier for all.
             WeightLayout::Invariant => match kernels::isa() {
                 kernels::Isa::Avx512 => true,
-                kernels::Isa::Avx2 => matches!(dtype, GgmlDType::Q4K | GgmlDType::Q4_1),
+                kernels::Isa::Avx2 => dtype != GgmlDType::Q6K,
                 _ => false,
             },
             WeightLayout::Canonical => kernels::isa() >= kernels::Isa::Avx2,

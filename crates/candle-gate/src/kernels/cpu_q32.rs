@@ -312,30 +312,33 @@ pub(crate) mod avx2 {
         _mm256_add_epi32(_mm256_permute2x128_si256(q0, q1, 0x20), _mm256_permute2x128_si256(q0, q1, 0x31))
     }
 
-    /// `R` rows against a packed Q4_1 group's sixteen columns on the AVX2 tier, both
-    /// eight-column halves of a tile in one pass (half h: the tile's vector bytes
-    /// `32h..32h + 32`, column 8h + c in lane c): lane c runs exactly [`super::row_8cols`]'s
-    /// operations for its column, so both give the same bits. Each row's bytes 4t..4t + 4 are
-    /// broadcast to every lane and one `maddubs` takes four weights of eight columns, so no lane
-    /// is ever summed across (the GGUF layout's kernel reduces eight vectors per block). The
-    /// eight `maddubs` of a block sum in i16 (|Σ| ≤ 8 · 2 · 15 · 128 = 30,720), then one `madd`
-    /// widens. `out` row r starts at `out + r * n`. `from_memory`: the first pass over the group,
-    /// which asks for its tiles ahead at every row count (from memory a 1536 × 576 weight read
-    /// 1.25x as fast at one row, 1.12x at three, with it on a Zen 2).
+    /// `R` rows against a packed group's sixteen columns on the AVX2 tier, both eight-column
+    /// halves of a tile in one pass (half h: the tile's vector bytes `32h..32h + 32`, column
+    /// 8h + c in lane c): lane c runs exactly [`super::row_8cols`]'s operations for its column,
+    /// so both give the same bits. Each row's bytes 4t..4t + 4 are broadcast to every lane and
+    /// one `maddubs` takes four weights of eight columns, so no lane is ever summed across (the
+    /// GGUF layout's kernel reduces eight vectors per block). Q4_1's eight `maddubs` of a block
+    /// sum in i16 (|Σ| ≤ 8 · 2 · 15 · 128 = 30,720), then one `madd` widens; Q5_0's weights
+    /// reach 31, so its low and high nibbles' four each (≤ 31,744) widen apart, and its fifth
+    /// bits come from the tile's lane masks, 32 bits a half, one byte each ([`bits`]).
+    /// `out` row r starts at `out + r * n`. `from_memory`: the first pass over the group,
+    /// which asks for its tiles ahead at every row count (from memory a 1536 × 576 Q4_1 weight
+    /// read 1.25x as fast at one row, 1.12x at three, with it on a Zen 2).
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn sixteen_packed_q4_1<W: super::Packed, const R: usize>(
+    pub unsafe fn sixteen_packed<W: super::Packed, const R: usize>(
         group: &[W],
         kb: usize,
         ys: &[W::Y],
+        ysum: &[i32],
         out: *mut f32,
         n: usize,
         from_memory: bool,
     ) {
-        debug_assert!(W::OFFSET == 0 && W::HAS_MIN);
         assert!(group.len() >= super::PACK_COLS * kb && ys.len() >= R * kb);
+        assert!(W::OFFSET == 0 || ysum.len() >= R * kb);
         let tile_bytes = super::PACK_COLS * std::mem::size_of::<W>();
         let base = group.as_ptr() as *const u8;
-        let (m4, ones) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi16(1));
+        let (m4, ones, fifth) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi16(1), _mm256_set1_epi8(0x10));
         let mut acc = [[_mm256_setzero_ps(); 2]; R];
         for b in 0..kb {
             let tile = base.add(b * tile_bytes);
@@ -349,20 +352,47 @@ pub(crate) mod avx2 {
                     lo[t] = _mm256_and_si256(v, m4);
                     hi[t] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m4);
                 }
+                if W::OFFSET != 0 {
+                    // Q5_0: mask i's bits 32h.. are this half's bytes' fifth bits.
+                    let mask = |i: usize| {
+                        let at = tile.add(super::TILE_SECOND + 8 * i + 4 * h) as *const [u8; 4];
+                        _mm256_and_si256(bits(std::ptr::read_unaligned(at)), fifth)
+                    };
+                    for t in 0..4 {
+                        lo[t] = _mm256_or_si256(lo[t], mask(2 * t));
+                        hi[t] = _mm256_or_si256(hi[t], mask(2 * t + 1));
+                    }
+                }
                 let xd = _mm256_cvtph_ps(_mm_loadu_si128(tile.add(16 * h) as *const __m128i));
-                let xm = _mm256_cvtph_ps(_mm_loadu_si128(tile.add(super::TILE_SECOND + 16 * h) as *const __m128i));
+                let xm = if W::HAS_MIN {
+                    _mm256_cvtph_ps(_mm_loadu_si128(tile.add(super::TILE_SECOND + 16 * h) as *const __m128i))
+                } else {
+                    xd
+                };
                 for (r, acc) in acc.iter_mut().enumerate() {
                     let y = ys.get_unchecked(r * kb + b);
                     let yq = y.qs().as_ptr() as *const i32;
                     let word = |j: usize| _mm256_set1_epi32(std::ptr::read_unaligned(yq.add(j)));
-                    let mut p = _mm256_setzero_si256();
-                    for t in 0..4 {
-                        p = _mm256_add_epi16(p, _mm256_maddubs_epi16(lo[t], word(t)));
-                        p = _mm256_add_epi16(p, _mm256_maddubs_epi16(hi[t], word(4 + t)));
+                    let mut sumi = if W::OFFSET == 0 {
+                        let mut p = _mm256_setzero_si256();
+                        for t in 0..4 {
+                            p = _mm256_add_epi16(p, _mm256_maddubs_epi16(lo[t], word(t)));
+                            p = _mm256_add_epi16(p, _mm256_maddubs_epi16(hi[t], word(4 + t)));
+                        }
+                        _mm256_madd_epi16(p, ones)
+                    } else {
+                        let (mut pl, mut ph) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+                        for t in 0..4 {
+                            pl = _mm256_add_epi16(pl, _mm256_maddubs_epi16(lo[t], word(t)));
+                            ph = _mm256_add_epi16(ph, _mm256_maddubs_epi16(hi[t], word(4 + t)));
+                        }
+                        _mm256_add_epi32(_mm256_madd_epi16(pl, ones), _mm256_madd_epi16(ph, ones))
+                    };
+                    if W::OFFSET != 0 {
+                        sumi = _mm256_sub_epi32(sumi, _mm256_set1_epi32(W::OFFSET * *ysum.get_unchecked(r * kb + b)));
                     }
-                    let sumi = _mm256_madd_epi16(p, ones);
                     let t = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sumi), xd), _mm256_set1_ps(y.d()));
-                    let t = _mm256_add_ps(t, _mm256_mul_ps(xm, _mm256_set1_ps(y.s())));
+                    let t = if W::HAS_MIN { _mm256_add_ps(t, _mm256_mul_ps(xm, _mm256_set1_ps(y.s()))) } else { t };
                     acc[h] = _mm256_add_ps(acc[h], t);
                 }
             }
@@ -1006,8 +1036,8 @@ pub fn unpack_q5_0(packed: &[BlockQ5_0], n: usize, kb: usize) -> Vec<BlockQ5_0> 
 const PACKED_ROWS: usize = 8;
 
 /// [`matmul`] over packed weights, the same bits: with AVX-512 the sixteen-column kernel reads
-/// the groups directly at every row count, and with AVX2 Q4_1's; the other tiers and dtypes
-/// (forced, or a host handed packed weights its tier does not read) unpack a copy and run their own.
+/// the groups directly at every row count, and so does the AVX2 one; below AVX2 (forced) a copy
+/// is unpacked and the scalar kernels run.
 fn matmul_packed<W: Packed>(w: &[W], xq: &[W::Y], m: usize, k: usize, n: usize, out: &mut [f32]) {
     let kb = k / 32;
     assert!(n.is_multiple_of(PACK_COLS) && w.len() == n * kb && xq.len() >= m * kb && out.len() == m * n);
@@ -1041,24 +1071,24 @@ fn matmul_packed<W: Packed>(w: &[W], xq: &[W::Y], m: usize, k: usize, n: usize, 
         });
     }
     #[cfg(target_arch = "x86_64")]
-    if super::isa() == super::Isa::Avx2 && W::OFFSET == 0 {
-        // Q4_1 (Q5_0's fifth bits come as lane masks, which AVX2 has not).
+    if super::isa() == super::Isa::Avx2 {
+        let ysum: Vec<i32> = if W::OFFSET != 0 { xq[..m * kb].iter().map(qs_sum).collect() } else { Vec::new() };
         let ptr = OutPtr(out.as_mut_ptr());
         return super::parallel_for(n / PACK_COLS, |g| {
             let p = ptr;
             let group = &w[g * PACK_COLS * kb..(g + 1) * PACK_COLS * kb];
             for r0 in (0..m).step_by(PACKED_ROWS_AVX2) {
-                let ys = &xq[r0 * kb..];
+                let (ys, sums) = (&xq[r0 * kb..], ysum.get(r0 * kb..).unwrap_or(&[]));
                 // SAFETY: the AVX2 tier was detected at run time; rows r0.. and this group's
                 // sixteen columns of `out` are written by this task alone.
                 unsafe {
                     let o = p.0.add(r0 * n + g * PACK_COLS);
                     let first = r0 == 0;
                     match m - r0 {
-                        1 => avx2::sixteen_packed_q4_1::<W, 1>(group, kb, ys, o, n, first),
-                        2 => avx2::sixteen_packed_q4_1::<W, 2>(group, kb, ys, o, n, first),
-                        3 => avx2::sixteen_packed_q4_1::<W, 3>(group, kb, ys, o, n, first),
-                        _ => avx2::sixteen_packed_q4_1::<W, PACKED_ROWS_AVX2>(group, kb, ys, o, n, first),
+                        1 => avx2::sixteen_packed::<W, 1>(group, kb, ys, sums, o, n, first),
+                        2 => avx2::sixteen_packed::<W, 2>(group, kb, ys, sums, o, n, first),
+                        3 => avx2::sixteen_packed::<W, 3>(group, kb, ys, sums, o, n, first),
+                        _ => avx2::sixteen_packed::<W, PACKED_ROWS_AVX2>(group, kb, ys, sums, o, n, first),
                     }
                 }
             }
@@ -1067,8 +1097,8 @@ fn matmul_packed<W: Packed>(w: &[W], xq: &[W::Y], m: usize, k: usize, n: usize, 
     matmul(&permute::<W, W>(w, n, kb, false), xq, m, k, n, out)
 }
 
-/// Rows the AVX2 packed Q4_1 kernel runs against one pass over a group: its sums for both
-/// halves of a tile stay in eight of the sixteen registers.
+/// Rows the AVX2 packed kernel runs against one pass over a group: its sums for both halves of
+/// a tile stay in eight of the sixteen registers.
 const PACKED_ROWS_AVX2: usize = 4;
 
 /// [`matmul_q4_1`] over weights [`pack_q4_1`] packed: the same bits.
