@@ -1380,6 +1380,12 @@ TABLES = {
     "ab-kernels-q6k-prefetch": partial(kernels_ab_table, name="ab-kernels-q6k-prefetch-qwen15-zen4.json", tier=" (AVX-512 tier)"),
     "ab-q6k-prefetch": partial(ab_table, entries=ab_files("ab-q6k-prefetch-{}-zen4.json", "qwen15", "synth8b")),
     "ab-q6k-prefetch-context": partial(ab_context_table, names=[f"ab-q6k-prefetch-{m}-1024-zen4.json" for m in ("qwen05", "qwen15")]),
+    "ab-kernels-q32-packed-avx2-smollm2": partial(kernels_ab_table, name="ab-kernels-q32-packed-avx2-smollm2-zen2.json"),
+    "ab-kernels-q32-packed-avx2-qwen05": partial(kernels_ab_table, name="ab-kernels-q32-packed-avx2-qwen05-zen2.json"),
+    "ab-q32-packed-avx2": partial(ab_table, entries=ab_files("ab-q32-packed-avx2-{}-zen2.json", "smollm2", "qwen05", "gemma",
+                                                             "qwen15", "qwen15-rerun")),
+    "ab-q32-packed-avx2-context": partial(ab_context_table, names=[f"ab-q32-packed-avx2-{m}-context-zen2.json"
+                                                                  for m in ("smollm2", "qwen05")]),
     "ab-kernels-q4k-packed-avx2": partial(kernels_ab_table, name="ab-kernels-q4k-packed-avx2-qwen15-zen2.json"),
     "ab-q4k-packed-avx2": partial(ab_table, entries=ab_files("ab-q4k-packed-avx2-{}-zen2.json", "qwen15", "qwen05", "gemma",
                                                              "synth8b")),
