@@ -1032,17 +1032,20 @@ pub fn unpack_q5_0(packed: &[BlockQ5_0], n: usize, kb: usize) -> Vec<BlockQ5_0> 
     permute::<_, Q50>(packed, n, kb, false)
 }
 
-/// Rows the packed kernel runs against one pass over a group's tiles.
+/// Rows the packed kernels run against one pass over a group's tiles. On AVX2 eight rows' sums
+/// for both halves of a tile take all sixteen registers, so some live in L1, but half the passes
+/// of four rows a pass won 1.1-1.3x from eight rows on Qwen 0.5B's Q5_0 matrices (a Zen 2).
 const PACKED_ROWS: usize = 8;
 
-/// [`matmul`] over packed weights, the same bits: with AVX-512 the sixteen-column kernel reads
-/// the groups directly at every row count, and so does the AVX2 one; below AVX2 (forced) a copy
-/// is unpacked and the scalar kernels run.
+/// [`matmul`] over packed weights, the same bits: with AVX-512 or AVX2 the tier's
+/// sixteen-column kernel reads the groups directly at every row count; below AVX2 (forced) a
+/// copy is unpacked and the scalar kernels run.
 fn matmul_packed<W: Packed>(w: &[W], xq: &[W::Y], m: usize, k: usize, n: usize, out: &mut [f32]) {
     let kb = k / 32;
     assert!(n.is_multiple_of(PACK_COLS) && w.len() == n * kb && xq.len() >= m * kb && out.len() == m * n);
     #[cfg(target_arch = "x86_64")]
-    if super::isa() == super::Isa::Avx512 {
+    if super::isa() >= super::Isa::Avx2 {
+        let wide = super::isa() == super::Isa::Avx512;
         let ysum: Vec<i32> = if W::OFFSET != 0 { xq[..m * kb].iter().map(qs_sum).collect() } else { Vec::new() };
         let ptr = OutPtr(out.as_mut_ptr());
         return super::parallel_for(n / PACK_COLS, |g| {
@@ -1050,62 +1053,36 @@ fn matmul_packed<W: Packed>(w: &[W], xq: &[W::Y], m: usize, k: usize, n: usize, 
             let group = &w[g * PACK_COLS * kb..(g + 1) * PACK_COLS * kb];
             for r0 in (0..m).step_by(PACKED_ROWS) {
                 let (ys, sums) = (&xq[r0 * kb..], ysum.get(r0 * kb..).unwrap_or(&[]));
-                // SAFETY: the AVX-512 tier was detected at run time; rows r0.. and this group's
-                // sixteen columns of `out` are written by this task alone.
-                unsafe {
-                    let o = p.0.add(r0 * n + g * PACK_COLS);
-                    // Only the first pass reads the group from memory; the others find it cached.
-                    let first = r0 == 0;
-                    match m - r0 {
-                        1 => avx512::sixteen_packed::<W, 1>(group, kb, ys, sums, o, n, first),
-                        2 => avx512::sixteen_packed::<W, 2>(group, kb, ys, sums, o, n, first),
-                        3 => avx512::sixteen_packed::<W, 3>(group, kb, ys, sums, o, n, first),
-                        4 => avx512::sixteen_packed::<W, 4>(group, kb, ys, sums, o, n, first),
-                        5 => avx512::sixteen_packed::<W, 5>(group, kb, ys, sums, o, n, first),
-                        6 => avx512::sixteen_packed::<W, 6>(group, kb, ys, sums, o, n, first),
-                        7 => avx512::sixteen_packed::<W, 7>(group, kb, ys, sums, o, n, first),
-                        _ => avx512::sixteen_packed::<W, PACKED_ROWS>(group, kb, ys, sums, o, n, first),
-                    }
+                // Only the first pass reads the group from memory; the others find it cached.
+                let (o, first) = (p.0.wrapping_add(r0 * n + g * PACK_COLS), r0 == 0);
+                // SAFETY: the tier was detected at run time; rows r0.. and this group's sixteen
+                // columns of `out` are written by this task alone.
+                macro_rules! rows {
+                    ($r:expr) => {
+                        unsafe {
+                            if wide {
+                                avx512::sixteen_packed::<W, { $r }>(group, kb, ys, sums, o, n, first)
+                            } else {
+                                avx2::sixteen_packed::<W, { $r }>(group, kb, ys, sums, o, n, first)
+                            }
+                        }
+                    };
                 }
-            }
-        });
-    }
-    #[cfg(target_arch = "x86_64")]
-    if super::isa() == super::Isa::Avx2 {
-        let ysum: Vec<i32> = if W::OFFSET != 0 { xq[..m * kb].iter().map(qs_sum).collect() } else { Vec::new() };
-        let ptr = OutPtr(out.as_mut_ptr());
-        return super::parallel_for(n / PACK_COLS, |g| {
-            let p = ptr;
-            let group = &w[g * PACK_COLS * kb..(g + 1) * PACK_COLS * kb];
-            for r0 in (0..m).step_by(PACKED_ROWS_AVX2) {
-                let (ys, sums) = (&xq[r0 * kb..], ysum.get(r0 * kb..).unwrap_or(&[]));
-                // SAFETY: the AVX2 tier was detected at run time; rows r0.. and this group's
-                // sixteen columns of `out` are written by this task alone.
-                unsafe {
-                    let o = p.0.add(r0 * n + g * PACK_COLS);
-                    let first = r0 == 0;
-                    match m - r0 {
-                        1 => avx2::sixteen_packed::<W, 1>(group, kb, ys, sums, o, n, first),
-                        2 => avx2::sixteen_packed::<W, 2>(group, kb, ys, sums, o, n, first),
-                        3 => avx2::sixteen_packed::<W, 3>(group, kb, ys, sums, o, n, first),
-                        4 => avx2::sixteen_packed::<W, 4>(group, kb, ys, sums, o, n, first),
-                        5 => avx2::sixteen_packed::<W, 5>(group, kb, ys, sums, o, n, first),
-                        6 => avx2::sixteen_packed::<W, 6>(group, kb, ys, sums, o, n, first),
-                        7 => avx2::sixteen_packed::<W, 7>(group, kb, ys, sums, o, n, first),
-                        _ => avx2::sixteen_packed::<W, PACKED_ROWS_AVX2>(group, kb, ys, sums, o, n, first),
-                    }
+                match m - r0 {
+                    1 => rows!(1),
+                    2 => rows!(2),
+                    3 => rows!(3),
+                    4 => rows!(4),
+                    5 => rows!(5),
+                    6 => rows!(6),
+                    7 => rows!(7),
+                    _ => rows!(PACKED_ROWS),
                 }
             }
         });
     }
     matmul(&permute::<W, W>(w, n, kb, false), xq, m, k, n, out)
 }
-
-/// Rows the AVX2 packed kernel runs against one pass over a group. Eight rows' sums for both
-/// halves of a tile take all sixteen registers, so some live in L1, but half the passes over a
-/// group's tiles beat four rows a pass: 1.1-1.3x from eight rows on Qwen 0.5B's Q5_0 matrices
-/// (a Zen 2), a little slower on its 128-column ones at four to eight.
-const PACKED_ROWS_AVX2: usize = 8;
 
 /// [`matmul_q4_1`] over weights [`pack_q4_1`] packed: the same bits.
 pub fn matmul_q4_1_packed(w: &[BlockQ4_1], xq: &[BlockQ8_1], m: usize, k: usize, n: usize, out: &mut [f32]) {
