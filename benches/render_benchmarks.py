@@ -482,6 +482,10 @@ def t_headline_zen3(res, doc):
 
 
 def t_headline_zen2(res, doc):
+    return headline_table(res, doc, "headline-chat-zen2-ff93b01.json", "headline-4096-zen2-ff93b01.json")
+
+
+def t_headline_zen2_7fdca56(res, doc):
     return headline_table(res, doc, "headline-chat-zen2-7fdca56.json", "headline-4096-zen2-7fdca56.json")
 
 
@@ -1323,6 +1327,7 @@ TABLES = {
     "headline-xeon": t_headline_xeon,
     "headline-zen3": t_headline_zen3,
     "headline-zen2": t_headline_zen2,
+    "headline-zen2-7fdca56": t_headline_zen2_7fdca56,
     "step-costs-zen2": t_step_costs_zen2,
     "peers-goals-zen3-85d0042": partial(peers_rows_table, names=["vs-peers-qwen15-1023-zen3-85d0042.json",
                                                                 "vs-peers-synth8b-chat-zen3-85d0042.json",
