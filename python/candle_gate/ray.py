@@ -355,15 +355,24 @@ def serve_replicas(settings: Settings, replicas: Optional[int], ray_address: Opt
     return failed
 
 
-def _replica_counts() -> Optional[Tuple[int, int]]:
-    """The application's replicas (running, starting or recovering), or None when the controller
-    does not answer."""
+def _deployments() -> Optional[Dict[str, Any]]:
+    """The application's deployments' statuses by name (none before it is deployed), or None when
+    the controller does not answer (busy or going away: asked again next time)."""
     try:
         app = serve.status().applications.get(APP_NAME)
-    except Exception:  # the controller is busy or going away: told next time
+    except Exception:
+        return None
+    return dict(app.deployments) if app is not None else {}
+
+
+def _replica_counts() -> Optional[Tuple[int, int]]:
+    """The application's replicas (running; starting, updating or recovering), or None when the
+    controller does not answer."""
+    deployments = _deployments()
+    if deployments is None:
         return None
     running = starting = 0
-    for d in (app.deployments.values() if app is not None else ()):
+    for d in deployments.values():
         running += d.replica_states.get("RUNNING", 0)
         starting += sum(d.replica_states.get(s, 0) for s in ("STARTING", "UPDATING", "RECOVERING"))
     return running, starting
@@ -372,12 +381,7 @@ def _replica_counts() -> Optional[Tuple[int, int]]:
 def _say_deployment_status(said: Dict[str, str]) -> None:
     """Prints each deployment's status message when it changes (a replica failing to start, with
     the reason: a fleet mismatch, a model that cannot load)."""
-    try:
-        apps = serve.status().applications
-    except Exception:  # the controller is busy or going away: said next time
-        return
-    app = apps.get(APP_NAME)
-    for name, d in (app.deployments.items() if app is not None else ()):
+    for name, d in (_deployments() or {}).items():
         lines = [x.strip() for x in (d.message or "").splitlines() if x.strip()]
         # (a start failure's message is a traceback: its first line and the exception, its last)
         line = f"{d.status}: {lines[0]}{' ... ' + lines[-1] if len(lines) > 1 else ''}" if lines else str(d.status)

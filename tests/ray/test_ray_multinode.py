@@ -148,10 +148,12 @@ def test_a_node_killed_mid_stream_cuts_only_its_own_requests(cluster, fleet):
         assert resp["choices"][0]["text"] == expected["choices"][0]["text"]
     # Node C's replica is still refused, so the fleet never came up whole, and Ray calls it
     # DEPLOY_FAILED once it finds node A's replica dead: `serve` goes on serving on node B's.
+    def said():
+        return "".join(line for line in fleet.log if line.startswith("candle-gate serve"))[-4000:]
+
     def serve_said(text):
-        said = "".join(line for line in fleet.log if line.startswith("candle-gate serve"))
-        assert fleet.proc.poll() is None, f"serve exited ({fleet.proc.returncode}); it said: {said[-4000:]}"
-        return text in said
+        assert fleet.proc.poll() is None, f"serve exited ({fleet.proc.returncode}); it said: {said()}"
+        return text in said()
 
     wait_until(lambda: serve_said("serving on 1 replica(s)"), "serve going on with node B's replica")
     # the dead node's sessions go to the live replica; while Serve takes the lost node's replica
@@ -173,8 +175,7 @@ def test_a_node_killed_mid_stream_cuts_only_its_own_requests(cluster, fleet):
     try:
         wait_until(answered_from_b, "the fleet answering the dead node's session")
     except AssertionError as e:
-        said = "".join(line for line in fleet.log if line.startswith("candle-gate serve"))
-        raise AssertionError(f"{e}; answers: {sorted(set(map(str, statuses)))}; serve said: {said[-4000:]}") from None
+        raise AssertionError(f"{e}; answers: {sorted(set(map(str, statuses)))}; serve said: {said()}") from None
 
 
 def test_the_fleet_fingerprint_is_told_where_it_can_be():
