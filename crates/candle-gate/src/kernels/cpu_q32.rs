@@ -373,7 +373,7 @@ pub(crate) mod avx2 {
                     let y = ys.get_unchecked(r * kb + b);
                     let yq = y.qs().as_ptr() as *const i32;
                     let word = |j: usize| _mm256_set1_epi32(std::ptr::read_unaligned(yq.add(j)));
-                    let mut sumi = if W::OFFSET == 0 {
+                    let sumi = if W::OFFSET == 0 {
                         let mut p = _mm256_setzero_si256();
                         for t in 0..4 {
                             p = _mm256_add_epi16(p, _mm256_maddubs_epi16(lo[t], word(t)));
@@ -386,11 +386,9 @@ pub(crate) mod avx2 {
                             pl = _mm256_add_epi16(pl, _mm256_maddubs_epi16(lo[t], word(t)));
                             ph = _mm256_add_epi16(ph, _mm256_maddubs_epi16(hi[t], word(4 + t)));
                         }
-                        _mm256_add_epi32(_mm256_madd_epi16(pl, ones), _mm256_madd_epi16(ph, ones))
+                        let sumi = _mm256_add_epi32(_mm256_madd_epi16(pl, ones), _mm256_madd_epi16(ph, ones));
+                        _mm256_sub_epi32(sumi, _mm256_set1_epi32(W::OFFSET * *ysum.get_unchecked(r * kb + b)))
                     };
-                    if W::OFFSET != 0 {
-                        sumi = _mm256_sub_epi32(sumi, _mm256_set1_epi32(W::OFFSET * *ysum.get_unchecked(r * kb + b)));
-                    }
                     let t = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sumi), xd), _mm256_set1_ps(y.d()));
                     let t = if W::HAS_MIN { _mm256_add_ps(t, _mm256_mul_ps(xm, _mm256_set1_ps(y.s()))) } else { t };
                     acc[h] = _mm256_add_ps(acc[h], t);
