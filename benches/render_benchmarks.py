@@ -1391,6 +1391,9 @@ TABLES = {
                                                              "qwen15", "qwen15-rerun")),
     "ab-q32-packed-avx2-context": partial(ab_context_table, names=[f"ab-q32-packed-avx2-{m}-context-zen2.json"
                                                                   for m in ("smollm2", "qwen05")]),
+    "ab-kernels-q4k-shuffle-avx2": partial(kernels_ab_table, name="ab-kernels-q4k-shuffle-synth8b-zen2.json"),
+    "ab-q4k-shuffle-avx2": partial(ab_table, entries=ab_files("ab-q4k-shuffle-{}-zen2.json", "synth8b", "qwen15", "qwen05",
+                                                              "gemma")),
     "ab-kernels-q4k-packed-avx2": partial(kernels_ab_table, name="ab-kernels-q4k-packed-avx2-qwen15-zen2.json"),
     "ab-q4k-packed-avx2": partial(ab_table, entries=ab_files("ab-q4k-packed-avx2-{}-zen2.json", "qwen15", "qwen05", "gemma",
                                                              "synth8b")),
