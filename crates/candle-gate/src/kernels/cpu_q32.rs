@@ -1031,8 +1031,8 @@ pub fn unpack_q5_0(packed: &[BlockQ5_0], n: usize, kb: usize) -> Vec<BlockQ5_0> 
 }
 
 /// Rows the packed kernels run against one pass over a group's tiles. On AVX2 eight rows' sums
-/// for both halves of a tile take all sixteen registers, so some live in L1, but half the passes
-/// of four rows a pass won 1.1-1.3x from eight rows on Qwen 0.5B's Q5_0 matrices (a Zen 2).
+/// for both halves of a tile take all sixteen registers, so some live in L1, yet eight rows a
+/// pass (half the passes of four) ran Qwen 0.5B's Q5_0 matrices 1.1-1.3x as fast (a Zen 2).
 const PACKED_ROWS: usize = 8;
 
 /// [`matmul`] over packed weights, the same bits: with AVX-512 or AVX2 the tier's
