@@ -1,4 +1,5 @@
-//! `cargo bench --bench attention [-- --contexts 1024,4096,16384 --dtype f16 --tier avx512|avx2|vector|portable|all]`: the attention
+//! `cargo bench --bench attention [-- --contexts 1024,4096,16384 --dtype f16 --tier avx512|avx2|vector|portable|all
+//! --models SmolLM2,Qwen2.5-0.5B --repeat 5 --prefill 0]`: the attention
 //! kernel alone on the three models' head shapes and Llama 3.1 8B's, as a decode step runs it (one row, every
 //! layer in turn, so the K/V come from memory) and as a prefill chunk of 512 rows at the end of
 //! the context; K/V bytes read per second against the machine's read bandwidth, and the
@@ -27,6 +28,8 @@ fn main() {
         "vector" => vec![Tier::Avx512, Tier::Avx2],
         _ => vec![Tier::Avx512, Tier::Avx2, Tier::Portable],
     };
+    let models = opt("--models", "");
+    let prefill_on = opt("--prefill", "1") != "0";
     let bw = bandwidth_gbs();
     println!("read bandwidth {bw:.1} GB/s; {} threads; K/V {}", rayon::current_num_threads(), dtype.name());
     let shapes = [
@@ -40,6 +43,9 @@ fn main() {
         "model", "context", "tier", "decode ms", "GB/s", "% of bw", "prefill 512 ms"
     );
     for (name, n_layer, h) in shapes {
+        if !models.is_empty() && !models.split(',').any(|m| name.starts_with(m)) {
+            continue;
+        }
         for &ctx in &contexts {
             let lay = BlockLayout { n_layer, n_kv_head: h.n_kv_head, head_dim: h.head_dim, dtype };
             let mut c = KvCache::in_pool(KvPool::unbounded(lay));
@@ -75,11 +81,15 @@ fn main() {
                     decode(&mut out);
                     best = best.min(t.elapsed().as_secs_f64());
                 }
-                let pos: Vec<usize> = (ctx - 512..ctx).collect();
-                let seq = vec![0usize; 512];
-                let t = Instant::now();
-                attend_rows(h, 0, &q, &seq, &pos, &[&c], &mut out, tier);
-                let prefill = t.elapsed().as_secs_f64();
+                let prefill = if prefill_on {
+                    let pos: Vec<usize> = (ctx - 512..ctx).collect();
+                    let seq = vec![0usize; 512];
+                    let t = Instant::now();
+                    attend_rows(h, 0, &q, &seq, &pos, &[&c], &mut out, tier);
+                    t.elapsed().as_secs_f64()
+                } else {
+                    f64::NAN
+                };
                 let gbs = kv_bytes / best / 1e9;
                 println!(
                     "{name:<14} {ctx:>7} {:<9} {:>12.3} {gbs:>9.1} {:>9.0}% {:>14.1}",

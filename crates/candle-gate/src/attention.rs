@@ -203,23 +203,27 @@ enum Block<'a> {
 /// The most queries one pass of the vector kernels carries (their accumulators in registers).
 const GROUP_MAX: usize = 8;
 
-/// How many of `left` queries the next group takes: all of them when they fit one pass, else
-/// six (the widest group whose accumulators cover two vectors of positions or of `d`).
-fn group_len(left: usize) -> usize {
-    if left <= GROUP_MAX {
-        left
-    } else {
-        6
+/// How many of `left` queries the next group takes. AVX-512's thirty-two registers carry up
+/// to eight queries in one pass, two vectors of positions (or of `d`) each; past eight, groups
+/// of six. AVX2's sixteen hold eight queries' accumulators for one vector only, which then takes
+/// as many loads as multiply-adds, so there a group is six at most, and the queries are shared
+/// out in equal groups (seven as four and three, not six and one, whose lone query would load a
+/// key vector for every multiply-add) so that the multiply-adds set the pace.
+fn group_len(left: usize, tier: Tier) -> usize {
+    match tier {
+        Tier::Avx512 if left <= GROUP_MAX => left,
+        Tier::Avx512 => 6,
+        _ => left.div_ceil(left.div_ceil(6)),
     }
 }
 
 /// The groups `n` queries go in, as `(first query, length, next)`: the region read after the
 /// block is asked for by the first group only, so that it is asked for once.
-fn query_groups(n: usize, next: Next) -> impl Iterator<Item = (usize, usize, Next)> {
+fn query_groups(n: usize, tier: Tier, next: Next) -> impl Iterator<Item = (usize, usize, Next)> {
     let (mut j, mut next) = (0, next);
     std::iter::from_fn(move || {
         (j < n).then(|| {
-            let group = (j, group_len(n - j), next);
+            let group = (j, group_len(n - j, tier), next);
             (j, next) = (j + group.1, Next::NONE);
             group
         })
@@ -524,7 +528,7 @@ impl<'a> SplitPass<'a> {
             let n = Self::positions_in(b, &spans[i]);
             let run = 1 + spans[i + 1..].iter().take_while(|sp| Self::positions_in(b, sp) == n).count();
             if n > 0 {
-                for (j, len, next) in query_groups(run, next) {
+                for (j, len, next) in query_groups(run, self.tier, next) {
                     let j = i + j;
                     // On the stack: this runs once per block and group.
                     let mut ps: [&[f32]; GROUP_MAX] = [&[]; GROUP_MAX];

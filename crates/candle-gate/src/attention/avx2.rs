@@ -149,7 +149,7 @@ pub unsafe fn scores_block<T: Src>(
 ) {
     debug_assert!(qs.iter().all(|q| q.len() >= hd));
     let sc = _mm256_set1_ps(scale);
-    for (j, n, next) in super::query_groups(qs.len(), next) {
+    for (j, n, next) in super::query_groups(qs.len(), super::Tier::Avx2, next) {
         let (g, at_j) = (&qs[j..j + n], |i: usize| at(j + i));
         at_level!(next, scores_group::<T>(g, kt, hd, sc, out, &at_j));
     }

@@ -77,7 +77,7 @@ pub unsafe fn scores_block<T: Src>(
     next: Next,
 ) {
     debug_assert!(qs.iter().all(|q| q.len() >= hd));
-    for (j, n, next) in super::query_groups(qs.len(), next) {
+    for (j, n, next) in super::query_groups(qs.len(), super::Tier::Avx512, next) {
         let (g, at_j) = (&qs[j..j + n], |i: usize| at(j + i));
         at_level!(next, scores_group_of::<T>(g, kt, hd, scale, out, &at_j));
     }
