@@ -114,10 +114,13 @@ fn run() {
     // One representative tensor per (dtype, shape), and how many layers use it.
     let mut kinds: BTreeMap<(String, usize, usize), Vec<String>> = BTreeMap::new();
     let names: Vec<String> = f.content.tensor_infos.keys().cloned().collect();
+    // The embedding is a matmul only where it is also the output matrix (tied, as in SmolLM2,
+    // Qwen 0.5B and Gemma), and there the largest of a decode step.
+    let tied = !names.iter().any(|n| n == "output.weight");
     for name in names {
         let info = &f.content.tensor_infos[&name];
         let dims = info.shape.dims().to_vec();
-        if dims.len() != 2 || name == "token_embd.weight" {
+        if dims.len() != 2 || (name == "token_embd.weight" && !tied) {
             continue;
         }
         let key = (format!("{:?}", info.ggml_dtype), dims[0], dims[1]);

@@ -327,6 +327,14 @@ pub fn matmul(w: &[BlockQ8_0], xq: &[BlockQ8_0], m: usize, k: usize, n: usize, o
                         } else if m - r0 >= ROW_GROUP {
                             let rs: [usize; ROW_GROUP] = std::array::from_fn(|i| r0 + i);
                             fill(&mut buf, &avx2::column::<ROW_GROUP>(wc, rs.map(|r| row(r).0), rs.map(|r| row(r).1)))
+                        } else if m - r0 == 3 {
+                            // Three or two rows share a pass too: a row at a time, the 262144 ×
+                            // 640 output took 1.55x (two rows) and 1.74x (three) as long.
+                            let rs: [usize; 3] = std::array::from_fn(|i| r0 + i);
+                            fill(&mut buf, &avx2::column::<3>(wc, rs.map(|r| row(r).0), rs.map(|r| row(r).1)))
+                        } else if m - r0 == 2 {
+                            let rs: [usize; 2] = std::array::from_fn(|i| r0 + i);
+                            fill(&mut buf, &avx2::column::<2>(wc, rs.map(|r| row(r).0), rs.map(|r| row(r).1)))
                         } else {
                             let (y, d) = row(r0);
                             fill(&mut buf, &avx2::column::<1>(wc, [y], [d]))
