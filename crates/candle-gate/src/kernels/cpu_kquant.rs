@@ -1528,32 +1528,6 @@ unsafe fn element_avx2<W: KBlock>(wc: &[W], y: &[Q8K]) -> f32 {
     acc
 }
 
-/// [`element_avx2`] for `R` rows of one column: each super-block read once for all of them,
-/// then each row its own integer sums and float step, so per row the same bits. Two rows a
-/// column at a time took twice one row's time on Qwen 0.5B's Q6_K (a Zen 2).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn elements_avx2<W: KBlock, const R: usize>(wc: &[W], y: &[Q8K], kb: usize) -> [f32; R] {
-    use std::arch::x86_64::{_mm256_mullo_epi32, _mm256_set1_epi32, _mm256_sub_epi32};
-    assert!(y.len() >= R * kb && wc.len() >= kb);
-    let controls = avx2::scale_controls();
-    let mut acc = [0f32; R];
-    for (b, x) in wc[..kb].iter().enumerate() {
-        super::prefetch_ahead(x);
-        for (r, acc) in acc.iter_mut().enumerate() {
-            let yb = y.get_unchecked(r * kb + b);
-            let (p, q) = x.partials_with(yb, controls);
-            let (isum, imin) = if W::HAS_MIN {
-                avx2::hsum2(p, q)
-            } else {
-                (avx2::hsum(_mm256_sub_epi32(p, _mm256_mullo_epi32(q, _mm256_set1_epi32(W::OFFSET)))), 0)
-            };
-            *acc = step::<W>(*acc, isum, imin, x.d(), x.dmin(), yb.d);
-        }
-    }
-    acc
-}
-
 /// [`element_avx2`]'s arithmetic for `R` rows of one column, the integer parts two chunks per
 /// 512-bit vector: the same exact integers, then the same float step, so per row [`element`]'s
 /// bits. Each super-block is read and unpacked once for all the rows (the unpacking is the same
@@ -1695,12 +1669,6 @@ fn matmul<W: KBlock>(w: &[W], xq: &[Q8K], m: usize, k: usize, n: usize, out: &mu
         #[cfg(target_arch = "x86_64")]
         if simd {
             for c in cols.clone() {
-                if m == 2 {
-                    let v = unsafe { elements_avx2::<W, 2>(&w[c * kb..(c + 1) * kb], xq, kb) };
-                    put(0, c, v[0]);
-                    put(1, c, v[1]);
-                    continue;
-                }
                 for r in 0..m {
                     let (wc, y) = (&w[c * kb..(c + 1) * kb], &xq[r * kb..(r + 1) * kb]);
                     put(r, c, unsafe { element_avx2(wc, y) });
