@@ -919,6 +919,26 @@ def kernels_ab_table(res, doc, name: str, tier: str = "") -> list[str]:
             + res.source([name], doc)]
 
 
+def kernels_ab_models_table(res, doc, names: list[str]) -> list[str]:
+    """Several `ab_kernels.py --json` files of one pair of builds, one model each: each model's
+    (matrix, rows), hot and cold, before → after."""
+    ds = [res(n) for n in names]
+    rows = []
+    for d in ds:
+        args = d.get("bench_args", [])
+        model = model_name(args[args.index("--model") + 1]) if "--model" in args else ""
+        for r in d["results"]:
+            rows.append([model, f"{r['dtype']} {r['n']} × {r['k']}", str(r["rows"]),
+                         f"{r['hot_ms_before']:.3f} → {r['hot_ms_after']:.3f} ({ratio(r['hot_ms_before'], r['hot_ms_after'])})",
+                         f"{r['cold_ms_before']:.3f} → {r['cold_ms_after']:.3f} ({ratio(r['cold_ms_before'], r['cold_ms_after'])})"])
+    header = ["model", "matrix (n × k)", "rows", "from the cache, ms", "every layer's matrix in turn, ms"]
+    d = ds[0]
+    return table(header, grouped(rows)) + [
+        "", f"`cargo bench --bench kernels` through `benches/ab_kernels.py`, {d.get('kernel', 'invariant')} kernel, "
+            f"{d['before']} → {d['commit']} (speedup), best of {d['rounds']} alternating rounds{order_note(ds)}. "
+            + res.source(names, doc)]
+
+
 def attention_ab_table(res, doc, name: str) -> list[str]:
     """An `ab_attention.py --json` file: each (model shape, context), a decode step's attention and
     a 512-row prefill chunk's, before → after, medians of the rounds."""
@@ -1391,6 +1411,13 @@ TABLES = {
                                                              "qwen15", "qwen15-rerun")),
     "ab-q32-packed-avx2-context": partial(ab_context_table, names=[f"ab-q32-packed-avx2-{m}-context-zen2.json"
                                                                   for m in ("smollm2", "qwen05")]),
+    "ab-kernels-q80-rows-avx2": partial(kernels_ab_models_table, names=[f"ab-kernels-q80-rows-{m}-zen2.json"
+                                                                         for m in ("gemma", "qwen05", "smollm2")]),
+    "ab-q80-rows-avx2": partial(ab_table, entries=ab_files("ab-q80-rows-{}-zen2.json", "gemma", "qwen05", "smollm2",
+                                                           "qwen15")),
+    "ab-attention-avx2-groups": partial(attention_ab_table, name="ab-attention-avx2-groups-zen2.json"),
+    "ab-attention-avx2-groups-context": partial(ab_context_table,
+                                                names=["ab-attention-avx2-groups-qwen05-4096-zen2.json"]),
     "ab-kernels-q4k-shuffle-avx2": partial(kernels_ab_table, name="ab-kernels-q4k-shuffle-synth8b-zen2.json"),
     "ab-q4k-shuffle-avx2": partial(ab_table, entries=ab_files("ab-q4k-shuffle-{}-zen2.json", "synth8b", "qwen15", "qwen05",
                                                               "gemma")),
