@@ -246,6 +246,7 @@ const ROW_GROUP: usize = 4;
 /// block's registers once the scale products are broadcast from memory: 1.10–1.29x over four
 /// at 8 rows on Zen 3, the weight block read once instead of twice.
 const AVX2_ROWS: usize = 8;
+const _: () = assert!(AVX2_ROWS == 8, "the AVX2 dispatch names every row count up to eight");
 /// The most outputs one pass over a column gives (either tier).
 const GROUP_OUT: usize = if AVX2_ROWS > 2 * ROW_GROUP { AVX2_ROWS } else { 2 * ROW_GROUP };
 
@@ -321,23 +322,26 @@ pub fn matmul(w: &[BlockQ8_0], xq: &[BlockQ8_0], m: usize, k: usize, n: usize, o
                             fill(&mut buf, avx512::column::<2>(wc, rows).as_flattened())
                         } else if wide && left == 1 {
                             fill(&mut buf, avx512::column::<1>(wc, [&pairs[r0 / 2][..]]).as_flattened())
-                        } else if m - r0 >= AVX2_ROWS {
-                            let rs: [usize; AVX2_ROWS] = std::array::from_fn(|i| r0 + i);
-                            fill(&mut buf, &avx2::column::<AVX2_ROWS>(wc, rs.map(|r| row(r).0), rs.map(|r| row(r).1)))
-                        } else if m - r0 >= ROW_GROUP {
-                            let rs: [usize; ROW_GROUP] = std::array::from_fn(|i| r0 + i);
-                            fill(&mut buf, &avx2::column::<ROW_GROUP>(wc, rs.map(|r| row(r).0), rs.map(|r| row(r).1)))
-                        } else if m - r0 == 3 {
-                            // Three or two rows share a pass too: a row at a time, the 262144 ×
-                            // 640 output took 1.55x (two rows) and 1.74x (three) as long.
-                            let rs: [usize; 3] = std::array::from_fn(|i| r0 + i);
-                            fill(&mut buf, &avx2::column::<3>(wc, rs.map(|r| row(r).0), rs.map(|r| row(r).1)))
-                        } else if m - r0 == 2 {
-                            let rs: [usize; 2] = std::array::from_fn(|i| r0 + i);
-                            fill(&mut buf, &avx2::column::<2>(wc, rs.map(|r| row(r).0), rs.map(|r| row(r).1)))
                         } else {
-                            let (y, d) = row(r0);
-                            fill(&mut buf, &avx2::column::<1>(wc, [y], [d]))
+                            // Every row count up to eight in one pass over the column: a row at a
+                            // time, the 262144 × 640 output took 1.55x (two rows) and 1.74x
+                            // (three) as long; five as four and one, 1.4x.
+                            macro_rules! rows {
+                                ($r:literal) => {{
+                                    let rs: [usize; $r] = std::array::from_fn(|i| r0 + i);
+                                    fill(&mut buf, &avx2::column::<$r>(wc, rs.map(|r| row(r).0), rs.map(|r| row(r).1)))
+                                }};
+                            }
+                            match (m - r0).min(AVX2_ROWS) {
+                                8 => rows!(8),
+                                7 => rows!(7),
+                                6 => rows!(6),
+                                5 => rows!(5),
+                                4 => rows!(4),
+                                3 => rows!(3),
+                                2 => rows!(2),
+                                _ => rows!(1),
+                            }
                         }
                     };
                     // (Less an odd last row's twin.)
