@@ -1415,6 +1415,8 @@ TABLES = {
                                                                          for m in ("gemma", "qwen05", "smollm2")]),
     "ab-q80-rows-avx2": partial(ab_table, entries=ab_files("ab-q80-rows-{}-zen2.json", "gemma", "qwen05", "smollm2",
                                                            "qwen15")),
+    "ab-kernels-q80-rows5to7-avx2": partial(kernels_ab_table, name="ab-kernels-q80-rows5to7-gemma-zen2.json"),
+    "ab-q80-rows5to7-avx2": partial(ab_table, entries=ab_files("ab-q80-rows5to7-{}-zen2.json", "gemma")),
     "ab-attention-avx2-groups": partial(attention_ab_table, name="ab-attention-avx2-groups-zen2.json"),
     "ab-attention-avx2-groups-context": partial(ab_context_table,
                                                 names=["ab-attention-avx2-groups-qwen05-4096-zen2.json"]),
