@@ -901,17 +901,22 @@ def resident_memory_table(res, doc, old: str, new: str) -> list[str]:
         "", f"`benches/resident_memory.py`, build {a['build']} → {b['build']}. " + res.source([old, new], doc)]
 
 
+def kernels_ab_rows(d) -> list[list[str]]:
+    """An `ab_kernels.py --json` file's rows: matrix, rows, hot and cold, before → after."""
+    return [[f"{r['dtype']} {r['n']} × {r['k']}", str(r["rows"]),
+             f"{r['hot_ms_before']:.3f} → {r['hot_ms_after']:.3f} ({ratio(r['hot_ms_before'], r['hot_ms_after'])})",
+             f"{r['cold_ms_before']:.3f} → {r['cold_ms_after']:.3f} ({ratio(r['cold_ms_before'], r['cold_ms_after'])})"]
+            for r in d["results"]]
+
+
+KERNELS_AB_HEADER = ["matrix (n × k)", "rows", "from the cache, ms", "every layer's matrix in turn, ms"]
+
+
 def kernels_ab_table(res, doc, name: str, tier: str = "") -> list[str]:
     """An `ab_kernels.py --json` file: each (matrix, rows), hot and cold, before → after; `tier`
     names the kernel tier where the run capped it (`CANDLE_GATE_ISA`)."""
     d = res(name)
-    rows = []
-    for r in d["results"]:
-        rows.append([f"{r['dtype']} {r['n']} × {r['k']}", str(r["rows"]),
-                     f"{r['hot_ms_before']:.3f} → {r['hot_ms_after']:.3f} ({ratio(r['hot_ms_before'], r['hot_ms_after'])})",
-                     f"{r['cold_ms_before']:.3f} → {r['cold_ms_after']:.3f} ({ratio(r['cold_ms_before'], r['cold_ms_after'])})"])
-    header = ["matrix (n × k)", "rows", "from the cache, ms", "every layer's matrix in turn, ms"]
-    return table(header, grouped(rows)) + [
+    return table(KERNELS_AB_HEADER, grouped(kernels_ab_rows(d))) + [
         "", f"`cargo bench --bench kernels` through `benches/ab_kernels.py`, {d.get('kernel', 'invariant')} kernel"
             f"{tier}, {d['before']} → "
             f"{d['commit']} (speedup), best of {d['rounds']} alternating rounds"
@@ -927,13 +932,9 @@ def kernels_ab_models_table(res, doc, names: list[str]) -> list[str]:
     for d in ds:
         args = d.get("bench_args", [])
         model = model_name(args[args.index("--model") + 1]) if "--model" in args else ""
-        for r in d["results"]:
-            rows.append([model, f"{r['dtype']} {r['n']} × {r['k']}", str(r["rows"]),
-                         f"{r['hot_ms_before']:.3f} → {r['hot_ms_after']:.3f} ({ratio(r['hot_ms_before'], r['hot_ms_after'])})",
-                         f"{r['cold_ms_before']:.3f} → {r['cold_ms_after']:.3f} ({ratio(r['cold_ms_before'], r['cold_ms_after'])})"])
-    header = ["model", "matrix (n × k)", "rows", "from the cache, ms", "every layer's matrix in turn, ms"]
+        rows += [[model] + r for r in kernels_ab_rows(d)]
     d = ds[0]
-    return table(header, grouped(rows)) + [
+    return table(["model"] + KERNELS_AB_HEADER, grouped(rows)) + [
         "", f"`cargo bench --bench kernels` through `benches/ab_kernels.py`, {d.get('kernel', 'invariant')} kernel, "
             f"{d['before']} → {d['commit']} (speedup), best of {d['rounds']} alternating rounds{order_note(ds)}. "
             + res.source(names, doc)]

@@ -202,6 +202,9 @@ enum Block<'a> {
 
 /// The most queries one pass of the vector kernels carries (their accumulators in registers).
 const GROUP_MAX: usize = 8;
+/// The most queries an AVX2 group takes ([`group_len`]), and AVX-512's past [`GROUP_MAX`]: the
+/// widest whose accumulators cover two vectors of positions (or of `d`) in sixteen registers.
+const GROUP_TWO_VECTORS: usize = 6;
 
 /// How many of `left` queries the next group takes. AVX-512's thirty-two registers carry up
 /// to eight queries in one pass, two vectors of positions (or of `d`) each; past eight, groups
@@ -212,8 +215,8 @@ const GROUP_MAX: usize = 8;
 fn group_len(left: usize, tier: Tier) -> usize {
     match tier {
         Tier::Avx512 if left <= GROUP_MAX => left,
-        Tier::Avx512 => 6,
-        _ => left.div_ceil(left.div_ceil(6)),
+        Tier::Avx512 => GROUP_TWO_VECTORS,
+        _ => left.div_ceil(left.div_ceil(GROUP_TWO_VECTORS)),
     }
 }
 

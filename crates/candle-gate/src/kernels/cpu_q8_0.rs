@@ -239,12 +239,12 @@ fn fill<'a>(buf: &'a mut [f32], got: &[f32]) -> &'a [f32] {
 
 /// Columns handed to a worker at once.
 const COLS_PER_TASK: usize = 16;
-/// Rows sharing one pass over a weight column (AVX-512: as many pairs, two per vector; AVX2:
-/// the step for what [`AVX2_ROWS`] leaves).
+/// Row pairs sharing one pass over a weight column with AVX-512, two rows per vector.
 const ROW_GROUP: usize = 4;
-/// Rows sharing one pass over a weight column with AVX2. Eight accumulators fit beside the
-/// block's registers once the scale products are broadcast from memory: 1.10–1.29x over four
-/// at 8 rows on Zen 3, the weight block read once instead of twice.
+/// The most rows sharing one pass over a weight column with AVX2 (any count up to it takes one
+/// pass). Eight accumulators fit beside the block's registers once the scale products are
+/// broadcast from memory: 1.10–1.29x over four at 8 rows on Zen 3, the weight block read once
+/// instead of twice.
 const AVX2_ROWS: usize = 8;
 const _: () = assert!(AVX2_ROWS == 8, "the AVX2 dispatch names every row count up to eight");
 /// The most outputs one pass over a column gives (either tier).
