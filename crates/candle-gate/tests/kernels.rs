@@ -451,6 +451,11 @@ fn q4_1_q5_0_q8_0_invariant_equal_candle_qmatmul_at_every_row_count() {
         (GgmlDType::Q8_0, 128, 896),
         (GgmlDType::Q8_0, 4099, 896),
         (GgmlDType::Q8_0, 37, 96),
+        // Eight blocks and then a tail of every length the one-row kernel takes in one group.
+        (GgmlDType::Q8_0, 256, 640),
+        (GgmlDType::Q8_0, 131, 480),
+        (GgmlDType::Q8_0, 67, 288),
+        (GgmlDType::Q8_0, 67, 32),
     ] {
         let w = weight(d, n, k, 41);
         let x = pseudo_random(64 * k, 42);
