@@ -87,33 +87,52 @@ mod avx2 {
             }
             b += 8;
         }
-        // At one row, the last `left` < 8 blocks' scale products the same way, the lanes past
-        // the column neither read nor used: one at a time (a scalar conversion, multiply and
-        // broadcast per block), the 262144 × 640 output (twenty blocks a column, four of them
-        // left over) took 1.12x as long on the Zen 2. From two rows on, the pass waits on vector
-        // work, and the per-block form's fewer instructions win (the grouped form was 0.95x).
-        let left = kb - b;
-        if R == 1 && left > 0 {
-            let xd = f16x8(|i| x.add(b + i.min(left - 1)) as *const u8);
-            let mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(left as i32), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-            let mut d = [[0f32; 8]; R];
-            for (r, dr) in d.iter_mut().enumerate() {
-                _mm256_storeu_ps(dr.as_mut_ptr(), _mm256_mul_ps(xd, _mm256_maskload_ps(yd[r].add(b), mask)));
+        for b in b..kb {
+            let xd = (*x.add(b)).d.to_f32();
+            block(&mut acc, x, ys, b, |r| xd * *yd[r].add(b));
+        }
+        acc.map(|a| hsum(a))
+    }
+
+    /// [`column`] at one row, the same element, with the scale products of the column's last
+    /// `kb % 8` blocks made as a group too, the lanes past the column neither read nor used.
+    /// One at a time (a scalar conversion, multiply and broadcast per block, as [`column`]
+    /// makes them), the 262144 × 640 output (twenty blocks a column, four of them left over)
+    /// took 1.12x as long on the Zen 2. From two rows on, the pass waits on vector work, and
+    /// the per-block form's fewer instructions win (the grouped form was 0.95x at two rows).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn column1(w: &[Q80], y: &[Q80], yd: &[f32]) -> f32 {
+        let kb = w.len();
+        assert!(y.len() >= kb && yd.len() >= kb);
+        let (x, ys, yd) = (w.as_ptr(), [y.as_ptr()], yd.as_ptr());
+        let mut acc = [_mm256_setzero_ps()];
+        let mut b = 0;
+        while b + 8 <= kb {
+            let mut d = [0f32; 8];
+            let xd = f16x8(|i| x.add(b + i) as *const u8);
+            _mm256_storeu_ps(d.as_mut_ptr(), _mm256_mul_ps(xd, _mm256_loadu_ps(yd.add(b))));
+            // Kept in memory, so that each scale is one broadcast load, not a lane permute.
+            let d = std::hint::black_box(&d);
+            for i in 0..8 {
+                block(&mut acc, x, ys, b + i, |_| d[i]);
             }
+            b += 8;
+        }
+        let left = kb - b;
+        if left > 0 {
+            let mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(left as i32), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+            let mut d = [0f32; 8];
+            let xd = f16x8(|i| x.add(b + i.min(left - 1)) as *const u8);
+            _mm256_storeu_ps(d.as_mut_ptr(), _mm256_mul_ps(xd, _mm256_maskload_ps(yd.add(b), mask)));
             let d = std::hint::black_box(&d);
             for i in 0..7 {
                 if i == left {
                     break;
                 }
-                block(&mut acc, x, ys, b + i, |r| d[r][i]);
-            }
-        } else {
-            for b in b..kb {
-                let xd = (*x.add(b)).d.to_f32();
-                block(&mut acc, x, ys, b, |r| xd * *yd[r].add(b));
+                block(&mut acc, x, ys, b + i, |_| d[i]);
             }
         }
-        acc.map(|a| hsum(a))
+        hsum(acc[0])
     }
 }
 
@@ -362,7 +381,10 @@ pub fn matmul(w: &[BlockQ8_0], xq: &[BlockQ8_0], m: usize, k: usize, n: usize, o
                                 4 => rows!(4),
                                 3 => rows!(3),
                                 2 => rows!(2),
-                                _ => rows!(1),
+                                _ => {
+                                    let (y, d) = row(r0);
+                                    fill(&mut buf, &[avx2::column1(wc, y, d)])
+                                }
                             }
                         }
                     };
