@@ -1418,6 +1418,10 @@ TABLES = {
                                                            "qwen15")),
     "ab-kernels-q80-rows5to7-avx2": partial(kernels_ab_table, name="ab-kernels-q80-rows5to7-gemma-zen2.json"),
     "ab-q80-rows5to7-avx2": partial(ab_table, entries=ab_files("ab-q80-rows5to7-{}-zen2.json", "gemma")),
+    "ab-kernels-q80-tail-avx2": partial(kernels_ab_models_table, names=[f"ab-kernels-q80-tail-{m}-zen2.json"
+                                                                         for m in ("gemma", "qwen05", "smollm2")]),
+    "ab-q80-tail-avx2": partial(ab_table, entries=ab_files("ab-q80-tail-{}-zen2.json", "gemma", "qwen05", "smollm2",
+                                                           "qwen15")),
     "ab-attention-avx2-groups": partial(attention_ab_table, name="ab-attention-avx2-groups-zen2.json"),
     "ab-attention-avx2-groups-context": partial(ab_context_table,
                                                 names=["ab-attention-avx2-groups-qwen05-4096-zen2.json"]),
