@@ -610,7 +610,7 @@ mod eight {
     }
 
     /// A packed Q4_K group of sixteen columns ([`super::pack_q4k`]) for up to [`TILE_ROWS`]
-    /// rows on the AVX2 tier: up to three rows through [`q4k_packed_few`] (both eight-column
+    /// rows on the AVX2 tier: up to four rows through [`q4k_packed_few`] (both eight-column
     /// halves of a tile in one pass, every sum in registers), more through
     /// [`q4k_tile_rows`] once per half, each segment a load where the GGUF layout takes a
     /// transpose. The same lanes, the same arithmetic: the one-row bits.
@@ -629,6 +629,7 @@ mod eight {
             1 => q4k_packed_few::<1>(base, kb, ys, out),
             2 => q4k_packed_few::<2>(base, kb, ys, out),
             3 => q4k_packed_few::<3>(base, kb, ys, out),
+            4 => q4k_packed_few::<4>(base, kb, ys, out),
             _ => {
                 let mut got = [[0f32; 8]; TILE_ROWS];
                 for h in 0..2 {
@@ -659,7 +660,7 @@ mod eight {
     /// Bytes of one packed Q4_K tile: a super-block of sixteen columns.
     const PACKED_TILE: usize = 16 * std::mem::size_of::<Q4K>();
 
-    /// [`q4k_tile_rows`]'s arithmetic for `R` (one to three) rows over a packed group, both
+    /// [`q4k_tile_rows`]'s arithmetic for `R` (one to four) rows over a packed group, both
     /// eight-column halves of each tile in one pass, so the tile's bytes are read once and in
     /// order, and every sum stays in a register (the general kernel keeps its rows' sums on
     /// the stack).
