@@ -489,9 +489,8 @@ def t_headline_zen2_7fdca56(res, doc):
     return headline_table(res, doc, "headline-chat-zen2-7fdca56.json", "headline-4096-zen2-7fdca56.json")
 
 
-def t_step_costs_zen2(res, doc):
+def t_step_costs_zen2(res, doc, name="step-costs-zen2-dbc91bc.json"):
     """benches/step_costs.rs: a decode step against the same step without its matmuls."""
-    name = "step-costs-zen2-dbc91bc.json"
     d = res(name)
     rows = [[model_name(r["model"]), f"{r['bytes_per_token'] / 1e6:.0f}", f"{r['step_ms']:.2f}",
              f"{r['without_matmuls_ms']:.2f} ({pct(r['without_matmuls_ms'] / r['step_ms'])})", f"{r['matmul_ms']:.2f}",
@@ -1350,6 +1349,7 @@ TABLES = {
     "headline-zen2": t_headline_zen2,
     "headline-zen2-7fdca56": t_headline_zen2_7fdca56,
     "step-costs-zen2": t_step_costs_zen2,
+    "step-costs-zen2-final": partial(t_step_costs_zen2, name="step-costs-zen2-40f4736.json"),
     "peers-goals-zen3-85d0042": partial(peers_rows_table, names=["vs-peers-qwen15-1023-zen3-85d0042.json",
                                                                 "vs-peers-synth8b-chat-zen3-85d0042.json",
                                                                 "vs-peers-synth8b-8streams-zen3-85d0042.json"]),
@@ -1425,6 +1425,9 @@ TABLES = {
     "ab-kernels-q4k-three-avx2": partial(kernels_ab_table, name="ab-kernels-q4k-three-qwen15-zen2.json"),
     "ab-q4k-three-avx2": partial(ab_table, entries=ab_files("ab-q4k-three-{}-zen2.json", "qwen15", "qwen05", "gemma",
                                                             "synth8b")),
+    "ab-kernels-q4k-four-avx2": partial(kernels_ab_table, name="ab-kernels-q4k-four-qwen15-zen2.json"),
+    "ab-q4k-four-avx2": partial(ab_table, entries=ab_files("ab-q4k-four-{}-zen2.json", "qwen15", "qwen05", "gemma",
+                                                           "synth8b")),
     "ab-attention-avx2-groups": partial(attention_ab_table, name="ab-attention-avx2-groups-zen2.json"),
     "ab-attention-avx2-groups-context": partial(ab_context_table,
                                                 names=["ab-attention-avx2-groups-qwen05-4096-zen2.json"]),
