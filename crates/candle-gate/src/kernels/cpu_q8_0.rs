@@ -344,6 +344,18 @@ pub fn matmul(w: &[BlockQ8_0], xq: &[BlockQ8_0], m: usize, k: usize, n: usize, o
                 }
                 cols.start = cols.end;
             }
+            // One row with AVX2: column after column straight into the output, without the
+            // row-group loop's buffer and dispatch per column.
+            if m == 1 {
+                let (y, d) = row(0);
+                for c in cols.clone() {
+                    // SAFETY: AVX2, FMA and F16C are part of the tier (`isa`).
+                    let v = unsafe { avx2::column1(col(c), y, d) };
+                    // SAFETY: (0, c) belongs to this task alone.
+                    unsafe { *p.0.add(c) = v };
+                }
+                cols.start = cols.end;
+            }
             for c in cols {
                 let wc = col(c);
                 let mut r0 = 0;
