@@ -451,7 +451,8 @@ fn q4_1_q5_0_q8_0_invariant_equal_candle_qmatmul_at_every_row_count() {
         (GgmlDType::Q8_0, 128, 896),
         (GgmlDType::Q8_0, 4099, 896),
         (GgmlDType::Q8_0, 37, 96),
-        // Eight blocks and then a tail of every length the one-row kernel takes in one group.
+        // Columns of 20, 15, 9 and 1 blocks: groups of eight, then the one-row kernel's last
+        // group of 4, 7 or 1 blocks (or that group alone).
         (GgmlDType::Q8_0, 256, 640),
         (GgmlDType::Q8_0, 131, 480),
         (GgmlDType::Q8_0, 67, 288),

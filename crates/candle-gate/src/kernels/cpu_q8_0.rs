@@ -333,8 +333,8 @@ pub fn matmul(w: &[BlockQ8_0], xq: &[BlockQ8_0], m: usize, k: usize, n: usize, o
             let p = ptr;
             let mut cols = task * COLS_PER_TASK..n.min((task + 1) * COLS_PER_TASK);
             let col = |c: usize| &w[c * kb..(c + 1) * kb];
-            // One row with AVX-512: column after column ([`avx512::column1`]); every other case
-            // goes through the row-group loop below.
+            // One row with AVX-512: column after column ([`avx512::column1`]); with AVX2 the
+            // same below ([`avx2::column1`]); two rows and more go through the row-group loop.
             if m == 1 && wide {
                 for c in cols.clone() {
                     // SAFETY: AVX-512 F/VL and VNNI are part of the tier (`wide`).
