@@ -636,7 +636,7 @@ mod eight {
                     let segments = |b: usize, s: usize| {
                         let tile = base.add(b * PACKED_TILE);
                         if first_pass && h == 0 {
-                            ask_ahead(tile, s);
+                            ask_ahead::<TILE_ROWS>(tile, s);
                         }
                         packed_segment(tile, s, h)
                     };
@@ -649,13 +649,27 @@ mod eight {
         }
     }
 
-    /// Asks for segment `s` of the tile [`crate::kernels::TILE_PREFETCH_AHEAD`] bytes after
-    /// `tile`, into L2. Without it a packed group read from memory at 20 GB/s on a Zen 2 where
-    /// the GGUF layout's one-row kernel, which asks 4 KiB ahead, read at 27.
+    /// Asks for the segment that lies ahead of segment `s` of `tile`, into L2, for a pass of `R`
+    /// rows: [`ONE_ROW_AHEAD`] bytes ahead at one row, [`crate::kernels::TILE_PREFETCH_AHEAD`]
+    /// at more. Without it a packed group read from memory at 20 GB/s on a Zen 2 where the GGUF
+    /// layout's one-row kernel, which asks 4 KiB ahead, read at 27.
     #[inline(always)]
-    unsafe fn ask_ahead(tile: *const u8, s: usize) {
-        crate::kernels::prefetch_tile_ahead(tile.wrapping_add(256 * s), 256)
+    unsafe fn ask_ahead<const R: usize>(tile: *const u8, s: usize) {
+        let segment = tile.wrapping_add(256 * s);
+        if R == 1 {
+            crate::kernels::prefetch_into_l2(segment.wrapping_add(ONE_ROW_AHEAD), 256)
+        } else {
+            crate::kernels::prefetch_tile_ahead(segment, 256)
+        }
     }
+
+    /// How far ahead of the segment it reads a one-row pass asks for memory: four segments, the
+    /// rest of the tile and the next one's start. One row computes so little per byte that the
+    /// lines asked for 16 KiB ahead (what more rows ask for) arrived no sooner than the hardware
+    /// prefetcher's; a few lines ahead kept the read in flight during each segment's arithmetic.
+    /// On a Zen 2 (AVX2) the 8B-shaped file's Q4_K matrices read from memory 1.02-1.1x as fast
+    /// (docs/BENCHMARKS.md, "One row of packed Q4_K asks 1 KiB ahead").
+    const ONE_ROW_AHEAD: usize = 1 << 10;
 
     /// Bytes of one packed Q4_K tile: a super-block of sixteen columns.
     const PACKED_TILE: usize = 16 * std::mem::size_of::<Q4K>();
@@ -677,14 +691,14 @@ mod eight {
             // read first (below), two segments at the top of each `i`, where LLVM gathers them
             // unless fenced, read memory 0.89-0.94x as fast on a Zen 2 as one per half; at two
             // rows the fence cost more compute than it saved.
-            ask_ahead(tile, 0);
+            ask_ahead::<R>(tile, 0);
             let sc: [[__m256i; 8]; 2] = std::array::from_fn(|h| {
                 let [_, s0, _, s2] = packed_segment(tile, 0, h);
                 scale_pairs(s0, s2, &spread)
             });
             for i in 0..4 {
                 for h in 0..2 {
-                    ask_ahead(tile, 1 + 2 * i + h);
+                    ask_ahead::<R>(tile, 1 + 2 * i + h);
                     if R == 1 {
                         std::sync::atomic::compiler_fence(std::sync::atomic::Ordering::SeqCst);
                     }

@@ -209,7 +209,14 @@ pub(crate) const TILE_PREFETCH_AHEAD: usize = 16 << 10;
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(crate) fn prefetch_tile_ahead(tile: *const u8, bytes: usize) {
-    prefetch_lines::<{ std::arch::x86_64::_MM_HINT_T1 }>(tile.wrapping_add(TILE_PREFETCH_AHEAD), bytes)
+    prefetch_into_l2(tile.wrapping_add(TILE_PREFETCH_AHEAD), bytes)
+}
+
+/// Asks for the cache lines of the `bytes` at `p`, into L2.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) fn prefetch_into_l2(p: *const u8, bytes: usize) {
+    prefetch_lines::<{ std::arch::x86_64::_MM_HINT_T1 }>(p, bytes)
 }
 
 /// Whether a pass of `rows` rows over a packed group asks for its tiles ahead
