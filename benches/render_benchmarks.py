@@ -1350,6 +1350,7 @@ TABLES = {
     "headline-zen2-7fdca56": t_headline_zen2_7fdca56,
     "step-costs-zen2": t_step_costs_zen2,
     "step-costs-zen2-final": partial(t_step_costs_zen2, name="step-costs-zen2-40f4736.json"),
+    "step-costs-zen2-38d953f": partial(t_step_costs_zen2, name="step-costs-zen2-38d953f.json"),
     "peers-goals-zen3-85d0042": partial(peers_rows_table, names=["vs-peers-qwen15-1023-zen3-85d0042.json",
                                                                 "vs-peers-synth8b-chat-zen3-85d0042.json",
                                                                 "vs-peers-synth8b-8streams-zen3-85d0042.json"]),
@@ -1425,6 +1426,10 @@ TABLES = {
     "ab-kernels-q80-one-row-loop": partial(kernels_ab_table, name="ab-kernels-q80-one-row-loop-gemma-zen2.json"),
     "ab-q80-one-row-loop": partial(ab_table, entries=ab_files("ab-q80-one-row-loop-{}-zen2.json", "gemma", "qwen05",
                                                               "smollm2", "smollm2-2streams")),
+    "ab-kernels-q4k-one-row-ahead": partial(kernels_ab_models_table, names=[f"ab-kernels-q4k-one-row-ahead-{m}-zen2.json"
+                                                                             for m in ("synth8b", "qwen15")]),
+    "ab-q4k-one-row-ahead": partial(ab_table, entries=ab_files("ab-q4k-one-row-ahead-{}-zen2.json", "qwen15", "synth8b",
+                                                               "qwen05", "gemma")),
     "ab-kernels-q4k-three-avx2": partial(kernels_ab_table, name="ab-kernels-q4k-three-qwen15-zen2.json"),
     "ab-q4k-three-avx2": partial(ab_table, entries=ab_files("ab-q4k-three-{}-zen2.json", "qwen15", "qwen05", "gemma",
                                                             "synth8b")),

@@ -667,8 +667,8 @@ mod eight {
     /// rest of the tile and the next one's start. One row computes so little per byte that the
     /// lines asked for 16 KiB ahead (what more rows ask for) arrived no sooner than the hardware
     /// prefetcher's; a few lines ahead kept the read in flight during each segment's arithmetic.
-    /// On a Zen 2 (AVX2) the 8B-shaped file's Q4_K matrices read from memory 1.02-1.1x as fast
-    /// (docs/BENCHMARKS.md, "One row of packed Q4_K asks 1 KiB ahead").
+    /// On a Zen 2 the 8B-shaped file's Q4_K matrices read from memory 1.04-1.06x as fast and
+    /// Qwen 1.5B's 1.02-1.12x (docs/BENCHMARKS.md, "One row of packed Q4_K asks 1 KiB ahead").
     const ONE_ROW_AHEAD: usize = 1 << 10;
 
     /// Bytes of one packed Q4_K tile: a super-block of sixteen columns.
