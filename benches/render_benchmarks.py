@@ -1451,6 +1451,9 @@ TABLES = {
     "peers-goals-zen2-3cde664": partial(peers_rows_table, names=[f"vs-peers-qwen15-{c}-zen2-3cde664.json"
                                                                 for c in ("chat", "1023", "4096")]
                                         + [f"vs-peers-synth8b-{c}-zen2-3cde664.json" for c in ("chat", "8streams")]),
+    "peers-goals-zen2-300aba2": partial(peers_rows_table, names=[f"vs-peers-qwen15-{c}-zen2-300aba2.json"
+                                                                for c in ("chat", "1023", "4096")]
+                                        + [f"vs-peers-synth8b-{c}-zen2-300aba2.json" for c in ("chat", "8streams")]),
     "canonical-zen2": partial(modes_table, name="modes-canonical-vs-invariant-zen2-b2c8e50.json"),
     "ab-kernels-q4k-shuffles": partial(kernels_ab_table, name="ab-kernels-q4k-shuffles-qwen15-zen2.json"),
     "ab-q4k-shuffles": partial(ab_table, entries=ab_files("ab-q4k-shuffles-{}-zen2.json", "qwen15", "qwen05", "gemma")),

@@ -635,6 +635,7 @@ mod eight {
                 for h in 0..2 {
                     let segments = |b: usize, s: usize| {
                         let tile = base.add(b * PACKED_TILE);
+                        // Five rows or more: the multi-row distance.
                         if first_pass && h == 0 {
                             ask_ahead::<TILE_ROWS>(tile, s);
                         }
