@@ -651,26 +651,18 @@ mod eight {
     }
 
     /// Asks for the segment that lies ahead of segment `s` of `tile`, into L2, for a pass of `R`
-    /// rows: [`ONE_ROW_AHEAD`] bytes ahead at one row, [`crate::kernels::TILE_PREFETCH_AHEAD`]
-    /// at more. Without it a packed group read from memory at 20 GB/s on a Zen 2 where the GGUF
+    /// rows: [`crate::kernels::ONE_ROW_AHEAD`] bytes ahead at one row (four segments: the rest
+    /// of the tile and the next one's start), [`crate::kernels::TILE_PREFETCH_AHEAD`] at more. Without it a packed group read from memory at 20 GB/s on a Zen 2 where the GGUF
     /// layout's one-row kernel, which asks 4 KiB ahead, read at 27.
     #[inline(always)]
     unsafe fn ask_ahead<const R: usize>(tile: *const u8, s: usize) {
         let segment = tile.wrapping_add(256 * s);
         if R == 1 {
-            crate::kernels::prefetch_into_l2(segment.wrapping_add(ONE_ROW_AHEAD), 256)
+            crate::kernels::prefetch_one_row_ahead(segment, 256)
         } else {
             crate::kernels::prefetch_tile_ahead(segment, 256)
         }
     }
-
-    /// How far ahead of the segment it reads a one-row pass asks for memory: four segments, the
-    /// rest of the tile and the next one's start. One row computes so little per byte that the
-    /// lines asked for 16 KiB ahead (what more rows ask for) arrived no sooner than the hardware
-    /// prefetcher's; a few lines ahead kept the read in flight during each segment's arithmetic.
-    /// On a Zen 2 the 8B-shaped file's Q4_K matrices read from memory 1.04-1.06x as fast and
-    /// Qwen 1.5B's 1.02-1.12x (docs/BENCHMARKS.md, "One row of packed Q4_K asks 1 KiB ahead").
-    const ONE_ROW_AHEAD: usize = 1 << 10;
 
     /// Bytes of one packed Q4_K tile: a super-block of sixteen columns.
     const PACKED_TILE: usize = 16 * std::mem::size_of::<Q4K>();

@@ -323,7 +323,8 @@ pub(crate) mod avx2 {
     /// bits come from the tile's lane masks, 32 bits a half, one byte each ([`bits`]).
     /// `out` row r starts at `out + r * n`. `from_memory`: the first pass over the group,
     /// which asks for its tiles ahead at every row count (from memory a 1536 × 576 Q4_1 weight
-    /// read 1.25x as fast at one row, 1.12x at three, with it on a Zen 2).
+    /// read 1.25x as fast at one row, 1.12x at three, with it on a Zen 2), one row
+    /// [`super::super::ONE_ROW_AHEAD`] ahead, more rows [`super::super::TILE_PREFETCH_AHEAD`].
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn sixteen_packed<W: super::Packed, const R: usize>(
         group: &[W],
@@ -343,7 +344,11 @@ pub(crate) mod avx2 {
         for b in 0..kb {
             let tile = base.add(b * tile_bytes);
             if from_memory {
-                super::super::prefetch_tile_ahead(tile, tile_bytes);
+                if R == 1 {
+                    super::super::prefetch_one_row_ahead(tile, tile_bytes);
+                } else {
+                    super::super::prefetch_tile_ahead(tile, tile_bytes);
+                }
             }
             for h in 0..2 {
                 let (mut lo, mut hi) = ([_mm256_setzero_si256(); 4], [_mm256_setzero_si256(); 4]);

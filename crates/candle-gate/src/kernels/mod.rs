@@ -212,6 +212,23 @@ pub(crate) fn prefetch_tile_ahead(tile: *const u8, bytes: usize) {
     prefetch_into_l2(tile.wrapping_add(TILE_PREFETCH_AHEAD), bytes)
 }
 
+/// How far ahead of what it reads a one-row pass over a packed group asks for memory, into L2
+/// ([`prefetch_one_row_ahead`]): AVX2's packed Q4_K (a quarter of a super-block tile, 2,304
+/// bytes) and Q4_1/Q5_0 (three tiles of 320 or 352 bytes). One row computes so little per
+/// byte that lines asked for [`TILE_PREFETCH_AHEAD`] ahead arrived no sooner than the hardware
+/// prefetcher's; a few lines ahead keep the read in flight through each tile's arithmetic. Of
+/// 512 bytes to 64 KiB tried on a Zen 2, 1 KiB read from memory fastest (docs/BENCHMARKS.md,
+/// "One row of packed Q4_K asks 1 KiB ahead").
+#[cfg(target_arch = "x86_64")]
+pub(crate) const ONE_ROW_AHEAD: usize = 1 << 10;
+
+/// Asks for the `bytes` that lie [`ONE_ROW_AHEAD`] bytes after `p`, into L2.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) fn prefetch_one_row_ahead(p: *const u8, bytes: usize) {
+    prefetch_into_l2(p.wrapping_add(ONE_ROW_AHEAD), bytes)
+}
+
 /// Asks for the cache lines of the `bytes` at `p`, into L2.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
