@@ -1430,6 +1430,10 @@ TABLES = {
                                                                              for m in ("synth8b", "qwen15")]),
     "ab-q4k-one-row-ahead": partial(ab_table, entries=ab_files("ab-q4k-one-row-ahead-{}-zen2.json", "qwen15", "synth8b",
                                                                "qwen05", "gemma")),
+    "ab-kernels-q41-one-row-ahead": partial(kernels_ab_models_table, names=[f"ab-kernels-q41-one-row-ahead-{m}-zen2.json"
+                                                                             for m in ("smollm2", "qwen05")]),
+    "ab-q41-one-row-ahead": partial(ab_table, entries=ab_files("ab-q41-one-row-ahead-{}-zen2.json", "smollm2", "qwen05",
+                                                               "gemma")),
     "ab-kernels-q4k-three-avx2": partial(kernels_ab_table, name="ab-kernels-q4k-three-qwen15-zen2.json"),
     "ab-q4k-three-avx2": partial(ab_table, entries=ab_files("ab-q4k-three-{}-zen2.json", "qwen15", "qwen05", "gemma",
                                                             "synth8b")),

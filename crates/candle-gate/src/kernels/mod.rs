@@ -218,7 +218,7 @@ pub(crate) fn prefetch_tile_ahead(tile: *const u8, bytes: usize) {
 /// byte that lines asked for [`TILE_PREFETCH_AHEAD`] ahead arrived no sooner than the hardware
 /// prefetcher's; a few lines ahead keep the read in flight through each tile's arithmetic. Of
 /// 512 bytes to 64 KiB tried on a Zen 2, 1 KiB read from memory fastest (docs/BENCHMARKS.md,
-/// "One row of packed Q4_K asks 1 KiB ahead").
+/// "One row of a packed group asks 1 KiB ahead").
 #[cfg(target_arch = "x86_64")]
 pub(crate) const ONE_ROW_AHEAD: usize = 1 << 10;
 
