@@ -652,8 +652,9 @@ mod eight {
 
     /// Asks for the segment that lies ahead of segment `s` of `tile`, into L2, for a pass of `R`
     /// rows: [`crate::kernels::ONE_ROW_AHEAD`] bytes ahead at one row (four segments: the rest
-    /// of the tile and the next one's start), [`crate::kernels::TILE_PREFETCH_AHEAD`] at more. Without it a packed group read from memory at 20 GB/s on a Zen 2 where the GGUF
-    /// layout's one-row kernel, which asks 4 KiB ahead, read at 27.
+    /// of the tile and the next one's start), [`crate::kernels::TILE_PREFETCH_AHEAD`] at more.
+    /// Without it a packed group read from memory at 20 GB/s on a Zen 2 where the GGUF layout's
+    /// one-row kernel, which asks 4 KiB ahead, read at 27.
     #[inline(always)]
     unsafe fn ask_ahead<const R: usize>(tile: *const u8, s: usize) {
         let segment = tile.wrapping_add(256 * s);

@@ -213,8 +213,8 @@ pub(crate) fn prefetch_tile_ahead(tile: *const u8, bytes: usize) {
 }
 
 /// How far ahead of what it reads a one-row pass over a packed group asks for memory, into L2
-/// ([`prefetch_one_row_ahead`]): AVX2's packed Q4_K (a quarter of a super-block tile, 2,304
-/// bytes) and Q4_1/Q5_0 (three tiles of 320 or 352 bytes). One row computes so little per
+/// ([`prefetch_one_row_ahead`]): AVX2's packed Q4_K (four of a 2,304-byte tile's nine
+/// segments) and Q4_1/Q5_0 (about three tiles of 320 or 352 bytes). One row computes so little per
 /// byte that lines asked for [`TILE_PREFETCH_AHEAD`] ahead arrived no sooner than the hardware
 /// prefetcher's; a few lines ahead keep the read in flight through each tile's arithmetic. Of
 /// 512 bytes to 64 KiB tried on a Zen 2, 1 KiB read from memory fastest (docs/BENCHMARKS.md,
