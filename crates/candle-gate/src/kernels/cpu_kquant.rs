@@ -1090,15 +1090,19 @@ mod avx512 {
         assert!(group.len() >= 16 * kb);
         let base = group.as_ptr() as *const u8;
         const TILE: usize = 16 * std::mem::size_of::<super::Q4K>();
-        // A group is one run of bytes, read in order: the hardware prefetcher follows it
-        // (software prefetches 2-8 tiles ahead changed nothing measurable at one row), but not
-        // far enough ahead once a tile's rows take longer than its read.
-        let prefetch = crate::kernels::prefetches_tiles(rows, first_pass);
+        // A group is one run of bytes, read in order, which the hardware prefetcher follows,
+        // but not far enough ahead: at many rows a tile's compute outlasts its read, and at few
+        // (on a Xeon) the prefetcher alone ran well short of memory's rate.
+        let (tiles_ahead, segments_ahead) =
+            (crate::kernels::prefetches_tiles(rows, first_pass), crate::kernels::prefetches_segments(rows, first_pass));
         let segments = |b: usize, s: usize| {
-            if prefetch && s == 0 {
+            if tiles_ahead && s == 0 {
                 crate::kernels::prefetch_tile_ahead(base.add(b * TILE), TILE);
             }
             let p = base.add(b * TILE + 256 * s);
+            if segments_ahead {
+                crate::kernels::prefetch_tile_ahead(p, 256);
+            }
             std::array::from_fn(|t| _mm512_loadu_si512(p.add(64 * t) as *const _))
         };
         match rows {
@@ -1324,13 +1328,18 @@ mod avx512 {
         assert!(group.len() >= 16 * kb);
         const TILE: usize = 16 * std::mem::size_of::<super::Q6K>();
         let base = group.as_ptr() as *const u8;
+        // Below four rows each segment is asked for ahead as it is read (as Q4_K's); the whole
+        // tile past the register kernel's rows only: at four rows Qwen 1.5B's Q6_K matrices read
+        // slower with it, at eight faster (docs/BENCHMARKS.md, "Q6_K's tile prefetch").
+        let segments_ahead = crate::kernels::prefetches_segments(rows, first_pass);
+        let prefetch = rows > Q6K_REGISTER_ROWS && crate::kernels::prefetches_tiles(rows, first_pass);
         let vectors = |b: usize, first: usize| -> [__m512i; 4] {
             let p = base.add(b * TILE + 64 * first);
+            if segments_ahead {
+                crate::kernels::prefetch_tile_ahead(p, 256);
+            }
             std::array::from_fn(|t| _mm512_loadu_si512(p.add(64 * t) as *const _))
         };
-        // Past the register kernel's rows only: at four rows Qwen 1.5B's Q6_K matrices read
-        // slower with the prefetch, at eight faster (docs/BENCHMARKS.md, "Q6_K's tile prefetch").
-        let prefetch = rows > Q6K_REGISTER_ROWS && crate::kernels::prefetches_tiles(rows, first_pass);
         // Each tile is read from its start to its end ([`q6k_slot`]): the scales, the
         // sixteen halves' segments as the kernel takes them, then `d`.
         let scales = |b: usize| {

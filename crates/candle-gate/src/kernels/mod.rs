@@ -244,6 +244,18 @@ pub(crate) fn prefetches_tiles(rows: usize, first_pass: bool) -> bool {
     first_pass && rows >= PREFETCH_ROWS
 }
 
+/// Whether a pass of `rows` rows over a packed AVX-512 K-quant group asks for each 256-byte
+/// segment [`TILE_PREFETCH_AHEAD`] bytes ahead as it reads it: below [`PREFETCH_ROWS`], where
+/// [`prefetches_tiles`] does not. On a Xeon (2 cores, 260 MiB of L3) the hardware prefetcher
+/// alone left Qwen 1.5B's Q4_K and Q6_K matrices at one and two rows reading memory 1.3-1.6x
+/// slower than with it; 2 KiB ahead gained less, 8 KiB about as much (docs/BENCHMARKS.md,
+/// "Decode's segments asked for ahead on the Xeon").
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) fn prefetches_segments(rows: usize, first_pass: bool) -> bool {
+    first_pass && rows < PREFETCH_ROWS
+}
+
 /// Output pointer shared by workers that write disjoint elements of one output buffer.
 #[derive(Clone, Copy)]
 pub(crate) struct OutPtr(pub(crate) *mut f32);
