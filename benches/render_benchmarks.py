@@ -1426,6 +1426,10 @@ TABLES = {
     "ab-kernels-q80-one-row-loop": partial(kernels_ab_table, name="ab-kernels-q80-one-row-loop-gemma-zen2.json"),
     "ab-q80-one-row-loop": partial(ab_table, entries=ab_files("ab-q80-one-row-loop-{}-zen2.json", "gemma", "qwen05",
                                                               "smollm2", "smollm2-2streams")),
+    "ab-kernels-avx512-segments-ahead": partial(kernels_ab_table,
+                                                name="ab-kernels-avx512-segments-ahead-qwen15-xeon.json"),
+    "ab-avx512-segments-ahead": partial(ab_table, entries=ab_files("ab-avx512-segments-ahead-{}-xeon.json", "qwen15",
+                                                                   "synth8b", "qwen05", "gemma", "gemma8")),
     "ab-kernels-q4k-one-row-ahead": partial(kernels_ab_models_table, names=[f"ab-kernels-q4k-one-row-ahead-{m}-zen2.json"
                                                                              for m in ("synth8b", "qwen15")]),
     "ab-q4k-one-row-ahead": partial(ab_table, entries=ab_files("ab-q4k-one-row-ahead-{}-zen2.json", "qwen15", "synth8b",
