@@ -474,6 +474,10 @@ def t_headline(res, doc):
 
 
 def t_headline_xeon(res, doc):
+    return headline_table(res, doc, "headline-chat-xeon-d7eae0c.json", "headline-4096-xeon-d7eae0c.json")
+
+
+def t_headline_xeon_4870004(res, doc):
     return headline_table(res, doc, "headline-chat-xeon-spr-4870004.json", "headline-4096-xeon-spr-4870004.json")
 
 
@@ -1345,6 +1349,7 @@ def t_crossover(res, doc):
 TABLES = {
     "headline": t_headline,
     "headline-xeon": t_headline_xeon,
+    "headline-xeon-4870004": t_headline_xeon_4870004,
     "headline-zen3": t_headline_zen3,
     "headline-zen2": t_headline_zen2,
     "headline-zen2-7fdca56": t_headline_zen2_7fdca56,
@@ -1462,6 +1467,9 @@ TABLES = {
     "peers-goals-zen2-300aba2": partial(peers_rows_table, names=[f"vs-peers-qwen15-{c}-zen2-300aba2.json"
                                                                 for c in ("chat", "1023", "4096")]
                                         + [f"vs-peers-synth8b-{c}-zen2-300aba2.json" for c in ("chat", "8streams")]),
+    "peers-goals-xeon-d7eae0c": partial(peers_rows_table, names=["vs-peers-qwen15-1023-xeon-d7eae0c.json",
+                                                                 "vs-peers-synth8b-chat-xeon-d7eae0c.json",
+                                                                 "vs-peers-synth8b-8streams-xeon-d7eae0c.json"]),
     "canonical-zen2": partial(modes_table, name="modes-canonical-vs-invariant-zen2-b2c8e50.json"),
     "ab-kernels-q4k-shuffles": partial(kernels_ab_table, name="ab-kernels-q4k-shuffles-qwen15-zen2.json"),
     "ab-q4k-shuffles": partial(ab_table, entries=ab_files("ab-q4k-shuffles-{}-zen2.json", "qwen15", "qwen05", "gemma")),
