@@ -503,8 +503,9 @@ pub(crate) mod avx512 {
     /// plain vector loads of the tile, unpacked once for all `R` rows; each row's
     /// bytes 4t..4t + 4 are broadcast to every lane, one `dpbusd` per four weights of sixteen
     /// columns, so no lane ever needs summing across. `out` row r starts at `out + r * n`.
-    /// `from_memory`: the group is not yet in the caches (the first pass over it), so from
-    /// [`super::super::PREFETCH_ROWS`] rows its tiles are asked for ahead.
+    /// `from_memory`: the group is not yet in the caches (the first pass over it), so its tiles
+    /// are asked for ahead: [`super::super::TILE_PREFETCH_AHEAD`] from
+    /// [`super::super::PREFETCH_ROWS`] rows, [`super::super::SHORT_GROUP_AHEAD`] below.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c")]
     pub unsafe fn sixteen_packed<W: super::Packed, const R: usize>(
         group: &[W],
@@ -518,6 +519,7 @@ pub(crate) mod avx512 {
         assert!(group.len() >= super::PACK_COLS * kb && ys.len() >= R * kb);
         assert!(W::OFFSET == 0 || ysum.len() >= R * kb);
         let prefetch = super::super::prefetches_tiles(R, from_memory);
+        let few_ahead = super::super::prefetches_segments(R, from_memory);
         let tile_bytes = super::PACK_COLS * std::mem::size_of::<W>();
         let base = group.as_ptr() as *const u8;
         let m4 = _mm512_set1_epi8(0x0F);
@@ -528,6 +530,8 @@ pub(crate) mod avx512 {
             let tile = base.add(b * tile_bytes);
             if prefetch {
                 super::super::prefetch_tile_ahead(tile, tile_bytes);
+            } else if few_ahead {
+                super::super::prefetch_into_l2(tile.wrapping_add(super::super::SHORT_GROUP_AHEAD), tile_bytes);
             }
             // Loops, not `array::from_fn` or `map`, which LLVM may leave out of line (see
             // `row_16cols`).

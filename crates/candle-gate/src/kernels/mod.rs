@@ -222,6 +222,16 @@ pub(crate) fn prefetch_tile_ahead(tile: *const u8, bytes: usize) {
 #[cfg(target_arch = "x86_64")]
 pub(crate) const ONE_ROW_AHEAD: usize = 1 << 10;
 
+/// How far ahead of the tile it reads the AVX-512 packed Q4_1/Q5_0 kernel asks for memory below
+/// [`PREFETCH_ROWS`] rows ([`prefetches_segments`]), into L2: about twelve of its 320- or
+/// 352-byte tiles. Its groups are short (sixteen columns of Qwen 0.5B's k = 896 are 10 KB), so
+/// lines [`TILE_PREFETCH_AHEAD`] ahead lie past much of a worker's share. On a Xeon, 4 KiB read
+/// Qwen 0.5B's 4864 × 896 Q5_0 matrices from memory about 1.35x as fast at one and two rows;
+/// 1 KiB gained nothing, 16 KiB less steadily (docs/BENCHMARKS.md, "Decode's segments asked
+/// for ahead on the Xeon").
+#[cfg(target_arch = "x86_64")]
+pub(crate) const SHORT_GROUP_AHEAD: usize = 4 << 10;
+
 /// Asks for the `bytes` that lie [`ONE_ROW_AHEAD`] bytes after `p`, into L2.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
@@ -244,9 +254,10 @@ pub(crate) fn prefetches_tiles(rows: usize, first_pass: bool) -> bool {
     first_pass && rows >= PREFETCH_ROWS
 }
 
-/// Whether a pass of `rows` rows over a packed AVX-512 K-quant group asks for each 256-byte
-/// segment [`TILE_PREFETCH_AHEAD`] bytes ahead as it reads it: below [`PREFETCH_ROWS`], where
-/// [`prefetches_tiles`] does not. On a Xeon (2 cores, 260 MiB of L3) the hardware prefetcher
+/// Whether a pass of `rows` rows over a packed AVX-512 group asks for what it reads ahead, below
+/// [`PREFETCH_ROWS`], where [`prefetches_tiles`] does not: the K-quants each 256-byte segment
+/// [`TILE_PREFETCH_AHEAD`] bytes ahead as they read it, Q4_1 and Q5_0 each tile
+/// [`SHORT_GROUP_AHEAD`] ahead. On a Xeon (2 cores, 260 MiB of L3) the hardware prefetcher
 /// alone left Qwen 1.5B's Q4_K and Q6_K matrices at one and two rows reading memory 1.3-1.6x
 /// slower than with it; 2 KiB ahead gained less, 8 KiB about as much (docs/BENCHMARKS.md,
 /// "Decode's segments asked for ahead on the Xeon").
