@@ -1435,6 +1435,7 @@ TABLES = {
                                                 name="ab-kernels-avx512-segments-ahead-qwen15-xeon.json"),
     "ab-avx512-segments-ahead": partial(ab_table, entries=ab_files("ab-avx512-segments-ahead-{}-xeon.json", "qwen15",
                                                                    "synth8b", "qwen05", "gemma", "gemma8")),
+    "ab-avx512-q32-ahead": partial(ab_table, entries=ab_files("ab-avx512-q32-ahead-{}-xeon.json", "smollm2", "qwen05")),
     "ab-kernels-q4k-one-row-ahead": partial(kernels_ab_models_table, names=[f"ab-kernels-q4k-one-row-ahead-{m}-zen2.json"
                                                                              for m in ("synth8b", "qwen15")]),
     "ab-q4k-one-row-ahead": partial(ab_table, entries=ab_files("ab-q4k-one-row-ahead-{}-zen2.json", "qwen15", "synth8b",
