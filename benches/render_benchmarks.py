@@ -474,6 +474,10 @@ def t_headline(res, doc):
 
 
 def t_headline_xeon(res, doc):
+    return headline_table(res, doc, "headline-chat-xeon-e8f6187.json", "headline-4096-xeon-e8f6187.json")
+
+
+def t_headline_xeon_d7eae0c(res, doc):
     return headline_table(res, doc, "headline-chat-xeon-d7eae0c.json", "headline-4096-xeon-d7eae0c.json")
 
 
@@ -1349,6 +1353,7 @@ def t_crossover(res, doc):
 TABLES = {
     "headline": t_headline,
     "headline-xeon": t_headline_xeon,
+    "headline-xeon-d7eae0c": t_headline_xeon_d7eae0c,
     "headline-xeon-4870004": t_headline_xeon_4870004,
     "headline-zen3": t_headline_zen3,
     "headline-zen2": t_headline_zen2,
